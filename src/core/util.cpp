@@ -1,0 +1,254 @@
+#include "kvtc/util.h"
+
+#include <openssl/evp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+
+#include "kvtc/error.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+namespace kvtc {
+namespace {
+
+struct FileCloser {
+  void operator()(FILE* f) const { std::fclose(f); }
+};
+using File = std::unique_ptr<FILE, FileCloser>;
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+std::string hex(const unsigned char* p, unsigned n) {
+  static const char* d = "0123456789abcdef";
+  std::string s(2 * n, '0');
+  for (unsigned i = 0; i < n; ++i) {
+    s[2 * i] = d[p[i] >> 4];
+    s[2 * i + 1] = d[p[i] & 15];
+  }
+  return s;
+}
+
+struct Sha256 {
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  Sha256() { require(ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1, "sha256: OpenSSL init failed"); }
+  ~Sha256() { EVP_MD_CTX_free(ctx); }
+  void update(const void* p, size_t n) { EVP_DigestUpdate(ctx, p, n); }
+  std::string hexdigest() {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned n = 0;
+    EVP_DigestFinal_ex(ctx, md, &n);
+    return hex(md, n);
+  }
+};
+
+}  // namespace
+
+std::string sha256_file(const std::string& path) {
+  File f(std::fopen(path.c_str(), "rb"));
+  require(f != nullptr, path + ": cannot open for reading: " + errno_text());
+  Sha256 h;
+  std::vector<unsigned char> buf(1 << 20);
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), f.get())) > 0) h.update(buf.data(), n);
+  require(!std::ferror(f.get()), path + ": read error: " + errno_text());
+  return h.hexdigest();
+}
+
+std::string sha256_bytes(std::span<const uint8_t> data) {
+  Sha256 h;
+  h.update(data.data(), data.size());
+  return h.hexdigest();
+}
+
+std::vector<uint8_t> read_file(const std::string& path) {
+  std::error_code ec;
+  require(!std::filesystem::is_directory(path, ec), path + ": is a directory, expected a file");
+  File f(std::fopen(path.c_str(), "rb"));
+  require(f != nullptr, path + ": cannot open for reading: " + errno_text());
+  std::vector<uint8_t> out;
+  std::vector<uint8_t> buf(1 << 20);
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), f.get())) > 0) out.insert(out.end(), buf.begin(), buf.begin() + n);
+  require(!std::ferror(f.get()), path + ": read error: " + errno_text());
+  return out;
+}
+
+void write_file_atomic(const std::string& path, std::span<const uint8_t> data) {
+  namespace fs = std::filesystem;
+  fs::path target(path);
+  std::error_code ec;
+  require(!fs::is_directory(target, ec), path + ": is a directory, expected a file path to write");
+  fs::path dir = target.parent_path();
+  if (dir.empty()) dir = ".";
+  std::string tmpl = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
+  std::vector<char> name(tmpl.begin(), tmpl.end());
+  name.push_back('\0');
+  int fd = ::mkstemp(name.data());
+  require(fd >= 0, path + ": cannot create a temporary file in " + dir.string() + ": " + errno_text());
+  std::string tmp(name.data());
+  auto fail = [&](const std::string& what) {
+    std::string e = errno_text();
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw Error(path + ": " + what + ": " + e);
+  };
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t w = ::write(fd, data.data() + off, data.size() - off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail("write failed");
+    }
+    off += static_cast<size_t>(w);
+  }
+  if (::fchmod(fd, 0644) != 0) fail("chmod failed");
+  if (::fsync(fd) != 0) fail("fsync failed");
+  if (::close(fd) != 0) {
+    std::string e = errno_text();
+    ::unlink(tmp.c_str());
+    throw Error(path + ": close failed: " + e);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string e = errno_text();
+    ::unlink(tmp.c_str());
+    throw Error(path + ": cannot rename the temporary file into place: " + e);
+  }
+}
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    CpuFeatures c;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, cx, d;
+    if (!__get_cpuid(0, &a, &b, &cx, &d)) return c;
+    unsigned max_leaf = a;
+    __get_cpuid(1, &a, &b, &cx, &d);
+    bool osxsave = cx & (1u << 27);
+    uint64_t xcr0 = 0;
+    if (osxsave) {
+      unsigned lo, hi;
+      __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+      xcr0 = (uint64_t(hi) << 32) | lo;
+    }
+    bool ymm = (xcr0 & 0x6) == 0x6;           // SSE + AVX state
+    bool zmm = ymm && (xcr0 & 0xe0) == 0xe0;  // opmask + ZMM state
+    bool tmm = (xcr0 & 0x60000) == 0x60000;   // AMX tile config + data
+    c.sse42 = cx & (1u << 20);
+    c.avx = ymm && (cx & (1u << 28));
+    c.fma = ymm && (cx & (1u << 12));
+    c.f16c = ymm && (cx & (1u << 29));
+    if (max_leaf >= 7) {
+      __cpuid_count(7, 0, a, b, cx, d);
+      c.avx2 = ymm && (b & (1u << 5));
+      c.bmi2 = b & (1u << 8);
+      c.avx512f = zmm && (b & (1u << 16));
+      c.avx512bw = zmm && (b & (1u << 30));
+      c.avx512vl = zmm && (b & (1u << 31));
+      c.avx512_vnni = zmm && (cx & (1u << 11));
+      c.avx512_fp16 = zmm && (d & (1u << 23));
+      c.amx_bf16 = tmm && (d & (1u << 22));
+      c.amx_tile = tmm && (d & (1u << 24));
+      c.amx_int8 = tmm && (d & (1u << 25));
+      unsigned a1, b1, c1, d1;
+      __cpuid_count(7, 1, a1, b1, c1, d1);
+      c.avx512_bf16 = zmm && (a1 & (1u << 5));
+    }
+    __get_cpuid(0x80000000, &a, &b, &cx, &d);
+    if (a >= 0x80000004) {
+      unsigned r[12];
+      for (unsigned i = 0; i < 3; ++i) __get_cpuid(0x80000002 + i, &r[4 * i], &r[4 * i + 1], &r[4 * i + 2], &r[4 * i + 3]);
+      std::string s(reinterpret_cast<const char*>(r), 48);
+      s = s.c_str();
+      size_t b0 = s.find_first_not_of(' '), e0 = s.find_last_not_of(' ');
+      c.brand = b0 == std::string::npos ? "" : s.substr(b0, e0 - b0 + 1);
+    }
+#endif
+    return c;
+  }();
+  return f;
+}
+
+std::vector<std::string> cpu_feature_names(const CpuFeatures& f) {
+  std::vector<std::string> v;
+  auto add = [&](bool on, const char* n) {
+    if (on) v.emplace_back(n);
+  };
+  add(f.sse42, "sse4.2");
+  add(f.avx, "avx");
+  add(f.avx2, "avx2");
+  add(f.fma, "fma");
+  add(f.f16c, "f16c");
+  add(f.bmi2, "bmi2");
+  add(f.avx512f, "avx512f");
+  add(f.avx512bw, "avx512bw");
+  add(f.avx512vl, "avx512vl");
+  add(f.avx512_vnni, "avx512_vnni");
+  add(f.avx512_bf16, "avx512_bf16");
+  add(f.avx512_fp16, "avx512_fp16");
+  add(f.amx_tile, "amx_tile");
+  add(f.amx_bf16, "amx_bf16");
+  add(f.amx_int8, "amx_int8");
+  return v;
+}
+
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t ax = x & 0x7fffffff;
+  if (ax >= 0x7f800000) return uint16_t(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 | ((ax >> 13) & 0x3ff) : 0));
+  if (ax >= 0x477ff000) return uint16_t(sign | 0x7c00);  // rounds to >= 65520: overflow to inf
+  if (ax < 0x38800000) {                                 // below the smallest normal half: subnormal or zero
+    if (ax < 0x33000000) return uint16_t(sign);          // < 2^-25 rounds to zero
+    uint32_t e = ax >> 23;
+    uint32_t m = (ax & 0x7fffff) | 0x800000;
+    uint32_t shift = 126 - e;  // 14..24
+    uint32_t half = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return uint16_t(sign | half);
+  }
+  uint32_t h = ((ax >> 13) - (112u << 10));
+  uint32_t rem = ax & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;
+  return uint16_t(sign | h);
+}
+
+}  // namespace kvtc

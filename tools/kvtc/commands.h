@@ -1,0 +1,26 @@
+// kvtc CLI: one function per subcommand. Each registers its options on the
+// CLI11 app and returns the action to run once parsing succeeded.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <string>
+
+namespace kvtc::cli {
+
+using Action = std::function<int()>;
+
+// Default model: $KVTC_MODEL, else the SmolLM2 GGUF the bootstrap extracted.
+std::string default_model();
+// Default corpus root: $KVTC_CORPUS, else the one `make corpus` built.
+std::string default_corpus();
+
+Action add_capture(CLI::App& app);
+Action add_restore(CLI::App& app);
+Action add_info(CLI::App& app);
+Action add_tokens(CLI::App& app);
+
+// "%.9g": enough digits for a float to read back bit for bit.
+std::string fmt_float(double x);
+
+}  // namespace kvtc::cli

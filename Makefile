@@ -4,11 +4,12 @@
 #   make corpus   the text corpus from Debian packages       -> .deps/corpus/
 #   make test     all of the above, then the test suite (ctest)
 #   make demo     capture a real session and restore it       -> out/demo/
+#   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
-.PHONY: all bootstrap build corpus test demo clean distclean
+.PHONY: all bootstrap build corpus test demo check-long clean distclean
 
 all: build
 
@@ -30,8 +31,14 @@ test: build $(CORPUS)
 demo: build $(CORPUS)
 	@scripts/demo.sh $(BUILD)/kvtc
 
+check-long: build $(CORPUS)
+	@scripts/check_long.sh $(BUILD)/kvtc
+
 clean:
 	rm -rf $(BUILD) $(BUILD).configure.log out
 
-distclean: clean
+distcheck-long: build $(CORPUS)
+	@scripts/check_long.sh $(BUILD)/kvtc
+
+clean: clean
 	rm -rf .deps

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +23,7 @@ struct RestoreArgs {
   bool json = false;
   int threads = 0;
   bool ignore_model_hash = false;
+  uint32_t n_ctx = 0;
 };
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -47,12 +49,19 @@ int run_restore(const RestoreArgs& a) {
                                          " (wrong model; --ignore-model-hash to force)");
   }
   SessionOptions so;
-  so.n_ctx = c.meta.count("n_ctx") ? uint32_t(std::stoul(c.meta.at("n_ctx"))) : 0;
+  so.n_ctx = a.n_ctx;
+  if (!so.n_ctx && c.meta.count("n_ctx")) {
+    const std::string& v = c.meta.at("n_ctx");
+    char* end = nullptr;
+    unsigned long x = std::strtoul(v.c_str(), &end, 10);
+    require(!v.empty() && *end == '\0' && x > 0 && x <= (1ul << 24), a.in + ": __metadata__['n_ctx'] is '" + v + "', expected a positive integer");
+    so.n_ctx = uint32_t(x);
+  }
   so.flash_attn = !c.meta.count("flash_attn") || c.meta.at("flash_attn") == "enabled";
   so.n_threads = a.threads;
   const int32_t n = int32_t(c.tokens.size());
   require(uint64_t(n) + uint64_t(std::max(a.generate, 0)) <= (so.n_ctx ? so.n_ctx : model->info().n_ctx_train),
-          a.in + ": " + std::to_string(n) + " cached tokens + " + std::to_string(a.generate) + " to generate exceed the context");
+          a.in + ": " + std::to_string(n) + " cached tokens + " + std::to_string(a.generate) + " to generate exceed the context (pass --ctx)");
   Session s(*model, so);
   t0 = clock::now();
   s.restore(c);
@@ -123,6 +132,7 @@ Action add_restore(CLI::App& app) {
   sub->add_option("-n,--generate", a->generate, "Greedy tokens to generate after the restore")->check(CLI::Range(1, 4096))->capture_default_str();
   sub->add_flag("--verify", a->verify, "Also recompute the prefix and compare logits and greedy tokens (exit 3 on a mismatch)");
   sub->add_flag("--ignore-model-hash", a->ignore_model_hash, "Restore even if the model file's sha256 differs from the capture's");
+  sub->add_option("--ctx", a->n_ctx, "Context size (default: the capture's n_ctx)")->check(CLI::PositiveNumber);
   sub->add_option("--threads", a->threads, "Threads (default: all)");
   sub->add_flag("--json", a->json, "Print a JSON summary");
   return [a] { return run_restore(*a); };

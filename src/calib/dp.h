@@ -1,0 +1,42 @@
+// kvtc calibration: block errors and the dynamic-programming bit allocation.
+//
+// Components are grouped into *aligned* blocks: a block of size s starts at
+// a multiple of s. Alignment keeps the error table linear in the number of
+// components per (size, type) — measuring every start for size 1024 would
+// cost 1024x more — and costs little, since the optimal allocation falls
+// monotonically along the component index anyway (measured: see
+// docs/calibration.md).
+//
+// best[i][b] = least error coding components [0, i) in at most b units,
+// filled by enumerating the last block [i - s, i) and its type; components
+// are uncorrelated after PCA, so a block's error does not depend on the
+// others and the recursion is exact (method.md §4).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvtc/alloc.h"
+
+namespace kvtc {
+
+struct BlockErrors {
+  uint32_t n_components = 0;
+  std::vector<uint32_t> sizes;
+  // err[si][j][t]: squared error summed over the measured tokens of the
+  // block [j * sizes[si], (j + 1) * sizes[si]) coded with QType t.
+  std::vector<std::vector<std::array<double, kNumQTypes>>> err;
+  size_t n_tokens = 0;
+};
+
+// d: [n_tok][r] PCA coefficients of held-out tokens (row-major).
+BlockErrors measure_block_errors(const float* d, size_t n_tok, uint32_t r, const std::vector<uint32_t>& sizes);
+
+// Least-error allocation within budget_bits per token. `unit` is the budget
+// granularity in bits (every block cost must be a multiple: 2 for the
+// method's types). Errors in the result are per token (divided by n_tokens).
+Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t unit = 2);
+
+}  // namespace kvtc

@@ -19,6 +19,10 @@ Action add_capture(CLI::App& app);
 Action add_restore(CLI::App& app);
 Action add_info(CLI::App& app);
 Action add_tokens(CLI::App& app);
+Action add_calibrate(CLI::App& app);
+Action add_compress(CLI::App& app);
+Action add_decompress(CLI::App& app);
+Action add_inspect(CLI::App& app);
 
 // "%.9g": enough digits for a float to read back bit for bit.
 std::string fmt_float(double x);

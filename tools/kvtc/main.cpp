@@ -44,6 +44,10 @@ int main(int argc, char** argv) {
   reg(add_restore);
   reg(add_info);
   reg(add_tokens);
+  reg(add_calibrate);
+  reg(add_compress);
+  reg(add_decompress);
+  reg(add_inspect);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

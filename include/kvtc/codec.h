@@ -1,0 +1,64 @@
+// kvtc: compress a captured KV cache into a .kvtc container and back
+// (docs/format.md). The decoder half (kvtc_decompress, kvtc_inspect) needs
+// only the calibration's mean and basis; the encoder half
+// (kvtc_compress) also takes the bit allocation.
+//
+// Tokens: in each cache block the first `sink` and the last `window` tokens
+// are stored raw (f16); the rest is de-RoPEd (keys), centred, projected on
+// the PCA basis, quantized by the allocation, bit-packed plane by plane and
+// DEFLATE-coded in independent chunks of at most `chunk_tokens` tokens.
+// Thread safety: functions are reentrant; inputs are not modified.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvtc/alloc.h"
+#include "kvtc/calibration.h"
+#include "kvtc/kv_capture.h"
+
+namespace kvtc {
+
+constexpr uint32_t kContainerVersion = 1;
+
+struct CompressOptions {
+  uint32_t sink = 4;           // raw tokens at the start of each block
+  uint32_t window = 128;       // raw tokens at the end of each block
+  uint32_t chunk_tokens = 256; // middle tokens per independently decodable chunk (multiple of 16)
+  int deflate_level = 6;       // libdeflate level, 0..12
+};
+
+// The allocation to use for one (block, K/V): [block][kind].
+using AllocationSet = std::vector<std::array<Allocation, 2>>;
+
+// Upper bound of the container size for `c` (to size buffers before encoding).
+uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, const CompressOptions& opt);
+
+// Encodes. The calibration must match the capture (model fingerprint,
+// geometry); Error otherwise. Returns the exact container bytes.
+std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
+
+// Decodes a whole container; refuses a calibration whose id differs from the
+// one the container names. `origin` names the input in errors.
+KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin);
+
+// Layout and sizes without decoding (checksums verified).
+struct ContainerInfo {
+  uint32_t version = 0;
+  std::string calibration_id, model_sha256;
+  std::string header_json;
+  struct Section {
+    std::string kind;  // "positions", "raw", "chunk"
+    uint32_t block = 0, kv = 0, t0 = 0, t1 = 0;
+    uint64_t stored_bytes = 0, raw_bytes = 0;
+  };
+  std::vector<Section> sections;
+  uint64_t file_bytes = 0;
+  uint64_t n_tokens = 0, n_compressed_tokens = 0;  // over all blocks
+  uint64_t f16_bytes_all = 0, f16_bytes_compressed = 0;  // K+V at f16
+  uint64_t stored_bytes_compressed = 0;  // chunk sections incl. their headers
+};
+ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string& origin);
+
+}  // namespace kvtc

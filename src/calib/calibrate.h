@@ -1,0 +1,38 @@
+// kvtc calibration driver: real caches of the calibration corpus -> PCA
+// per (cache block, K/V) -> held-out block errors -> DP tables.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvtc/calibration.h"
+
+namespace kvtc {
+
+struct CalibrateOptions {
+  std::string model_path;
+  std::string corpus_dir;        // holds manifest.json and calib/
+  uint64_t n_tokens = 160000;    // tokens for the PCA fit (method.md: 160K)
+  uint64_t heldout_tokens = 4096;  // tokens, from other documents, for the DP's block errors
+  uint32_t rank_max = 10000;     // r = min(rank_max, p)
+  uint32_t max_doc_tokens = 0;   // 0: the model's trained context
+  uint32_t skip_sinks = 4;       // first tokens of each document left out (never compressed)
+  std::vector<double> ratios{8, 16, 32, 64};
+  int threads = 0;
+};
+
+// stage: "prefill", "pca", "dp"; done/total in that stage's units.
+using ProgressFn = std::function<void(const std::string& stage, uint64_t done, uint64_t total)>;
+
+Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress);
+
+// The DP table for one nominal ratio from a transform's stored block errors:
+// budget = floor(p * 16 / ratio) bits per token.
+Allocation allocation_for_ratio(const Transform& t, double ratio);
+
+// "16" for 16.0, "12.5" for 12.5: the key of Transform::tables.
+std::string ratio_key(double ratio);
+
+}  // namespace kvtc

@@ -1,0 +1,152 @@
+#include "container.h"
+
+#include <libdeflate.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <memory>
+
+#include "kvtc/quant.h"
+
+namespace kvtc::container {
+
+const char* section_name(uint32_t kind) {
+  switch (kind) {
+    case kPositions: return "positions";
+    case kTokens: return "tokens";
+    case kRaw: return "raw";
+    case kChunk: return "chunk";
+    default: return "unknown";
+  }
+}
+
+uint64_t xxh64(const uint8_t* p, size_t n) { return XXH64(p, n, 0); }
+
+void put_u32(std::vector<uint8_t>& o, uint32_t v) {
+  for (int i = 0; i < 4; ++i) o.push_back(uint8_t(v >> (8 * i)));
+}
+void put_u64(std::vector<uint8_t>& o, uint64_t v) {
+  for (int i = 0; i < 8; ++i) o.push_back(uint8_t(v >> (8 * i)));
+}
+
+static uint32_t get_u32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
+  return v;
+}
+static uint64_t get_u64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
+void write_file_header(std::vector<uint8_t>& o, const std::string& json) {
+  o.insert(o.end(), kMagic, kMagic + 4);
+  put_u32(o, 1);
+  put_u32(o, uint32_t(json.size()));
+  put_u64(o, xxh64(reinterpret_cast<const uint8_t*>(json.data()), json.size()));
+  o.insert(o.end(), json.begin(), json.end());
+}
+
+struct CompressorDeleter {
+  void operator()(libdeflate_compressor* c) const { libdeflate_free_compressor(c); }
+};
+struct DecompressorDeleter {
+  void operator()(libdeflate_decompressor* d) const { libdeflate_free_decompressor(d); }
+};
+
+uint64_t section_bound(size_t payload_bytes) {
+  // libdeflate's documented bound for one stream (its own formula, level
+  // independent): compress_bound(NULL, n).
+  return kSectionHeaderBytes + libdeflate_deflate_compress_bound(nullptr, payload_bytes);
+}
+
+void write_section(std::vector<uint8_t>& o, uint32_t kind, uint32_t block, uint32_t kv, uint32_t t0, uint32_t t1, const std::vector<uint8_t>& payload,
+                   int level) {
+  std::vector<uint8_t> stored;
+  if (level > 0 && !payload.empty()) {
+    std::unique_ptr<libdeflate_compressor, CompressorDeleter> c(libdeflate_alloc_compressor(level));
+    require(c != nullptr, "kvtc: libdeflate could not allocate a compressor");
+    stored.resize(libdeflate_deflate_compress_bound(c.get(), payload.size()));
+    size_t n = libdeflate_deflate_compress(c.get(), payload.data(), payload.size(), stored.data(), stored.size());
+    stored.resize(n);
+    if (n == 0 || n >= payload.size()) stored = payload;  // incompressible: store
+  } else {
+    stored = payload;
+  }
+  put_u32(o, kind);
+  put_u32(o, block);
+  put_u32(o, kv);
+  put_u32(o, t0);
+  put_u32(o, t1);
+  put_u64(o, payload.size());
+  put_u64(o, stored.size());
+  put_u64(o, xxh64(stored.data(), stored.size()));
+  o.insert(o.end(), stored.begin(), stored.end());
+}
+
+Parsed parse(const std::vector<uint8_t>& b, const std::string& origin) {
+  Parsed out;
+  require(b.size() >= kFileHeaderBytes, origin + ": not a .kvtc container (" + std::to_string(b.size()) + " bytes, the 20-byte file header is missing)");
+  require(std::memcmp(b.data(), kMagic, 4) == 0, origin + ": not a .kvtc container (magic is not 'KVTC')");
+  out.version = get_u32(b.data() + 4);
+  require(out.version == 1, origin + ": container version " + std::to_string(out.version) + ", this kvtc reads version 1");
+  const uint32_t hl = get_u32(b.data() + 8);
+  require(hl <= kMaxHeaderBytes && hl <= b.size() - kFileHeaderBytes,
+          origin + ": header_len " + std::to_string(hl) + " exceeds the file (" + std::to_string(b.size()) + " bytes; truncated?)");
+  const uint8_t* h = b.data() + kFileHeaderBytes;
+  require(xxh64(h, hl) == get_u64(b.data() + 12), origin + ": header checksum mismatch (corrupted file)");
+  out.header_json.assign(reinterpret_cast<const char*>(h), hl);
+  size_t off = kFileHeaderBytes + hl;
+  while (off < b.size()) {
+    const std::string where = origin + ": section " + std::to_string(out.sections.size()) + " at byte " + std::to_string(off);
+    require(b.size() - off >= kSectionHeaderBytes, where + ": truncated section header");
+    Section s;
+    const uint8_t* p = b.data() + off;
+    s.kind = get_u32(p);
+    s.block = get_u32(p + 4);
+    s.kv = get_u32(p + 8);
+    s.t0 = get_u32(p + 12);
+    s.t1 = get_u32(p + 16);
+    s.raw_len = get_u64(p + 20);
+    s.stored_len = get_u64(p + 28);
+    s.xxh = get_u64(p + 36);
+    off += kSectionHeaderBytes;
+    require(s.kind >= kPositions && s.kind <= kChunk, where + ": unknown section kind " + std::to_string(s.kind));
+    require(s.stored_len <= b.size() - off, where + ": stored_len " + std::to_string(s.stored_len) + " exceeds the " + std::to_string(b.size() - off) +
+                                                " bytes left (truncated file?)");
+    require(s.raw_len <= (uint64_t(1) << 36) && s.stored_len <= s.raw_len, where + ": implausible lengths");
+    s.data = b.data() + off;
+    require(xxh64(s.data, s.stored_len) == s.xxh, where + " (" + section_name(s.kind) + "): checksum mismatch (corrupted file)");
+    off += s.stored_len;
+    out.sections.push_back(s);
+  }
+  return out;
+}
+
+std::vector<uint8_t> payload(const Section& s, const std::string& origin) {
+  std::vector<uint8_t> out(s.raw_len);
+  if (s.stored_len == s.raw_len) {
+    if (s.raw_len) std::memcpy(out.data(), s.data, s.raw_len);
+    return out;
+  }
+  std::unique_ptr<libdeflate_decompressor, DecompressorDeleter> d(libdeflate_alloc_decompressor());
+  require(d != nullptr, "kvtc: libdeflate could not allocate a decompressor");
+  size_t actual = 0;
+  libdeflate_result r = libdeflate_deflate_decompress(d.get(), s.data, s.stored_len, out.data(), out.size(), &actual);
+  require(r == LIBDEFLATE_SUCCESS && actual == s.raw_len,
+          origin + ": " + section_name(s.kind) + " section: DEFLATE stream is corrupt or does not inflate to " + std::to_string(s.raw_len) + " bytes");
+  return out;
+}
+
+size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n_tok) {
+  size_t n = 0;
+  for (const BlockAlloc& b : alloc) {
+    if (b.type == QType::kNone) continue;
+    n += size_t(n_tok) * qtype_param_bits(b.type) / 8;
+    n += (size_t(n_tok) * b.size * qtype_code_bits(b.type) + 7) / 8;
+  }
+  return n;
+}
+
+}  // namespace kvtc::container

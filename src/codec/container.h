@@ -1,0 +1,53 @@
+// Internal: the .kvtc container's byte layout (docs/format.md), shared by
+// encoder and decoder.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvtc/alloc.h"
+#include "kvtc/error.h"
+
+namespace kvtc::container {
+
+constexpr uint8_t kMagic[4] = {'K', 'V', 'T', 'C'};
+constexpr size_t kFileHeaderBytes = 4 + 4 + 4 + 8;       // magic, version, header_len, header xxh64
+constexpr size_t kSectionHeaderBytes = 5 * 4 + 3 * 8;    // kind, block, kv, t0, t1, raw_len, stored_len, xxh64
+constexpr uint32_t kMaxHeaderBytes = 16u << 20;
+
+enum SectionKind : uint32_t { kPositions = 1, kTokens = 2, kRaw = 3, kChunk = 4 };
+const char* section_name(uint32_t kind);
+
+struct Section {
+  uint32_t kind = 0, block = 0, kv = 0, t0 = 0, t1 = 0;
+  uint64_t raw_len = 0, stored_len = 0, xxh = 0;
+  const uint8_t* data = nullptr;  // stored bytes, inside the parsed buffer
+};
+
+uint64_t xxh64(const uint8_t* p, size_t n);
+
+void put_u32(std::vector<uint8_t>& o, uint32_t v);
+void put_u64(std::vector<uint8_t>& o, uint64_t v);
+void write_file_header(std::vector<uint8_t>& o, const std::string& json);
+// Appends a section whose payload is `payload` DEFLATE-coded at `level`
+// (stored as is when that would not be smaller; raw_len == stored_len marks it).
+void write_section(std::vector<uint8_t>& o, uint32_t kind, uint32_t block, uint32_t kv, uint32_t t0, uint32_t t1, const std::vector<uint8_t>& payload,
+                   int level);
+uint64_t section_bound(size_t payload_bytes);
+
+struct Parsed {
+  uint32_t version = 0;
+  std::string header_json;
+  std::vector<Section> sections;
+};
+// Checks magic, version, lengths and every checksum; payloads not decoded.
+Parsed parse(const std::vector<uint8_t>& bytes, const std::string& origin);
+// Inflates (or copies) one section's payload to exactly raw_len bytes.
+std::vector<uint8_t> payload(const Section& s, const std::string& origin);
+
+// Bit-packed planes of one chunk: for each coded allocation block, the f16
+// parameters of all tokens, then the codes of all tokens, LSB first.
+size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n_tok);
+
+}  // namespace kvtc::container

@@ -1,0 +1,273 @@
+// The .kvtc decoder: needs only the calibration's mean and basis.
+#include <cblas.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "container.h"
+#include "kvtc/codec.h"
+#include "kvtc/features.h"
+#include "kvtc/quant.h"
+#include "kvtc/util.h"
+
+namespace kvtc {
+
+namespace {
+
+using json = nlohmann::json;
+using namespace container;
+
+struct BlockHeader {
+  std::vector<int32_t> layers;
+  uint32_t n_head_kv = 0, head_dim = 0, n_tokens = 0;
+  std::array<std::vector<BlockAlloc>, 2> alloc;
+  std::array<uint32_t, 2> r_used{0, 0};
+};
+
+struct Header {
+  std::string calibration_id, model_sha256;
+  uint32_t sink = 0, window = 0, chunk_tokens = 0;
+  bool has_tokens = false;
+  std::map<std::string, std::string> capture_meta;
+  std::vector<BlockHeader> blocks;
+};
+
+Header parse_header(const std::string& js, const std::string& origin) {
+  Header h;
+  try {
+    json j = json::parse(js);
+    require(j.at("format") == "kvtc", "format is not 'kvtc'");
+    h.calibration_id = j.at("calibration_id").get<std::string>();
+    h.model_sha256 = j.at("model_sha256").get<std::string>();
+    h.sink = j.at("sink").get<uint32_t>();
+    h.window = j.at("window").get<uint32_t>();
+    h.chunk_tokens = j.at("chunk_tokens").get<uint32_t>();
+    h.has_tokens = j.at("has_tokens").get<bool>();
+    h.capture_meta = j.at("capture_meta").get<std::map<std::string, std::string>>();
+    require(h.chunk_tokens >= 1 && h.chunk_tokens <= 65536, "chunk_tokens out of range");
+    const json& bl = j.at("blocks");
+    require(bl.is_array() && bl.size() >= 1 && bl.size() <= 2, "blocks must hold 1 or 2 entries");
+    for (const json& b : bl) {
+      BlockHeader x;
+      x.layers = b.at("layers").get<std::vector<int32_t>>();
+      x.n_head_kv = b.at("n_head_kv").get<uint32_t>();
+      x.head_dim = b.at("head_dim").get<uint32_t>();
+      x.n_tokens = b.at("n_tokens").get<uint32_t>();
+      require(!x.layers.empty() && x.layers.size() <= 4096 && x.n_head_kv >= 1 && x.n_head_kv <= 4096 && x.head_dim >= 1 && x.head_dim <= 4096 &&
+                  x.n_tokens >= 1 && x.n_tokens <= (1u << 24),
+              "block geometry out of range");
+      require(uint64_t(x.layers.size()) * x.n_head_kv * x.head_dim <= (1u << 20), "block feature count out of range");
+      for (int kv = 0; kv < 2; ++kv) {
+        uint32_t next = 0;
+        for (const json& a : b.at("alloc").at(kv)) {
+          BlockAlloc ba{a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(a.at(2).get<int>())};
+          require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && int(ba.type) >= 0 && int(ba.type) < kNumQTypes, "allocation blocks must tile a prefix");
+          next = ba.start + ba.size;
+          x.alloc[kv].push_back(ba);
+        }
+        x.r_used[kv] = next;
+      }
+      h.blocks.push_back(std::move(x));
+    }
+  } catch (const Error& e) {
+    throw Error(origin + ": container header: " + e.what());
+  } catch (const std::exception& e) {
+    throw Error(origin + ": container header is malformed: " + e.what());
+  }
+  return h;
+}
+
+// Raw-token indices of a block: the first `sink` and last `window` tokens.
+std::vector<uint32_t> raw_tokens(uint32_t n, uint32_t sink, uint32_t window) {
+  std::vector<uint32_t> r;
+  for (uint32_t t = 0; t < n; ++t)
+    if (t < sink || t + window >= n) r.push_back(t);
+  return r;
+}
+
+class BitReader {
+ public:
+  BitReader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  uint32_t get(uint32_t bits) {
+    uint32_t v = 0;
+    for (uint32_t i = 0; i < bits; ++i, ++pos_) v |= uint32_t((p_[pos_ >> 3] >> (pos_ & 7)) & 1) << i;
+    return v;
+  }
+  void align() { pos_ = (pos_ + 7) & ~size_t(7); }
+  size_t byte() const { return pos_ >> 3; }
+
+ private:
+  const uint8_t* p_;
+  size_t n_, pos_ = 0;
+};
+
+}  // namespace
+
+// Unpacks one chunk into d[n_tok][r_used] (dropped components 0).
+void unpack_chunk(const std::vector<uint8_t>& buf, const std::vector<BlockAlloc>& alloc, uint32_t n_tok, uint32_t r_used, float* d) {
+  std::fill(d, d + size_t(n_tok) * r_used, 0.0f);
+  size_t off = 0;
+  std::vector<uint8_t> codes;
+  std::vector<float> vals;
+  for (const BlockAlloc& b : alloc) {
+    if (b.type == QType::kNone) continue;
+    const uint32_t np = qtype_param_bits(b.type) / 16;
+    std::vector<uint16_t> params(size_t(n_tok) * 2, 0);
+    for (uint32_t k = 0; k < np; ++k)
+      for (uint32_t t = 0; t < n_tok; ++t, off += 2) params[size_t(t) * 2 + k] = uint16_t(buf[off] | buf[off + 1] << 8);
+    const uint32_t cb = qtype_code_bits(b.type);
+    const size_t code_bytes = (size_t(n_tok) * b.size * cb + 7) / 8;
+    BitReader br(buf.data() + off, code_bytes);
+    codes.resize(b.size);
+    vals.resize(b.size);
+    for (uint32_t t = 0; t < n_tok; ++t) {
+      for (uint32_t i = 0; i < b.size; ++i) codes[i] = uint8_t(br.get(cb));
+      dequantize_block(b.type, codes.data(), b.size, &params[size_t(t) * 2], vals.data());
+      std::memcpy(d + size_t(t) * r_used + b.start, vals.data(), b.size * 4);
+    }
+    off += code_bytes;
+  }
+}
+
+KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin) {
+  Parsed P = parse(bytes, origin);
+  Header H = parse_header(P.header_json, origin);
+  require(H.calibration_id == cal.id, origin + ": encoded with calibration " + H.calibration_id.substr(0, 16) + "…, but the calibration given is " +
+                                          cal.id.substr(0, 16) + "… (wrong calibration file)");
+  require(H.blocks.size() == cal.blocks.size(), origin + ": block count differs from the calibration's");
+  KvCapture c;
+  c.meta = H.capture_meta;
+  c.blocks.resize(H.blocks.size());
+  for (size_t b = 0; b < H.blocks.size(); ++b) {
+    const BlockHeader& bh = H.blocks[b];
+    KvBlock& kb = c.blocks[b];
+    kb.layers = bh.layers;
+    kb.n_head_kv = bh.n_head_kv;
+    kb.head_dim = bh.head_dim;
+    kb.pos.assign(bh.n_tokens, 0);
+    kb.k.assign(kb.numel(), 0);
+    kb.v.assign(kb.numel(), 0);
+    for (int kv = 0; kv < 2; ++kv) {
+      const Transform& t = cal.blocks[b][kv];
+      require(t.p == feature_dim(kb), origin + ": block " + std::to_string(b) + " has " + std::to_string(feature_dim(kb)) + " features, the calibration " +
+                                          std::to_string(t.p));
+      require(bh.r_used[kv] <= t.r, origin + ": allocation uses " + std::to_string(bh.r_used[kv]) + " components, the calibration holds " +
+                                        std::to_string(t.r));
+    }
+  }
+  // Coverage: every (block, kind, token) decoded exactly once.
+  std::vector<std::array<std::vector<uint8_t>, 2>> seen(H.blocks.size());
+  for (size_t b = 0; b < H.blocks.size(); ++b)
+    for (auto& s : seen[b]) s.assign(H.blocks[b].n_tokens, 0);
+  std::vector<bool> have_pos(H.blocks.size(), false);
+  bool have_tokens = false;
+  // Positions first: keys need them for RoPE.
+  for (const Section& s : P.sections) {
+    const std::string where = origin + ": " + section_name(s.kind) + " section";
+    require(s.block < H.blocks.size(), where + ": block " + std::to_string(s.block) + " does not exist");
+    const uint32_t n = H.blocks[s.block].n_tokens;
+    if (s.kind == kPositions || s.kind == kTokens) {
+      require(s.raw_len == uint64_t(n) * 4, where + ": expected " + std::to_string(n * 4) + " bytes");
+      std::vector<uint8_t> pl = payload(s, origin);
+      if (s.kind == kPositions) {
+        require(!have_pos[s.block], where + ": duplicate");
+        std::memcpy(c.blocks[s.block].pos.data(), pl.data(), pl.size());
+        have_pos[s.block] = true;
+      } else {
+        require(s.block == 0 && !have_tokens, where + ": unexpected");
+        c.tokens.resize(n);
+        std::memcpy(c.tokens.data(), pl.data(), pl.size());
+        have_tokens = true;
+      }
+    }
+  }
+  for (size_t b = 0; b < H.blocks.size(); ++b) require(have_pos[b], origin + ": positions of block " + std::to_string(b) + " are missing");
+  require(have_tokens == H.has_tokens, origin + ": tokens section " + std::string(H.has_tokens ? "missing" : "unexpected"));
+  std::vector<float> feat, d;
+  for (const Section& s : P.sections) {
+    if (s.kind != kRaw && s.kind != kChunk) continue;
+    const std::string where = origin + ": " + section_name(s.kind) + " section (block " + std::to_string(s.block) + ", tokens " + std::to_string(s.t0) + ".." +
+                              std::to_string(s.t1) + ")";
+    require(s.kv <= 1, where + ": kv must be 0 or 1");
+    KvBlock& kb = c.blocks[s.block];
+    const BlockHeader& bh = H.blocks[s.block];
+    const KvKind kind = KvKind(s.kv);
+    std::vector<uint16_t>& dst = s.kv == 0 ? kb.k : kb.v;
+    auto& cover = seen[s.block][s.kv];
+    if (s.kind == kRaw) {
+      const std::vector<uint32_t> rt = raw_tokens(bh.n_tokens, H.sink, H.window);
+      const uint64_t want = uint64_t(rt.size()) * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2;
+      require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
+      std::vector<uint8_t> pl = payload(s, origin);
+      size_t off = 0;
+      for (uint32_t l = 0; l < kb.n_layer(); ++l)
+        for (uint32_t h = 0; h < kb.n_head_kv; ++h)
+          for (uint32_t t : rt) {
+            std::memcpy(&dst[kb.index(l, h, t, 0)], pl.data() + off, size_t(kb.head_dim) * 2);
+            off += size_t(kb.head_dim) * 2;
+          }
+      for (uint32_t t : rt) {
+        require(!cover[t], where + ": token " + std::to_string(t) + " decoded twice");
+        cover[t] = 1;
+      }
+      continue;
+    }
+    require(s.t0 < s.t1 && s.t1 <= bh.n_tokens && s.t1 - s.t0 <= H.chunk_tokens, where + ": bad token range");
+    const uint32_t n = s.t1 - s.t0;
+    require(s.raw_len == packed_bytes(bh.alloc[s.kv], n), where + ": payload size does not match the allocation");
+    for (uint32_t t = s.t0; t < s.t1; ++t) {
+      require(!cover[t], where + ": token " + std::to_string(t) + " decoded twice");
+      cover[t] = 1;
+    }
+    std::vector<uint8_t> pl = payload(s, origin);
+    const Transform& T = cal.blocks[s.block][s.kv];
+    const uint32_t ru = bh.r_used[s.kv];
+    d.resize(size_t(n) * std::max(ru, 1u));
+    unpack_chunk(pl, bh.alloc[s.kv], n, ru, d.data());
+    feat.resize(size_t(n) * T.p);
+    for (uint32_t t = 0; t < n; ++t) std::memcpy(&feat[size_t(t) * T.p], T.mu.data(), size_t(T.p) * 4);
+    if (ru > 0)  // X = D B[:ru] + mu
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f, feat.data(),
+                  int(T.p));
+    RopeParams rope;
+    if (kind == KvKind::kKey) rope = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
+    scatter_features(feat.data(), kind, kind == KvKind::kKey ? &rope : nullptr, s.t0, s.t1, kb);
+  }
+  for (size_t b = 0; b < H.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv)
+      for (uint32_t t = 0; t < H.blocks[b].n_tokens; ++t)
+        require(seen[b][kv][t], origin + ": token " + std::to_string(t) + " of block " + std::to_string(b) + (kv ? " (V)" : " (K)") + " is missing (truncated file?)");
+  return c;
+}
+
+ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string& origin) {
+  Parsed P = parse(bytes, origin);
+  Header H = parse_header(P.header_json, origin);
+  ContainerInfo ci;
+  ci.version = P.version;
+  ci.calibration_id = H.calibration_id;
+  ci.model_sha256 = H.model_sha256;
+  ci.header_json = P.header_json;
+  ci.file_bytes = bytes.size();
+  for (const BlockHeader& b : H.blocks) {
+    const uint64_t per_tok = uint64_t(b.layers.size()) * b.n_head_kv * b.head_dim * 2 * 2;
+    ci.n_tokens += b.n_tokens;
+    ci.f16_bytes_all += per_tok * b.n_tokens;
+  }
+  for (const Section& s : P.sections) {
+    ContainerInfo::Section x{section_name(s.kind), s.block, s.kv, s.t0, s.t1, s.stored_len, s.raw_len};
+    ci.sections.push_back(x);
+    if (s.kind == kChunk) {
+      require(s.block < H.blocks.size() && s.t1 >= s.t0, origin + ": bad chunk section");
+      const BlockHeader& b = H.blocks[s.block];
+      ci.stored_bytes_compressed += s.stored_len + kSectionHeaderBytes;
+      if (s.kv == 0) {
+        ci.n_compressed_tokens += s.t1 - s.t0;
+        ci.f16_bytes_compressed += uint64_t(b.layers.size()) * b.n_head_kv * b.head_dim * 2 * 2 * (s.t1 - s.t0);
+      }
+    }
+  }
+  return ci;
+}
+
+}  // namespace kvtc

@@ -1,0 +1,80 @@
+// Streamed PCA on synthetic data with a known covariance: mean, spectrum,
+// orthonormal basis, full-rank round trip (this tests the algorithm).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "../src/calib/pca.h"
+
+using namespace kvtc;
+
+TEST(Pca, RecoversAKnownSpectrumFromChunks) {
+  const uint32_t p = 40;
+  std::mt19937 rng(5);
+  std::normal_distribution<double> g(0.0, 1.0);
+  // A random orthonormal basis Q (Gram-Schmidt) and variances 100 * 0.7^j.
+  std::vector<double> q(p * p);
+  for (auto& v : q) v = g(rng);
+  for (uint32_t j = 0; j < p; ++j) {
+    for (uint32_t k = 0; k < j; ++k) {
+      double dot = 0;
+      for (uint32_t f = 0; f < p; ++f) dot += q[j * p + f] * q[k * p + f];
+      for (uint32_t f = 0; f < p; ++f) q[j * p + f] -= dot * q[k * p + f];
+    }
+    double nrm = 0;
+    for (uint32_t f = 0; f < p; ++f) nrm += q[j * p + f] * q[j * p + f];
+    for (uint32_t f = 0; f < p; ++f) q[j * p + f] /= std::sqrt(nrm);
+  }
+  std::vector<double> sd(p), mean(p);
+  for (uint32_t j = 0; j < p; ++j) sd[j] = 10.0 * std::pow(0.7, j / 2.0), mean[j] = 50.0 + j;  // large mean: cancellation check
+  CovAccumulator acc(p);
+  const size_t n = 20000;
+  std::vector<float> x;
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<double> z(p);
+    for (uint32_t j = 0; j < p; ++j) z[j] = g(rng) * sd[j];
+    for (uint32_t f = 0; f < p; ++f) {
+      double v = mean[f];
+      for (uint32_t j = 0; j < p; ++j) v += z[j] * q[j * p + f];
+      x.push_back(float(v));
+    }
+    if (x.size() == 777 * p || i + 1 == n) {  // uneven chunks
+      acc.add(x.data(), x.size() / p);
+      x.clear();
+    }
+  }
+  Pca pca = acc.finish(p);
+  EXPECT_EQ(pca.n_tokens, n);
+  for (uint32_t f = 0; f < p; ++f) EXPECT_NEAR(pca.mu[f], mean[f], 0.3);
+  for (uint32_t j = 0; j < 8; ++j) EXPECT_NEAR(pca.variance[j], sd[j] * sd[j], 0.06 * sd[j] * sd[j]) << j;
+  for (uint32_t j = 1; j < p; ++j) EXPECT_GE(pca.variance[j - 1], pca.variance[j]);
+  double tr = 0;
+  for (double v : pca.variance) tr += v;
+  EXPECT_NEAR(tr, pca.total_variance, 1e-6 * tr);
+  // Orthonormal rows; the leading ones align with Q's.
+  for (uint32_t a = 0; a < p; ++a)
+    for (uint32_t b = a; b < p; ++b) {
+      double dot = 0;
+      for (uint32_t f = 0; f < p; ++f) dot += double(pca.basis[a * p + f]) * pca.basis[b * p + f];
+      EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << a << "," << b;
+    }
+  for (uint32_t j = 0; j < 4; ++j) {
+    double dot = 0;
+    for (uint32_t f = 0; f < p; ++f) dot += pca.basis[j * p + f] * q[j * p + f];
+    EXPECT_GT(std::fabs(dot), 0.98) << j;
+  }
+  // Full rank: project and reconstruct is the identity (to f32 rounding).
+  std::vector<float> row(p), d(p);
+  for (uint32_t f = 0; f < p; ++f) row[f] = float(mean[f] + g(rng));
+  pca_project(pca, row.data(), 1, d.data());
+  for (uint32_t f = 0; f < p; ++f) {
+    double v = pca.mu[f];
+    for (uint32_t j = 0; j < p; ++j) v += d[j] * pca.basis[j * p + f];
+    EXPECT_NEAR(v, row[f], 1e-3);
+  }
+  // Truncated rank keeps the top components.
+  Pca top = acc.finish(5);
+  EXPECT_EQ(top.r, 5u);
+  for (uint32_t j = 0; j < 5; ++j) EXPECT_NEAR(top.variance[j], pca.variance[j], 1e-9 * pca.variance[0]);
+}

@@ -1,0 +1,251 @@
+// kvtc calibrate / compress / decompress / inspect.
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "../../src/calib/calibrate.h"
+#include "commands.h"
+#include "kvtc/codec.h"
+#include "kvtc/error.h"
+#include "kvtc/util.h"
+
+namespace kvtc::cli {
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void check_output_path(const std::string& out) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::path(out).parent_path();
+  std::error_code ec;
+  if (dir.empty()) dir = ".";
+  require(fs::is_directory(dir, ec), out + ": output directory " + dir.string() + " does not exist");
+  require(!fs::is_directory(out, ec), out + ": is a directory, expected a file path");
+}
+
+nlohmann::ordered_json calib_summary(const Calibration& cal, const std::string& path) {
+  nlohmann::ordered_json j;
+  j["output"] = path;
+  j["calibration_id"] = cal.id;
+  for (const char* k : {"model_sha256", "arch", "calib_tokens", "calib_documents", "heldout_tokens", "pca_route"})
+    if (cal.meta.count(k)) j[k] = cal.meta.at(k);
+  j["blocks"] = nlohmann::json::array();
+  for (size_t b = 0; b < cal.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) {
+      const Transform& t = cal.blocks[b][kv];
+      nlohmann::ordered_json x;
+      x["block"] = b;
+      x["kind"] = kv == 0 ? "keys" : "values";
+      x["p"] = t.p;
+      x["r"] = t.r;
+      double top = 0;
+      for (float v : t.variance) top += v;
+      x["explained_variance_r"] = t.total_variance > 0 ? top / t.total_variance : 0;
+      for (uint32_t k : {16u, 64u, 256u, 1024u})
+        if (k <= t.r) {
+          double s = 0;
+          for (uint32_t i = 0; i < k; ++i) s += t.variance[i];
+          x["explained_variance_top" + std::to_string(k)] = s / t.total_variance;
+        }
+      for (const auto& [name, a] : t.tables) {
+        uint32_t coded = 0;
+        for (const BlockAlloc& ba : a.blocks)
+          if (ba.type != QType::kNone) coded = ba.start + ba.size;
+        x["ratios"][name] = {{"budget_bits_per_token", a.budget_bits},
+                             {"bits_per_token", a.bits},
+                             {"components_coded", coded},
+                             {"heldout_relative_error", t.total_variance > 0 ? a.error / t.total_variance : 0}};
+      }
+      j["blocks"].push_back(x);
+    }
+  return j;
+}
+
+AllocationSet allocations(const Calibration& cal, double ratio) {
+  AllocationSet s(cal.blocks.size());
+  for (size_t b = 0; b < cal.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) {
+      const Transform& t = cal.blocks[b][kv];
+      auto it = t.tables.find(ratio_key(ratio));
+      s[b][kv] = it != t.tables.end() ? it->second : allocation_for_ratio(t, ratio);
+    }
+  return s;
+}
+
+}  // namespace
+
+Action add_calibrate(CLI::App& app) {
+  auto o = std::make_shared<CalibrateOptions>();
+  auto out = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
+  o->model_path = default_model();
+  o->corpus_dir = default_corpus();
+  CLI::App* sub = app.add_subcommand("calibrate", "PCA basis and bit-allocation tables from the calibration corpus");
+  sub->add_option("-m,--model", o->model_path, "GGUF model")->capture_default_str();
+  sub->add_option("--corpus", o->corpus_dir, "Corpus root (manifest.json, calib/)")->capture_default_str();
+  sub->add_option("--tokens", o->n_tokens, "Tokens for the PCA fit")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--heldout", o->heldout_tokens, "Held-out tokens for the block errors")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--rank-max", o->rank_max, "Largest number of components kept")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--doc-tokens", o->max_doc_tokens, "Tokens per document at most (0: the model's context)")->capture_default_str();
+  sub->add_option("--ratios", o->ratios, "Nominal ratios to tabulate")->capture_default_str();
+  sub->add_option("--threads", o->threads, "Threads (default: all)");
+  sub->add_option("-o,--output", *out, "Output calibration file (.safetensors)")->required();
+  sub->add_flag("--json", *json, "Print the summary as JSON");
+  return [o, out, json] {
+    check_output_path(*out);
+    const bool tty = ::isatty(2);
+    auto t0 = std::chrono::steady_clock::now();
+    ProgressFn prog = [&](const std::string& stage, uint64_t done, uint64_t total) {
+      if (!tty) return;
+      std::fprintf(stderr, "\r[calibrate] %-8s %3.0f%% (%llu/%llu) %.0f s   ", stage.c_str(), total ? 100.0 * done / total : 100.0, (unsigned long long)done,
+                   (unsigned long long)total, ms_since(t0) / 1000);
+      std::fflush(stderr);
+    };
+    Calibration cal = calibrate(*o, prog);
+    if (tty) std::fprintf(stderr, "\n");
+    calibration_save(*out, cal);
+    nlohmann::ordered_json j = calib_summary(cal, *out);
+    j["seconds"] = ms_since(t0) / 1000;
+    if (*json) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::printf("calibration %s… written to %s (%.0f s)\n", cal.id.substr(0, 16).c_str(), out->c_str(), ms_since(t0) / 1000);
+      std::printf("  %s fit tokens from %s documents, %s held-out tokens\n", cal.meta["calib_tokens"].c_str(), cal.meta["calib_documents"].c_str(),
+                  cal.meta["heldout_tokens"].c_str());
+      for (const auto& x : j["blocks"]) {
+        std::printf("  block %d %-6s p=%u r=%u explained@64=%.3f\n", x["block"].get<int>(), x["kind"].get<std::string>().c_str(), x["p"].get<unsigned>(),
+                    x["r"].get<unsigned>(), x.value("explained_variance_top64", 0.0));
+        for (auto it = x["ratios"].begin(); it != x["ratios"].end(); ++it)
+          std::printf("    %5sx: %6llu bits/token, %5u components, held-out rel. error %.4f\n", it.key().c_str(),
+                      (unsigned long long)it.value()["bits_per_token"].get<uint64_t>(), it.value()["components_coded"].get<unsigned>(),
+                      it.value()["heldout_relative_error"].get<double>());
+      }
+    }
+    return 0;
+  };
+}
+
+Action add_compress(CLI::App& app) {
+  struct A {
+    std::string calib, in, out;
+    double ratio = 16;
+    CompressOptions opt;
+    bool json = false;
+  };
+  auto a = std::make_shared<A>();
+  CLI::App* sub = app.add_subcommand("compress", "Compress a capture (.safetensors) into a .kvtc container");
+  sub->add_option("input", a->in, "Capture from `kvtc capture`")->required();
+  sub->add_option("--calib", a->calib, "Calibration file from `kvtc calibrate`")->required();
+  sub->add_option("-r,--ratio", a->ratio, "Nominal compression ratio (DP budget = 16 bits / ratio per feature)")->capture_default_str();
+  sub->add_option("--sink", a->opt.sink, "Raw tokens at the start")->capture_default_str();
+  sub->add_option("--window", a->opt.window, "Raw recent tokens")->capture_default_str();
+  sub->add_option("--chunk", a->opt.chunk_tokens, "Tokens per independently decodable chunk (multiple of 16)")->capture_default_str();
+  sub->add_option("--level", a->opt.deflate_level, "DEFLATE level (0 = store)")->check(CLI::Range(0, 12))->capture_default_str();
+  sub->add_option("-o,--output", a->out, "Output .kvtc file")->required();
+  sub->add_flag("--json", a->json, "JSON summary");
+  return [a] {
+    check_output_path(a->out);
+    auto t0 = std::chrono::steady_clock::now();
+    KvCapture c = capture_load(a->in);
+    Calibration cal = calibration_load(a->calib);
+    const double load_ms = ms_since(t0);
+    AllocationSet al = allocations(cal, a->ratio);
+    t0 = std::chrono::steady_clock::now();
+    const uint64_t bound = kvtc_compress_bound(c, al, a->opt);
+    std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, a->opt);
+    const double enc_ms = ms_since(t0);
+    write_file_atomic(a->out, bytes);
+    ContainerInfo ci = kvtc_inspect(bytes, a->out);
+    nlohmann::ordered_json j;
+    j["output"] = a->out;
+    j["nominal_ratio"] = a->ratio;
+    j["tokens"] = ci.n_tokens;
+    j["compressed_tokens"] = ci.n_compressed_tokens;
+    j["bytes"] = bytes.size();
+    j["bound_bytes"] = bound;
+    j["ratio_compressed_tokens"] = ci.stored_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.stored_bytes_compressed : 0;
+    j["ratio_whole_cache"] = double(ci.f16_bytes_all) / bytes.size();
+    j["load_ms"] = load_ms;
+    j["encode_ms"] = enc_ms;
+    if (a->json)
+      std::printf("%s\n", j.dump(2).c_str());
+    else
+      std::printf("compressed %llu tokens (%llu coded) to %s: %llu bytes, %.2fx on coded tokens, %.2fx on the whole cache, %.0f ms\n",
+                  (unsigned long long)ci.n_tokens, (unsigned long long)ci.n_compressed_tokens, a->out.c_str(), (unsigned long long)bytes.size(),
+                  j["ratio_compressed_tokens"].get<double>(), j["ratio_whole_cache"].get<double>(), enc_ms);
+    return 0;
+  };
+}
+
+Action add_decompress(CLI::App& app) {
+  auto in = std::make_shared<std::string>();
+  auto calib = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  CLI::App* sub = app.add_subcommand("decompress", "Decode a .kvtc container back into a capture (.safetensors)");
+  sub->add_option("input", *in, ".kvtc file")->required();
+  sub->add_option("--calib", *calib, "The calibration it was encoded with")->required();
+  sub->add_option("-o,--output", *out, "Output .safetensors")->required();
+  return [in, calib, out] {
+    check_output_path(*out);
+    std::vector<uint8_t> bytes = read_file(*in);
+    Calibration cal = calibration_load(*calib, /*decoder_only=*/true);
+    auto t0 = std::chrono::steady_clock::now();
+    KvCapture c = kvtc_decompress(bytes, cal, *in);
+    const double ms = ms_since(t0);
+    capture_save(*out, c);
+    std::printf("decoded %u tokens from %s in %.0f ms into %s\n", c.blocks[0].n_tokens(), in->c_str(), ms, out->c_str());
+    return 0;
+  };
+}
+
+Action add_inspect(CLI::App& app) {
+  auto in = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
+  CLI::App* sub = app.add_subcommand("inspect", "Layout, sizes and measured ratio of a .kvtc container");
+  sub->add_option("input", *in, ".kvtc file")->required();
+  sub->add_flag("--json", *json, "JSON output");
+  return [in, json] {
+    std::vector<uint8_t> bytes = read_file(*in);
+    ContainerInfo ci = kvtc_inspect(bytes, *in);
+    nlohmann::ordered_json j;
+    j["file"] = *in;
+    j["version"] = ci.version;
+    j["calibration_id"] = ci.calibration_id;
+    j["model_sha256"] = ci.model_sha256;
+    j["file_bytes"] = ci.file_bytes;
+    j["tokens"] = ci.n_tokens;
+    j["compressed_tokens"] = ci.n_compressed_tokens;
+    j["ratio_compressed_tokens"] = ci.stored_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.stored_bytes_compressed : 0;
+    j["ratio_whole_cache"] = double(ci.f16_bytes_all) / ci.file_bytes;
+    std::map<std::string, std::pair<uint64_t, uint64_t>> by;
+    for (const auto& s : ci.sections) {
+      by[s.kind].first += s.stored_bytes;
+      by[s.kind].second += s.raw_bytes;
+    }
+    for (const auto& [k, v] : by) j["sections"][k] = {{"stored_bytes", v.first}, {"payload_bytes", v.second}};
+    nlohmann::json hdr = nlohmann::json::parse(ci.header_json);
+    j["ratio_table"] = nlohmann::json::array();
+    for (const auto& b : hdr["blocks"]) j["ratio_table"].push_back({{"nominal_ratio", b["nominal_ratio"]}, {"alloc", b["alloc"]}});
+    j["sink"] = hdr["sink"];
+    j["window"] = hdr["window"];
+    j["chunk_tokens"] = hdr["chunk_tokens"];
+    if (*json) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::printf("%s: kvtc v%u, %llu bytes, %llu tokens (%llu coded), ratio %.2fx on coded tokens, %.2fx on the whole cache\n", in->c_str(), ci.version,
+                  (unsigned long long)ci.file_bytes, (unsigned long long)ci.n_tokens, (unsigned long long)ci.n_compressed_tokens,
+                  j["ratio_compressed_tokens"].get<double>(), j["ratio_whole_cache"].get<double>());
+      for (const auto& [k, v] : by) std::printf("  %-9s %10llu bytes stored (%llu before DEFLATE)\n", k.c_str(), (unsigned long long)v.first, (unsigned long long)v.second);
+    }
+    return 0;
+  };
+}
+
+}  // namespace kvtc::cli

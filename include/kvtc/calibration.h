@@ -40,9 +40,9 @@ struct Transform {
 };
 
 struct Calibration {
-  std::map<std::string, std::string> meta;     // model fingerprint, geometry, RoPE (capture keys), corpus, tokens
+  std::map<std::string, std::string> meta;       // model fingerprint, geometry, RoPE (capture keys), corpus, tokens
   std::vector<std::array<Transform, 2>> blocks;  // [cache block][0 = keys, 1 = values]
-  std::string id;                              // calibration_id
+  std::string id;                                // calibration_id
 };
 
 // SHA-256 over every mean and basis, in block/kind order.

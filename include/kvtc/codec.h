@@ -23,10 +23,10 @@ namespace kvtc {
 constexpr uint32_t kContainerVersion = 1;
 
 struct CompressOptions {
-  uint32_t sink = 4;           // raw tokens at the start of each block
-  uint32_t window = 128;       // raw tokens at the end of each block
-  uint32_t chunk_tokens = 256; // middle tokens per independently decodable chunk (multiple of 16)
-  int deflate_level = 6;       // libdeflate level, 0..12
+  uint32_t sink = 4;            // raw tokens at the start of each block
+  uint32_t window = 128;        // raw tokens at the end of each block
+  uint32_t chunk_tokens = 256;  // middle tokens per independently decodable chunk (multiple of 16)
+  int deflate_level = 6;        // libdeflate level, 0..12
 };
 
 // The allocation to use for one (block, K/V): [block][kind].
@@ -55,9 +55,9 @@ struct ContainerInfo {
   };
   std::vector<Section> sections;
   uint64_t file_bytes = 0;
-  uint64_t n_tokens = 0, n_compressed_tokens = 0;  // over all blocks
+  uint64_t n_tokens = 0, n_compressed_tokens = 0;        // over all blocks
   uint64_t f16_bytes_all = 0, f16_bytes_compressed = 0;  // K+V at f16
-  uint64_t stored_bytes_compressed = 0;  // chunk sections incl. their headers
+  uint64_t stored_bytes_compressed = 0;                  // chunk sections incl. their headers
 };
 ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string& origin);
 

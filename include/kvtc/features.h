@@ -15,7 +15,9 @@ namespace kvtc {
 
 enum class KvKind { kKey, kValue };
 
-inline uint32_t feature_dim(const KvBlock& b) { return b.n_layer() * b.n_head_kv * b.head_dim; }
+inline uint32_t feature_dim(const KvBlock& b) {
+  return b.n_layer() * b.n_head_kv * b.head_dim;
+}
 
 // out[t - t0][f] for tokens t0..t1-1 of block b; keys are de-RoPEd with
 // `rope` at each token's position (rope may be nullptr for values).

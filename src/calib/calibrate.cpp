@@ -57,10 +57,13 @@ std::vector<Doc> calib_docs(const std::string& corpus) {
   }
   std::vector<Doc> docs;
   for (const auto& d : m.at("documents"))
-    if (d.at("split") == "calib") docs.push_back({corpus + "/" + d.at("file").get<std::string>(), d.at("id").get<std::string>(), d.at("tokens").get<uint64_t>()});
+    if (d.at("split") == "calib")
+      docs.push_back({corpus + "/" + d.at("file").get<std::string>(), d.at("id").get<std::string>(), d.at("tokens").get<uint64_t>()});
   require(!docs.empty(), path + ": no calibration documents");
   // Interleave kinds and sources: order by a hash of the id (stable).
-  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return sha256_bytes({(const uint8_t*)a.id.data(), a.id.size()}) < sha256_bytes({(const uint8_t*)b.id.data(), b.id.size()}); });
+  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) {
+    return sha256_bytes({(const uint8_t*)a.id.data(), a.id.size()}) < sha256_bytes({(const uint8_t*)b.id.data(), b.id.size()});
+  });
   return docs;
 }
 
@@ -132,7 +135,8 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
     }
     if (progress) progress("prefill", std::min(fit, opt.n_tokens) + std::min(held_n[0], opt.heldout_tokens), opt.n_tokens + opt.heldout_tokens);
   }
-  require(fit >= 2 && held_n[0] > 0, "calibrate: the corpus yielded " + std::to_string(fit) + " fit and " + std::to_string(held_n[0]) + " held-out tokens; need more text");
+  require(fit >= 2 && held_n[0] > 0,
+          "calibrate: the corpus yielded " + std::to_string(fit) + " fit and " + std::to_string(held_n[0]) + " held-out tokens; need more text");
 
   Calibration cal;
   cal.blocks.resize(nb);
@@ -171,9 +175,24 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
     }
   if (progress) progress("pca", 2 * nb, 2 * nb);
 
-  static const char* kCopy[] = {"arch", "model_name", "model_sha256", "llama_cpp_commit", "n_layer", "n_head_kv", "head_dim", "rope_type", "n_rot",
-                                "rope_freq_base", "rope_freq_scale", "rope_scaling_type", "rope_scaling_factor", "rope_scaling_orig_ctx",
-                                "rope_freq_factors", "n_swa", "rope_freq_base_swa", "rope_freq_scale_swa"};
+  static const char* kCopy[] = {"arch",
+                                "model_name",
+                                "model_sha256",
+                                "llama_cpp_commit",
+                                "n_layer",
+                                "n_head_kv",
+                                "head_dim",
+                                "rope_type",
+                                "n_rot",
+                                "rope_freq_base",
+                                "rope_freq_scale",
+                                "rope_scaling_type",
+                                "rope_scaling_factor",
+                                "rope_scaling_orig_ctx",
+                                "rope_freq_factors",
+                                "n_swa",
+                                "rope_freq_base_swa",
+                                "rope_freq_scale_swa"};
   for (const char* k : kCopy)
     if (capture_meta.count(k)) cal.meta[k] = capture_meta.at(k);
   for (size_t b = 0; b < nb; ++b) cal.meta[b == 0 ? "layers" : "layers_swa"] = nlohmann::json(g.block_layers[b]).dump();

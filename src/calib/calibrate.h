@@ -13,12 +13,12 @@ namespace kvtc {
 
 struct CalibrateOptions {
   std::string model_path;
-  std::string corpus_dir;        // holds manifest.json and calib/
-  uint64_t n_tokens = 160000;    // tokens for the PCA fit (method.md: 160K)
+  std::string corpus_dir;          // holds manifest.json and calib/
+  uint64_t n_tokens = 160000;      // tokens for the PCA fit (method.md: 160K)
   uint64_t heldout_tokens = 4096;  // tokens, from other documents, for the DP's block errors
-  uint32_t rank_max = 10000;     // r = min(rank_max, p)
-  uint32_t max_doc_tokens = 0;   // 0: the model's trained context
-  uint32_t skip_sinks = 4;       // first tokens of each document left out (never compressed)
+  uint32_t rank_max = 10000;       // r = min(rank_max, p)
+  uint32_t max_doc_tokens = 0;     // 0: the model's trained context
+  uint32_t skip_sinks = 4;         // first tokens of each document left out (never compressed)
   std::vector<double> ratios{8, 16, 32, 64};
   int threads = 0;
 };

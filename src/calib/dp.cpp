@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <string>
 #include <limits>
+#include <string>
 
 #include "kvtc/error.h"
 
@@ -37,11 +37,11 @@ Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t un
   const uint32_t r = e.n_components;
   require(unit > 0, "allocate_bits: unit must be positive");
   for (uint32_t s : e.sizes)
-    for (int q = 0; q < kNumQTypes; ++q)
-      require(block_bits(QType(q), s) % unit == 0, "allocate_bits: block cost not a multiple of the budget unit");
+    for (int q = 0; q < kNumQTypes; ++q) require(block_bits(QType(q), s) % unit == 0, "allocate_bits: block cost not a multiple of the budget unit");
   const uint64_t B = budget_bits / unit;
   // 5 bytes per cell: 2^28 cells is 1.3 GB (p = 5,760 at ratio 2 needs 2^27).
-  require(uint64_t(r + 1) * (B + 1) <= (uint64_t(1) << 28), "allocate_bits: DP table of " + std::to_string(uint64_t(r + 1) * (B + 1)) + " cells is too large; raise the budget unit");
+  require(uint64_t(r + 1) * (B + 1) <= (uint64_t(1) << 28),
+          "allocate_bits: DP table of " + std::to_string(uint64_t(r + 1) * (B + 1)) + " cells is too large; raise the budget unit");
   const size_t W = size_t(B) + 1;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   // best[i * W + b]: least error of components [0, i) within b units

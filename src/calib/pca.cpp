@@ -75,8 +75,8 @@ void pca_project(const Pca& pca, const float* x, size_t n, float* d) {
   std::vector<float> xc(n * pca.p);
   for (size_t i = 0; i < n; ++i)
     for (uint32_t f = 0; f < pca.p; ++f) xc[i * pca.p + f] = x[i * pca.p + f] - pca.mu[f];
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(pca.r), int(pca.p), 1.0f, xc.data(), int(pca.p), pca.basis.data(), int(pca.p), 0.0f, d,
-              int(pca.r));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(pca.r), int(pca.p), 1.0f, xc.data(), int(pca.p), pca.basis.data(), int(pca.p),
+              0.0f, d, int(pca.r));
 }
 
 }  // namespace kvtc

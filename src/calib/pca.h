@@ -13,13 +13,13 @@
 namespace kvtc {
 
 struct Pca {
-  uint32_t p = 0;                  // features
-  uint32_t r = 0;                  // components kept
-  uint64_t n_tokens = 0;           // rows the covariance was estimated from
-  std::vector<float> mu;           // [p]
-  std::vector<float> basis;        // [r][p], row j = component j (unit norm), by decreasing variance
-  std::vector<double> variance;    // [r] eigenvalues (variance along each component)
-  double total_variance = 0;       // trace of the covariance
+  uint32_t p = 0;                // features
+  uint32_t r = 0;                // components kept
+  uint64_t n_tokens = 0;         // rows the covariance was estimated from
+  std::vector<float> mu;         // [p]
+  std::vector<float> basis;      // [r][p], row j = component j (unit norm), by decreasing variance
+  std::vector<double> variance;  // [r] eigenvalues (variance along each component)
+  double total_variance = 0;     // trace of the covariance
 };
 
 class CovAccumulator {

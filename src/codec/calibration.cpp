@@ -1,5 +1,8 @@
 #include "kvtc/calibration.h"
 
+#include <xxhash.h>
+
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -13,7 +16,9 @@ namespace {
 const char* kKindName[2] = {"k", "v"};
 const char* kBlockSfx[2] = {"", "_swa"};
 
-std::string prefix(size_t b, int kind) { return std::string(kKindName[kind]) + kBlockSfx[b]; }
+std::string prefix(size_t b, int kind) {
+  return std::string(kKindName[kind]) + kBlockSfx[b];
+}
 
 Tensor f32_tensor(const std::vector<float>& x, std::vector<uint64_t> shape) {
   Tensor t;
@@ -32,6 +37,22 @@ std::vector<float> f32_of(const Tensor& t, const std::vector<uint64_t>& shape, c
 }
 
 }  // namespace
+
+// XXH64 over every tensor's bytes in file order: integrity of the whole
+// file (errors and tables too), ~10 GB/s, where calibration_id covers only
+// what the decoder uses.
+static std::string tensors_checksum(const SafeTensors& st) {
+  XXH64_state_t* h = XXH64_createState();
+  XXH64_reset(h, 0);
+  for (const auto& [name, t] : st.tensors) {
+    XXH64_update(h, name.data(), name.size());
+    XXH64_update(h, t.data.data(), t.data.size());
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)XXH64_digest(h));
+  XXH64_freeState(h);
+  return buf;
+}
 
 std::string calibration_compute_id(const Calibration& c) {
   std::vector<uint8_t> buf;
@@ -76,6 +97,7 @@ SafeTensors calibration_to_safetensors(const Calibration& c) {
       for (size_t si = 0; si < t.sizes.size(); ++si)
         st.add(pf + ".errors." + std::to_string(t.sizes[si]), f32_tensor(t.block_errors[si], {t.r / t.sizes[si], uint64_t(kNumQTypes)}));
     }
+  st.metadata["tensors_xxh64"] = tensors_checksum(st);
   return st;
 }
 
@@ -88,6 +110,7 @@ Calibration calibration_from_safetensors(const SafeTensors& st, const std::strin
   require(meta("format") == kCalibFormat, origin + ": __metadata__['format'] is '" + meta("format") + "', expected '" + kCalibFormat + "'");
   require(meta("format_version") == std::to_string(kCalibFormatVersion),
           origin + ": calibration format_version " + meta("format_version") + ", this kvtc reads " + std::to_string(kCalibFormatVersion));
+  require(meta("tensors_xxh64") == tensors_checksum(st), origin + ": tensor checksum mismatch (corrupted calibration file)");
   Calibration c;
   c.meta = st.metadata;
   const std::string& nb = meta("n_blocks");
@@ -108,7 +131,8 @@ Calibration calibration_from_safetensors(const SafeTensors& st, const std::strin
       } catch (const std::exception& e) {
         throw Error(origin + ": __metadata__['" + pf + ".info'] is malformed: " + e.what());
       }
-      require(t.p > 0 && t.r > 0 && t.r <= t.p && t.p <= (1u << 20), origin + ": " + pf + ": implausible p " + std::to_string(t.p) + ", r " + std::to_string(t.r));
+      require(t.p > 0 && t.r > 0 && t.r <= t.p && t.p <= (1u << 20),
+              origin + ": " + pf + ": implausible p " + std::to_string(t.p) + ", r " + std::to_string(t.r));
       t.mu = f32_of(st.get(pf + ".mu", origin), {t.p}, origin + ": tensor " + pf + ".mu");
       t.basis = f32_of(st.get(pf + ".basis", origin), {t.r, t.p}, origin + ": tensor " + pf + ".basis");
       t.variance = f32_of(st.get(pf + ".variance", origin), {t.r}, origin + ": tensor " + pf + ".variance");
@@ -141,7 +165,9 @@ Calibration calibration_from_safetensors(const SafeTensors& st, const std::strin
   return c;
 }
 
-void calibration_save(const std::string& path, const Calibration& c) { safetensors_save(path, calibration_to_safetensors(c)); }
+void calibration_save(const std::string& path, const Calibration& c) {
+  safetensors_save(path, calibration_to_safetensors(c));
+}
 
 Calibration calibration_load(const std::string& path, bool decoder_only) {
   return calibration_from_safetensors(safetensors_load(path), path, decoder_only);

@@ -20,7 +20,9 @@ const char* section_name(uint32_t kind) {
   }
 }
 
-uint64_t xxh64(const uint8_t* p, size_t n) { return XXH64(p, n, 0); }
+uint64_t xxh64(const uint8_t* p, size_t n) {
+  return XXH64(p, n, 0);
+}
 
 void put_u32(std::vector<uint8_t>& o, uint32_t v) {
   for (int i = 0; i < 4; ++i) o.push_back(uint8_t(v >> (8 * i)));
@@ -87,7 +89,8 @@ void write_section(std::vector<uint8_t>& o, uint32_t kind, uint32_t block, uint3
 
 Parsed parse(const std::vector<uint8_t>& b, const std::string& origin) {
   Parsed out;
-  require(b.size() >= kFileHeaderBytes, origin + ": not a .kvtc container (" + std::to_string(b.size()) + " bytes, the 20-byte file header is missing)");
+  require(b.size() >= kFileHeaderBytes,
+          origin + ": not a .kvtc container (" + std::to_string(b.size()) + " bytes, the 20-byte file header is missing)");
   require(std::memcmp(b.data(), kMagic, 4) == 0, origin + ": not a .kvtc container (magic is not 'KVTC')");
   out.version = get_u32(b.data() + 4);
   require(out.version == 1, origin + ": container version " + std::to_string(out.version) + ", this kvtc reads version 1");
@@ -113,8 +116,8 @@ Parsed parse(const std::vector<uint8_t>& b, const std::string& origin) {
     s.xxh = get_u64(p + 36);
     off += kSectionHeaderBytes;
     require(s.kind >= kPositions && s.kind <= kChunk, where + ": unknown section kind " + std::to_string(s.kind));
-    require(s.stored_len <= b.size() - off, where + ": stored_len " + std::to_string(s.stored_len) + " exceeds the " + std::to_string(b.size() - off) +
-                                                " bytes left (truncated file?)");
+    require(s.stored_len <= b.size() - off, where + ": stored_len " + std::to_string(s.stored_len) + " exceeds the " +
+                                                std::to_string(b.size() - off) + " bytes left (truncated file?)");
     require(s.raw_len <= (uint64_t(1) << 36) && s.stored_len <= s.raw_len, where + ": implausible lengths");
     s.data = b.data() + off;
     require(xxh64(s.data, s.stored_len) == s.xxh, where + " (" + section_name(s.kind) + "): checksum mismatch (corrupted file)");
@@ -134,8 +137,9 @@ std::vector<uint8_t> payload(const Section& s, const std::string& origin) {
   require(d != nullptr, "kvtc: libdeflate could not allocate a decompressor");
   size_t actual = 0;
   libdeflate_result r = libdeflate_deflate_decompress(d.get(), s.data, s.stored_len, out.data(), out.size(), &actual);
-  require(r == LIBDEFLATE_SUCCESS && actual == s.raw_len,
-          origin + ": " + section_name(s.kind) + " section: DEFLATE stream is corrupt or does not inflate to " + std::to_string(s.raw_len) + " bytes");
+  require(
+      r == LIBDEFLATE_SUCCESS && actual == s.raw_len,
+      origin + ": " + section_name(s.kind) + " section: DEFLATE stream is corrupt or does not inflate to " + std::to_string(s.raw_len) + " bytes");
   return out;
 }
 

@@ -12,8 +12,8 @@
 namespace kvtc::container {
 
 constexpr uint8_t kMagic[4] = {'K', 'V', 'T', 'C'};
-constexpr size_t kFileHeaderBytes = 4 + 4 + 4 + 8;       // magic, version, header_len, header xxh64
-constexpr size_t kSectionHeaderBytes = 5 * 4 + 3 * 8;    // kind, block, kv, t0, t1, raw_len, stored_len, xxh64
+constexpr size_t kFileHeaderBytes = 4 + 4 + 4 + 8;     // magic, version, header_len, header xxh64
+constexpr size_t kSectionHeaderBytes = 5 * 4 + 3 * 8;  // kind, block, kv, t0, t1, raw_len, stored_len, xxh64
 constexpr uint32_t kMaxHeaderBytes = 16u << 20;
 
 enum SectionKind : uint32_t { kPositions = 1, kTokens = 2, kRaw = 3, kChunk = 4 };

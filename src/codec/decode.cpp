@@ -61,7 +61,8 @@ Header parse_header(const std::string& js, const std::string& origin) {
         uint32_t next = 0;
         for (const json& a : b.at("alloc").at(kv)) {
           BlockAlloc ba{a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(a.at(2).get<int>())};
-          require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && int(ba.type) >= 0 && int(ba.type) < kNumQTypes, "allocation blocks must tile a prefix");
+          require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && int(ba.type) >= 0 && int(ba.type) < kNumQTypes,
+                  "allocation blocks must tile a prefix");
           next = ba.start + ba.size;
           x.alloc[kv].push_back(ba);
         }
@@ -149,10 +150,10 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     kb.v.assign(kb.numel(), 0);
     for (int kv = 0; kv < 2; ++kv) {
       const Transform& t = cal.blocks[b][kv];
-      require(t.p == feature_dim(kb), origin + ": block " + std::to_string(b) + " has " + std::to_string(feature_dim(kb)) + " features, the calibration " +
-                                          std::to_string(t.p));
-      require(bh.r_used[kv] <= t.r, origin + ": allocation uses " + std::to_string(bh.r_used[kv]) + " components, the calibration holds " +
-                                        std::to_string(t.r));
+      require(t.p == feature_dim(kb), origin + ": block " + std::to_string(b) + " has " + std::to_string(feature_dim(kb)) +
+                                          " features, the calibration " + std::to_string(t.p));
+      require(bh.r_used[kv] <= t.r,
+              origin + ": allocation uses " + std::to_string(bh.r_used[kv]) + " components, the calibration holds " + std::to_string(t.r));
     }
   }
   // Coverage: every (block, kind, token) decoded exactly once.
@@ -186,8 +187,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
   std::vector<float> feat, d;
   for (const Section& s : P.sections) {
     if (s.kind != kRaw && s.kind != kChunk) continue;
-    const std::string where = origin + ": " + section_name(s.kind) + " section (block " + std::to_string(s.block) + ", tokens " + std::to_string(s.t0) + ".." +
-                              std::to_string(s.t1) + ")";
+    const std::string where = origin + ": " + section_name(s.kind) + " section (block " + std::to_string(s.block) + ", tokens " +
+                              std::to_string(s.t0) + ".." + std::to_string(s.t1) + ")";
     require(s.kv <= 1, where + ": kv must be 0 or 1");
     KvBlock& kb = c.blocks[s.block];
     const BlockHeader& bh = H.blocks[s.block];
@@ -227,8 +228,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     feat.resize(size_t(n) * T.p);
     for (uint32_t t = 0; t < n; ++t) std::memcpy(&feat[size_t(t) * T.p], T.mu.data(), size_t(T.p) * 4);
     if (ru > 0)  // X = D B[:ru] + mu
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f, feat.data(),
-                  int(T.p));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f,
+                  feat.data(), int(T.p));
     RopeParams rope;
     if (kind == KvKind::kKey) rope = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
     scatter_features(feat.data(), kind, kind == KvKind::kKey ? &rope : nullptr, s.t0, s.t1, kb);
@@ -236,7 +237,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
   for (size_t b = 0; b < H.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
       for (uint32_t t = 0; t < H.blocks[b].n_tokens; ++t)
-        require(seen[b][kv][t], origin + ": token " + std::to_string(t) + " of block " + std::to_string(b) + (kv ? " (V)" : " (K)") + " is missing (truncated file?)");
+        require(seen[b][kv][t], origin + ": token " + std::to_string(t) + " of block " + std::to_string(b) + (kv ? " (V)" : " (K)") +
+                                    " is missing (truncated file?)");
   return c;
 }
 

@@ -31,19 +31,24 @@ class BitWriter {
   size_t pos_ = 0;
 };
 
-uint32_t r_used(const Allocation& a) { return a.blocks.empty() ? 0 : a.blocks.back().start + a.blocks.back().size; }
+uint32_t r_used(const Allocation& a) {
+  return a.blocks.empty() ? 0 : a.blocks.back().start + a.blocks.back().size;
+}
 
 void check_match(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc) {
   require(!c.blocks.empty(), "compress: empty capture");
   auto it = c.meta.find("model_sha256");
   auto jt = cal.meta.find("model_sha256");
   require(it != c.meta.end() && jt != cal.meta.end() && it->second == jt->second,
-          "compress: the capture comes from model " + (it == c.meta.end() ? std::string("?") : it->second.substr(0, 16)) + "…, the calibration from " +
-              (jt == cal.meta.end() ? std::string("?") : jt->second.substr(0, 16)) + "… (wrong calibration for this model)");
-  require(c.blocks.size() == cal.blocks.size() && alloc.size() == c.blocks.size(), "compress: capture, calibration and allocation disagree on the block count");
+          "compress: the capture comes from model " + (it == c.meta.end() ? std::string("?") : it->second.substr(0, 16)) +
+              "…, the calibration from " + (jt == cal.meta.end() ? std::string("?") : jt->second.substr(0, 16)) +
+              "… (wrong calibration for this model)");
+  require(c.blocks.size() == cal.blocks.size() && alloc.size() == c.blocks.size(),
+          "compress: capture, calibration and allocation disagree on the block count");
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv) {
-      require(cal.blocks[b][kv].p == feature_dim(c.blocks[b]), "compress: block " + std::to_string(b) + " feature count differs from the calibration's");
+      require(cal.blocks[b][kv].p == feature_dim(c.blocks[b]),
+              "compress: block " + std::to_string(b) + " feature count differs from the calibration's");
       require(r_used(alloc[b][kv]) <= cal.blocks[b][kv].r, "compress: allocation uses more components than the calibration holds");
     }
 }
@@ -66,6 +71,8 @@ std::vector<std::pair<uint32_t, uint32_t>> chunks(uint32_t n, const CompressOpti
 }  // namespace
 
 uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, const CompressOptions& opt) {
+  require(alloc.size() == c.blocks.size(), "compress: the allocation has " + std::to_string(alloc.size()) + " block(s), the capture " +
+                                               std::to_string(c.blocks.size()) + " (calibration of another model?)");
   uint64_t n = kFileHeaderBytes + kMaxHeaderBytes;  // the JSON header is bounded by the format's limit
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
@@ -81,7 +88,8 @@ uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, con
 
 std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
   check_match(c, cal, alloc);
-  require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536, "compress: chunk_tokens must be a multiple of 16 in 16..65536");
+  require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
+          "compress: chunk_tokens must be a multiple of 16 in 16..65536");
   require(opt.deflate_level >= 0 && opt.deflate_level <= 12, "compress: deflate level must be 0..12");
   nlohmann::ordered_json h;
   h["format"] = "kvtc";
@@ -157,15 +165,16 @@ std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, c
           for (uint32_t f = 0; f < T.p; ++f) feat[size_t(t) * T.p + f] -= T.mu[f];
         d.resize(size_t(n) * std::max(ru, 1u));
         if (ru > 0)  // D = (X - mu) B[:ru]'
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru), int(T.p), 1.0f, feat.data(), int(T.p), T.basis.data(), int(T.p), 0.0f, d.data(),
-                      int(ru));
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru), int(T.p), 1.0f, feat.data(), int(T.p), T.basis.data(), int(T.p), 0.0f,
+                      d.data(), int(ru));
         std::vector<uint8_t> packed;
         packed.reserve(packed_bytes(A.blocks, n));
         std::vector<uint16_t> params(size_t(n) * 2);
         for (const BlockAlloc& blk : A.blocks) {
           if (blk.type == QType::kNone) continue;
           std::vector<uint8_t> all_codes(size_t(n) * blk.size);
-          for (uint32_t t = 0; t < n; ++t) quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
+          for (uint32_t t = 0; t < n; ++t)
+            quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
           const uint32_t np = qtype_param_bits(blk.type) / 16;
           for (uint32_t k = 0; k < np; ++k)
             for (uint32_t t = 0; t < n; ++t) {

@@ -104,8 +104,8 @@ Action add_calibrate(CLI::App& app) {
     auto t0 = std::chrono::steady_clock::now();
     ProgressFn prog = [&](const std::string& stage, uint64_t done, uint64_t total) {
       if (!tty) return;
-      std::fprintf(stderr, "\r[calibrate] %-8s %3.0f%% (%llu/%llu) %.0f s   ", stage.c_str(), total ? 100.0 * done / total : 100.0, (unsigned long long)done,
-                   (unsigned long long)total, ms_since(t0) / 1000);
+      std::fprintf(stderr, "\r[calibrate] %-8s %3.0f%% (%llu/%llu) %.0f s   ", stage.c_str(), total ? 100.0 * done / total : 100.0,
+                   (unsigned long long)done, (unsigned long long)total, ms_since(t0) / 1000);
       std::fflush(stderr);
     };
     Calibration cal = calibrate(*o, prog);
@@ -120,8 +120,8 @@ Action add_calibrate(CLI::App& app) {
       std::printf("  %s fit tokens from %s documents, %s held-out tokens\n", cal.meta["calib_tokens"].c_str(), cal.meta["calib_documents"].c_str(),
                   cal.meta["heldout_tokens"].c_str());
       for (const auto& x : j["blocks"]) {
-        std::printf("  block %d %-6s p=%u r=%u explained@64=%.3f\n", x["block"].get<int>(), x["kind"].get<std::string>().c_str(), x["p"].get<unsigned>(),
-                    x["r"].get<unsigned>(), x.value("explained_variance_top64", 0.0));
+        std::printf("  block %d %-6s p=%u r=%u explained@64=%.3f\n", x["block"].get<int>(), x["kind"].get<std::string>().c_str(),
+                    x["p"].get<unsigned>(), x["r"].get<unsigned>(), x.value("explained_variance_top64", 0.0));
         for (auto it = x["ratios"].begin(); it != x["ratios"].end(); ++it)
           std::printf("    %5sx: %6llu bits/token, %5u components, held-out rel. error %.4f\n", it.key().c_str(),
                       (unsigned long long)it.value()["bits_per_token"].get<uint64_t>(), it.value()["components_coded"].get<unsigned>(),
@@ -158,8 +158,8 @@ Action add_compress(CLI::App& app) {
     const double load_ms = ms_since(t0);
     AllocationSet al = allocations(cal, a->ratio);
     t0 = std::chrono::steady_clock::now();
+    std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, a->opt);  // validates the match first
     const uint64_t bound = kvtc_compress_bound(c, al, a->opt);
-    std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, a->opt);
     const double enc_ms = ms_since(t0);
     write_file_atomic(a->out, bytes);
     ContainerInfo ci = kvtc_inspect(bytes, a->out);
@@ -239,10 +239,11 @@ Action add_inspect(CLI::App& app) {
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
-      std::printf("%s: kvtc v%u, %llu bytes, %llu tokens (%llu coded), ratio %.2fx on coded tokens, %.2fx on the whole cache\n", in->c_str(), ci.version,
-                  (unsigned long long)ci.file_bytes, (unsigned long long)ci.n_tokens, (unsigned long long)ci.n_compressed_tokens,
+      std::printf("%s: kvtc v%u, %llu bytes, %llu tokens (%llu coded), ratio %.2fx on coded tokens, %.2fx on the whole cache\n", in->c_str(),
+                  ci.version, (unsigned long long)ci.file_bytes, (unsigned long long)ci.n_tokens, (unsigned long long)ci.n_compressed_tokens,
                   j["ratio_compressed_tokens"].get<double>(), j["ratio_whole_cache"].get<double>());
-      for (const auto& [k, v] : by) std::printf("  %-9s %10llu bytes stored (%llu before DEFLATE)\n", k.c_str(), (unsigned long long)v.first, (unsigned long long)v.second);
+      for (const auto& [k, v] : by)
+        std::printf("  %-9s %10llu bytes stored (%llu before DEFLATE)\n", k.c_str(), (unsigned long long)v.first, (unsigned long long)v.second);
     }
     return 0;
   };

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The codec end to end on the real model: calibrate (small), capture an
+evaluation document, compress, inspect, decompress, restore into llama.cpp;
+and every malformed or mismatched container refused cleanly."""
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import tempfile
+import unittest
+
+KVTC = os.environ["KVTC_BIN"]
+CORPUS = os.environ["KVTC_CORPUS"]
+SMOL = os.environ["KVTC_MODEL_SMOL"]
+GEMMA = os.environ["KVTC_MODEL_GEMMA"]
+
+
+def run(*args, check=None):
+    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=900)
+    if check is not None:
+        assert p.returncode == check, f"kvtc {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def eval_doc(kind, min_tokens):
+    with open(os.path.join(CORPUS, "manifest.json")) as f:
+        m = json.load(f)
+    return os.path.join(CORPUS, next(d["file"] for d in m["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= min_tokens))
+
+
+def load_f16(path, name):
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    hdr = json.loads(raw[8:8 + n])
+    b, e = hdr[name]["data_offsets"]
+    return hdr[name]["shape"], struct.unpack(f"<{(e - b) // 2}e", raw[8 + n + b:8 + n + e])
+
+
+class Codec(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="kvtc-codec-")
+        cls.cal = os.path.join(cls.tmp, "cal.safetensors")
+        cls.cal2 = os.path.join(cls.tmp, "cal2.safetensors")
+        # Small but real: 3,000 calibration tokens, top 512 components.
+        p = run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512",
+                "--ratios", "8", "16", "32", "64", "-o", cls.cal, "--json", check=0)
+        cls.summary = json.loads(p.stdout)
+        run("calibrate", "-m", SMOL, "--tokens", "1500", "--heldout", "256", "--doc-tokens", "1024", "--rank-max", "64",
+            "--ratios", "16", "-o", cls.cal2, check=0)
+        cls.cap = os.path.join(cls.tmp, "cap.safetensors")
+        run("capture", "-m", SMOL, "-t", eval_doc("docs", 1024), "--max-tokens", "700", "-o", cls.cap, check=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp)
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def assertFails(self, p, *needles):
+        self.assertGreater(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("kvtc: error:", p.stderr)
+        for n in needles:
+            self.assertIn(n, p.stderr)
+
+    def compress(self, ratio, out, *extra):
+        return json.loads(run("compress", self.cap, "--calib", self.cal, "-r", str(ratio), "-o", out, "--json", *extra, check=0).stdout)
+
+    def test_calibration_summary(self):
+        s = self.summary
+        self.assertEqual(len(s["blocks"]), 2)  # keys and values of the one cache block
+        for b in s["blocks"]:
+            self.assertEqual(b["p"], 5760)
+            self.assertEqual(b["r"], 512)
+            self.assertGreater(b["explained_variance_top64"], 0.3)
+            errs = [b["ratios"][r]["heldout_relative_error"] for r in ("8", "16", "32", "64")]
+            self.assertEqual(errs, sorted(errs), "a smaller budget cannot give a smaller error")
+            for r in ("8", "16", "32", "64"):
+                self.assertLessEqual(b["ratios"][r]["bits_per_token"], 5760 * 16 // int(r))
+
+    def test_round_trip_ratio_and_error(self):
+        out = self.path("c16.kvtc")
+        s = self.compress(16, out)
+        self.assertLessEqual(s["bytes"], s["bound_bytes"])
+        self.assertEqual(s["bytes"], os.path.getsize(out))
+        self.assertEqual(s["compressed_tokens"], 700 - 4 - 128)
+        self.assertGreater(s["ratio_compressed_tokens"], 14.0)  # DP at 1/16 of the bits, DEFLATE on top
+        info = json.loads(run("inspect", out, "--json", check=0).stdout)
+        self.assertAlmostEqual(info["ratio_compressed_tokens"], s["ratio_compressed_tokens"], places=6)
+        self.assertIn("chunk", info["sections"])
+        dec = self.path("d16.safetensors")
+        run("decompress", out, "--calib", self.cal, "-o", dec, check=0)
+        for name in ("k", "v"):
+            shape, a = load_f16(self.cap, name)
+            _, b = load_f16(dec, name)
+            L, H, T, D = shape
+            num = den = 0.0
+            for l in range(L):
+                for h in range(H):
+                    base = (l * H + h) * T * D
+                    for t in range(T):
+                        row = slice(base + t * D, base + (t + 1) * D)
+                        if t < 4 or t >= T - 128:
+                            self.assertEqual(a[row], b[row], "sink and window tokens must be exact")
+                        elif t % 7 == 0:  # a sample of coded tokens
+                            num += sum((x - y) ** 2 for x, y in zip(a[row], b[row]))
+                            den += sum(x * x for x in a[row])
+            rel = num / den
+            self.assertLess(rel, 0.25, f"{name}: relative squared error {rel:.3f}")
+        # The decoded cache loads into llama.cpp and continues.
+        r = json.loads(run("restore", dec, "-m", SMOL, "--generate", "8", "--json", check=0).stdout)
+        self.assertEqual(r["tokens"], 700)
+        self.assertTrue(r["generated"])
+
+    def test_sink_and_window_zero_and_levels(self):
+        out = self.path("c.kvtc")
+        s = self.compress(16, out, "--sink", "0", "--window", "0", "--level", "0")
+        self.assertEqual(s["compressed_tokens"], 700)
+        s9 = self.compress(16, self.path("c9.kvtc"), "--sink", "0", "--window", "0", "--level", "9")
+        self.assertLess(s9["bytes"], s["bytes"])
+        run("decompress", self.path("c9.kvtc"), "--calib", self.cal, "-o", self.path("d.safetensors"), check=0)
+
+    def test_any_ratio_without_recomputing_pca(self):
+        s = self.compress(12.5, self.path("c125.kvtc"))
+        s16 = self.compress(16, self.path("c16b.kvtc"))
+        self.assertGreater(s["bytes"], s16["bytes"])
+
+    def test_must_fail_containers(self):
+        good = self.path("good.kvtc")
+        self.compress(32, good)
+        with open(good, "rb") as f:
+            raw = f.read()
+        cases = {"empty": b"", "magic": b"XXXX" + raw[4:], "truncated_header": raw[:30], "truncated": raw[: len(raw) // 2],
+                 "truncated_last_byte": raw[:-1]}
+        rng = random.Random(7)
+        for i in range(12):
+            pos = rng.randrange(len(raw))
+            cases[f"flip{i}"] = raw[:pos] + bytes([raw[pos] ^ (1 << rng.randrange(8))]) + raw[pos + 1:]
+        for name, data in cases.items():
+            bad = self.path(f"bad_{name}.kvtc")
+            with open(bad, "wb") as f:
+                f.write(data)
+            out = self.path(f"bad_{name}.safetensors")
+            p = run("decompress", bad, "--calib", self.cal, "-o", out)
+            self.assertFails(p)
+            self.assertFalse(os.path.exists(out), f"{name}: partial output left behind")
+            self.assertFails(run("inspect", bad))
+
+    def test_wrong_calibration_and_model(self):
+        good = self.path("g.kvtc")
+        self.compress(16, good)
+        self.assertFails(run("decompress", good, "--calib", self.cal2, "-o", self.path("x.safetensors")), "wrong calibration")
+        gcap = self.path("gemma.safetensors")
+        run("capture", "-m", GEMMA, "-t", eval_doc("prose", 1024), "--max-tokens", "200", "-o", gcap, check=0)
+        self.assertFails(run("compress", gcap, "--calib", self.cal, "-o", self.path("y.kvtc")), "wrong calibration for this model")
+        self.assertFails(run("compress", self.cap, "--calib", self.cap, "-o", self.path("z.kvtc")), "expected 'kvtc-calibration'")
+        # A corrupted basis is caught by the calibration id.
+        with open(self.cal, "rb") as f:
+            raw = bytearray(f.read())
+        raw[-100] ^= 0xFF
+        badcal = self.path("badcal.safetensors")
+        with open(badcal, "wb") as f:
+            f.write(bytes(raw))
+        self.assertFails(run("decompress", good, "--calib", badcal, "-o", self.path("w.safetensors")))
+        self.assertEqual(sorted(f for f in os.listdir(self.tmp) if f[0] in "xyzw"), [])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -58,7 +58,17 @@ struct ContainerInfo {
   uint64_t n_tokens = 0, n_compressed_tokens = 0;        // over all blocks
   uint64_t f16_bytes_all = 0, f16_bytes_compressed = 0;  // K+V at f16
   uint64_t stored_bytes_compressed = 0;                  // chunk sections incl. their headers
+  uint64_t payload_bytes_compressed = 0;                 // the same before DEFLATE (packed codes + parameters + headers)
 };
+
+// Relative squared reconstruction error ||x - x'||^2 / ||x||^2 of keys and
+// values over the tokens that are not raw (sink/window), all blocks summed.
+// Captures must have the same geometry and positions.
+struct ReconError {
+  double k = 0, v = 0;
+  uint64_t tokens = 0;  // coded tokens of block 0
+};
+ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint32_t sink, uint32_t window);
 ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string& origin);
 
 }  // namespace kvtc

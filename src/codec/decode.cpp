@@ -242,6 +242,34 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
   return c;
 }
 
+ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint32_t sink, uint32_t window) {
+  require(ref.blocks.size() == dec.blocks.size(), "reconstruction_error: block counts differ");
+  ReconError r;
+  double nk = 0, dk = 0, nv = 0, dv = 0;
+  for (size_t b = 0; b < ref.blocks.size(); ++b) {
+    const KvBlock &x = ref.blocks[b], &y = dec.blocks[b];
+    require(x.numel() == y.numel() && x.pos == y.pos, "reconstruction_error: block " + std::to_string(b) + " differs in shape or positions");
+    const uint32_t n = x.n_tokens();
+    for (uint32_t t = 0; t < n; ++t) {
+      if (t < sink || t + window >= n) continue;
+      if (b == 0) ++r.tokens;
+      for (uint32_t l = 0; l < x.n_layer(); ++l)
+        for (uint32_t h = 0; h < x.n_head_kv; ++h)
+          for (uint32_t d = 0; d < x.head_dim; ++d) {
+            const size_t i = x.index(l, h, t, d);
+            const double a = f16_to_f32(x.k[i]), c = f16_to_f32(y.k[i]), e = f16_to_f32(x.v[i]), f = f16_to_f32(y.v[i]);
+            nk += (a - c) * (a - c);
+            dk += a * a;
+            nv += (e - f) * (e - f);
+            dv += e * e;
+          }
+    }
+  }
+  r.k = dk > 0 ? nk / dk : 0;
+  r.v = dv > 0 ? nv / dv : 0;
+  return r;
+}
+
 ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string& origin) {
   Parsed P = parse(bytes, origin);
   Header H = parse_header(P.header_json, origin);
@@ -263,6 +291,7 @@ ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string&
       require(s.block < H.blocks.size() && s.t1 >= s.t0, origin + ": bad chunk section");
       const BlockHeader& b = H.blocks[s.block];
       ci.stored_bytes_compressed += s.stored_len + kSectionHeaderBytes;
+      ci.payload_bytes_compressed += s.raw_len + kSectionHeaderBytes;
       if (s.kv == 0) {
         ci.n_compressed_tokens += s.t1 - s.t0;
         ci.f16_bytes_compressed += uint64_t(b.layers.size()) * b.n_head_kv * b.head_dim * 2 * 2 * (s.t1 - s.t0);

@@ -172,6 +172,11 @@ Action add_compress(CLI::App& app) {
     j["bound_bytes"] = bound;
     j["ratio_compressed_tokens"] = ci.stored_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.stored_bytes_compressed : 0;
     j["ratio_whole_cache"] = double(ci.f16_bytes_all) / bytes.size();
+    j["payload_bytes_compressed"] = ci.payload_bytes_compressed;
+    j["stored_bytes_compressed"] = ci.stored_bytes_compressed;
+    j["f16_bytes_compressed"] = ci.f16_bytes_compressed;
+    j["f16_bytes_all"] = ci.f16_bytes_all;
+    j["ratio_before_deflate"] = ci.payload_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.payload_bytes_compressed : 0;
     j["load_ms"] = load_ms;
     j["encode_ms"] = enc_ms;
     if (a->json)
@@ -188,19 +193,41 @@ Action add_decompress(CLI::App& app) {
   auto in = std::make_shared<std::string>();
   auto calib = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
+  auto ref = std::make_shared<std::string>();
+  auto json = std::make_shared<bool>(false);
   CLI::App* sub = app.add_subcommand("decompress", "Decode a .kvtc container back into a capture (.safetensors)");
   sub->add_option("input", *in, ".kvtc file")->required();
   sub->add_option("--calib", *calib, "The calibration it was encoded with")->required();
-  sub->add_option("-o,--output", *out, "Output .safetensors")->required();
-  return [in, calib, out] {
-    check_output_path(*out);
+  sub->add_option("-o,--output", *out, "Output .safetensors (optional with --reference)");
+  sub->add_option("--reference", *ref, "Original capture: report the reconstruction error of K and V");
+  sub->add_flag("--json", *json, "JSON summary");
+  return [in, calib, out, ref, json] {
+    require(!out->empty() || !ref->empty(), "decompress: give -o OUTPUT, --reference CAPTURE, or both");
+    if (!out->empty()) check_output_path(*out);
     std::vector<uint8_t> bytes = read_file(*in);
     Calibration cal = calibration_load(*calib, /*decoder_only=*/true);
     auto t0 = std::chrono::steady_clock::now();
     KvCapture c = kvtc_decompress(bytes, cal, *in);
     const double ms = ms_since(t0);
-    capture_save(*out, c);
-    std::printf("decoded %u tokens from %s in %.0f ms into %s\n", c.blocks[0].n_tokens(), in->c_str(), ms, out->c_str());
+    if (!out->empty()) capture_save(*out, c);
+    nlohmann::ordered_json j;
+    j["input"] = *in;
+    j["tokens"] = c.blocks[0].n_tokens();
+    j["decode_ms"] = ms;
+    if (!ref->empty()) {
+      nlohmann::json hdr = nlohmann::json::parse(kvtc_inspect(bytes, *in).header_json);
+      ReconError e = reconstruction_error(capture_load(*ref), c, hdr["sink"].get<uint32_t>(), hdr["window"].get<uint32_t>());
+      j["rel_error_k"] = e.k;
+      j["rel_error_v"] = e.v;
+      j["error_tokens"] = e.tokens;
+    }
+    if (*json)
+      std::printf("%s\n", j.dump(2).c_str());
+    else {
+      std::printf("decoded %u tokens from %s in %.0f ms%s%s\n", c.blocks[0].n_tokens(), in->c_str(), ms, out->empty() ? "" : " into ", out->c_str());
+      if (!ref->empty())
+        std::printf("  relative squared error on coded tokens: K %.5f, V %.5f\n", j["rel_error_k"].get<double>(), j["rel_error_v"].get<double>());
+    }
     return 0;
   };
 }

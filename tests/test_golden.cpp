@@ -1,0 +1,83 @@
+// Golden containers: files written by format version 1 must keep decoding,
+// and the must-fail files must keep failing with a clear error. The inputs
+// are the small synthetic capture and calibration of tools/fuzz (synthetic
+// on purpose: the files test the format, and stay a few KB).
+// Regenerate (only when the format version changes):
+//   KVTC_REGENERATE_GOLDEN=1 build/tests/kvtc_tests_golden
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+#include "../tools/fuzz/fuzz_common.h"
+#include "kvtc/codec.h"
+#include "kvtc/error.h"
+#include "kvtc/util.h"
+
+using namespace kvtc;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kDir = KVTC_GOLDEN_DIR;
+
+void regenerate() {
+  KvCapture c = fuzz::small_capture(64);
+  Calibration cal = fuzz::small_calibration();
+  CompressOptions o;
+  o.sink = 2;
+  o.window = 8;
+  o.chunk_tokens = 16;
+  std::vector<uint8_t> good = kvtc_compress(c, cal, fuzz::small_alloc(), o);
+  fs::create_directories(kDir);
+  write_file_atomic(kDir + "/ok.kvtc", good);
+  calibration_save(kDir + "/calibration.safetensors", cal);
+  capture_save(kDir + "/original.safetensors", c);
+  write_file_atomic(kDir + "/fail_truncated.kvtc", std::vector<uint8_t>(good.begin(), good.end() - 7));
+  std::vector<uint8_t> flip = good;
+  flip[flip.size() / 2] ^= 0x10;
+  write_file_atomic(kDir + "/fail_bitflip.kvtc", flip);
+  Calibration other = cal;
+  other.blocks[0][0].mu[0] += 1.0f;
+  other.id = calibration_compute_id(other);
+  write_file_atomic(kDir + "/fail_wrong_calibration.kvtc", kvtc_compress(c, other, fuzz::small_alloc(), o));
+  std::vector<uint8_t> v2 = good;
+  v2[4] = 2;
+  write_file_atomic(kDir + "/fail_version.kvtc", v2);
+}
+
+}  // namespace
+
+TEST(Golden, V1Decodes) {
+  if (std::getenv("KVTC_REGENERATE_GOLDEN")) regenerate();
+  Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
+  KvCapture c = kvtc_decompress(read_file(kDir + "/ok.kvtc"), cal, "ok.kvtc");
+  KvCapture ref = capture_load(kDir + "/original.safetensors");
+  ASSERT_EQ(c.blocks[0].n_tokens(), 64u);
+  EXPECT_EQ(c.tokens, ref.tokens);
+  EXPECT_EQ(c.blocks[0].pos, ref.blocks[0].pos);
+  // Raw tokens exact; coded components 0..4 of 16 (identity basis): bounded error.
+  ReconError e = reconstruction_error(ref, c, 2, 8);
+  EXPECT_EQ(e.tokens, 64u - 2 - 8);
+  EXPECT_LT(e.k, 0.9);
+  EXPECT_LT(e.v, 0.9);
+  for (uint32_t t : {0u, 1u, 56u, 63u})
+    for (uint32_t d = 0; d < 8; ++d) EXPECT_EQ(c.blocks[0].k[c.blocks[0].index(1, 0, t, d)], ref.blocks[0].k[ref.blocks[0].index(1, 0, t, d)]);
+}
+
+TEST(Golden, V1MustFail) {
+  Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
+  const std::pair<const char*, const char*> cases[] = {{"fail_truncated.kvtc", "truncated"},
+                                                       {"fail_bitflip.kvtc", "checksum"},
+                                                       {"fail_wrong_calibration.kvtc", "wrong calibration"},
+                                                       {"fail_version.kvtc", "version 2"}};
+  for (const auto& [file, needle] : cases) {
+    try {
+      kvtc_decompress(read_file(kDir + "/" + file), cal, file);
+      ADD_FAILURE() << file << " decoded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << file << ": " << e.what();
+    }
+  }
+}

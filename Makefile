@@ -6,11 +6,13 @@
 #   make demo     capture a real session and restore it       -> out/demo/
 #   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
+#   make calibrate   full calibration (160K tokens)           -> .deps/calib/
+#   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
-.PHONY: all bootstrap build corpus test demo check-long fuzz clean distclean
+.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio clean distclean
 
 all: build
 
@@ -35,6 +37,18 @@ demo: build $(CORPUS)
 check-long: build $(CORPUS)
 	@scripts/check_long.sh $(BUILD)/kvtc
 
+# Full calibration of the default model (160K tokens; ~15 min on 2 cores).
+CALIB := .deps/calib/smollm2-160k.safetensors
+$(CALIB): | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate -o $@ --json > .deps/calib/smollm2-160k.json
+
+calibrate: $(CALIB)
+
+# Ratio and error on evaluation caches -> bench/results/ratio.md
+bench-ratio: $(CALIB)
+	python3 bench/ratio.py --calib $(CALIB)
+
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60
 fuzz: bootstrap
@@ -52,22 +66,5 @@ fuzz: bootstrap
 clean:
 	rm -rf $(BUILD) $(BUILD).configure.log build-fuzz build-fuzz.configure.log out
 
-distcheck-long: build $(CORPUS)
-	@scripts/check_long.sh $(BUILD)/kvtc
-
-# Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
-FUZZ_SECONDS ?= 60
-fuzz: bootstrap
-	@CC=clang CXX=clang++ cmake -S . -B build-fuzz -DKVTC_FUZZ=ON -DKVTC_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >build-fuzz.configure.log 2>&1 || (cat build-fuzz.configure.log; exit 1)
-	@cmake --build build-fuzz -j$(JOBS) --target fuzz_container fuzz_state_blob fuzz_safetensors fuzz_make_seeds
-	@mkdir -p build-fuzz/corpus/container build-fuzz/corpus/state_blob build-fuzz/corpus/safetensors
-	@build-fuzz/fuzz_make_seeds build-fuzz/corpus
-	@for f in container state_blob safetensors; do \
-	  echo "== fuzz_$$f ($(FUZZ_SECONDS) s)"; \
-	  build-fuzz/fuzz_$$f -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -print_final_stats=1 -artifact_prefix=build-fuzz/crash- \
-	    build-fuzz/corpus/$$f >build-fuzz/fuzz_$$f.log 2>&1 || { tail -40 build-fuzz/fuzz_$$f.log; exit 1; }; \
-	  grep -E "stat::(number_of_executed_units|new_units_added)" build-fuzz/fuzz_$$f.log; \
-	done
-
-clean: clean
+distclean: clean
 	rm -rf .deps

@@ -129,6 +129,30 @@ class Codec(unittest.TestCase):
         s16 = self.compress(16, self.path("c16b.kvtc"))
         self.assertGreater(s["bytes"], s16["bytes"])
 
+    def test_append_in_groups_of_16(self):
+        doc = eval_doc("docs", 1024)
+        short, grown = self.path("short.safetensors"), self.path("grown.safetensors")
+        run("capture", "-m", SMOL, "-t", doc, "--max-tokens", "600", "-o", short, check=0)
+        run("capture", "-m", SMOL, "-t", doc, "--max-tokens", "664", "-o", grown, check=0)
+        box = self.path("grow.kvtc")
+        run("compress", short, "--calib", self.cal, "-r", "16", "-o", box, check=0)
+        with open(box, "rb") as f:
+            before = f.read()
+        out = run("append", box, grown, "--calib", self.cal, check=0).stdout
+        kept = int(out.split(": ")[1].split(" bytes kept")[0])
+        with open(box, "rb") as f:
+            after = f.read()
+        self.assertGreater(kept, len(before) // 2)
+        self.assertEqual(before[:kept], after[:kept], "append rewrote earlier bytes")
+        info = json.loads(run("inspect", box, "--json", check=0).stdout)
+        self.assertEqual(info["tokens"], 664)
+        self.assertEqual(info["compressed_tokens"], 664 - 4 - 128)
+        dec = self.path("grown_dec.safetensors")
+        run("decompress", box, "--calib", self.cal, "-o", dec, check=0)
+        r = json.loads(run("restore", dec, "-m", SMOL, "--generate", "4", "--json", check=0).stdout)
+        self.assertEqual(r["tokens"], 664)
+        self.assertFails(run("append", box, grown, "--calib", self.cal), "multiple of 16")
+
     def test_must_fail_containers(self):
         good = self.path("good.kvtc")
         self.compress(32, good)

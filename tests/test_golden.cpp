@@ -81,3 +81,51 @@ TEST(Golden, V1MustFail) {
     }
   }
 }
+
+// Appending in groups of 16 leaves every earlier byte alone and decodes to
+// what compressing the grown cache in one go decodes to.
+TEST(Append, KeepsThePrefixAndMatchesOneShot) {
+  KvCapture full = fuzz::small_capture(112);
+  Calibration cal = fuzz::small_calibration();
+  CompressOptions o;
+  o.sink = 2;
+  o.window = 8;
+  o.chunk_tokens = 32;
+  auto prefix_of = [&](uint32_t n) {
+    KvCapture c = full;
+    KvBlock& b = c.blocks[0];
+    KvBlock nb = b;
+    nb.pos.resize(n);
+    nb.k.assign(nb.numel(), 0);
+    nb.v.assign(nb.numel(), 0);
+    for (uint32_t l = 0; l < b.n_layer(); ++l)
+      for (uint32_t t = 0; t < n; ++t)
+        for (uint32_t d = 0; d < b.head_dim; ++d) {
+          nb.k[nb.index(l, 0, t, d)] = b.k[b.index(l, 0, t, d)];
+          nb.v[nb.index(l, 0, t, d)] = b.v[b.index(l, 0, t, d)];
+        }
+    c.blocks[0] = nb;
+    c.tokens.resize(n);
+    return c;
+  };
+  std::vector<uint8_t> bytes = kvtc_compress(prefix_of(64), cal, fuzz::small_alloc(), o);
+  for (uint32_t n : {80u, 112u}) {
+    AppendResult r = kvtc_append(bytes, prefix_of(n), cal, "grow");
+    ASSERT_LE(r.kept_bytes, bytes.size());
+    EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + r.kept_bytes, r.bytes.begin())) << "append rewrote earlier bytes";
+    EXPECT_GT(r.kept_bytes, bytes.size() / 2);
+    KvCapture a = kvtc_decompress(r.bytes, cal, "appended");
+    KvCapture one = kvtc_decompress(kvtc_compress(prefix_of(n), cal, fuzz::small_alloc(), o), cal, "one-shot");
+    EXPECT_EQ(a.blocks[0].pos, one.blocks[0].pos);
+    EXPECT_EQ(a.blocks[0].k, one.blocks[0].k);
+    EXPECT_EQ(a.blocks[0].v, one.blocks[0].v);
+    EXPECT_EQ(a.tokens, one.tokens);
+    bytes = r.bytes;
+  }
+  EXPECT_THROW(kvtc_append(bytes, prefix_of(112), cal, "same"), Error);  // nothing new
+  KvCapture odd = fuzz::small_capture(120);
+  EXPECT_THROW(kvtc_append(bytes, odd, cal, "odd"), Error);  // 8 new tokens: not a multiple of 16
+  KvCapture moved = fuzz::small_capture(128);
+  moved.blocks[0].pos[5] = 999;
+  EXPECT_THROW(kvtc_append(bytes, moved, cal, "moved"), Error);  // positions differ
+}

@@ -78,3 +78,57 @@ TEST(Pca, RecoversAKnownSpectrumFromChunks) {
   EXPECT_EQ(top.r, 5u);
   for (uint32_t j = 0; j < 5; ++j) EXPECT_NEAR(top.variance[j], pca.variance[j], 1e-9 * pca.variance[0]);
 }
+
+namespace {
+
+class VectorSource : public RowSource {
+ public:
+  VectorSource(std::vector<float> x, uint32_t p) : x_(std::move(x)), p_(p) {}
+  uint32_t p() const override { return p_; }
+  void reset() override { at_ = 0; }
+  size_t next(float* rows, size_t max_rows) override {
+    const size_t n = std::min(max_rows, x_.size() / p_ - at_);
+    std::copy(x_.begin() + at_ * p_, x_.begin() + (at_ + n) * p_, rows);
+    at_ += n;
+    return n;
+  }
+
+ private:
+  std::vector<float> x_;
+  uint32_t p_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
+// The two routes on the same rows: equal spectra and subspaces for the
+// leading components (synthetic low-rank-plus-noise data).
+TEST(Pca, RandomizedMatchesExact) {
+  const uint32_t p = 300, n = 6000, k = 12;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> dirs(k * p);
+  for (auto& v : dirs) v = g(rng);
+  std::vector<float> x(size_t(n) * p);
+  for (uint32_t i = 0; i < n; ++i) {
+    for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] = 3.0f + 0.05f * g(rng);
+    for (uint32_t j = 0; j < k; ++j) {
+      const float c = g(rng) * 5.0f * std::pow(0.75f, float(j));
+      for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] += c * dirs[j * p + f];
+    }
+  }
+  CovAccumulator acc(p);
+  acc.add(x.data(), n);
+  const uint32_t r = 16;
+  Pca ex = acc.finish(r);
+  VectorSource src(x, p);
+  Pca rd = randomized_pca(src, r);
+  EXPECT_NEAR(rd.total_variance, ex.total_variance, 1e-4 * ex.total_variance);
+  for (uint32_t f = 0; f < p; ++f) EXPECT_NEAR(rd.mu[f], ex.mu[f], 1e-3);
+  for (uint32_t j = 0; j < k; ++j) {
+    EXPECT_NEAR(rd.variance[j], ex.variance[j], 1e-3 * ex.variance[0]) << j;
+    double dot = 0;
+    for (uint32_t f = 0; f < p; ++f) dot += double(rd.basis[j * p + f]) * ex.basis[j * p + f];
+    EXPECT_GT(std::fabs(dot), 0.999) << "component " << j;
+  }
+}

@@ -39,6 +39,19 @@ uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, con
 // geometry); Error otherwise. Returns the exact container bytes.
 std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
 
+// Appends tokens to a container without re-encoding what it holds: `c` is
+// the whole grown cache (its first tokens must be the container's, with
+// the same positions) and adds a positive multiple of 16 tokens. Tokens
+// that leave the raw window are coded into new chunks; the old window
+// sections, always the file's last, are replaced. bytes[0, kept_bytes) of
+// the result equal the input's: a file can be truncated there and the rest
+// appended. Single-cache models only (not iSWA).
+struct AppendResult {
+  std::vector<uint8_t> bytes;
+  size_t kept_bytes = 0;
+};
+AppendResult kvtc_append(const std::vector<uint8_t>& container, const KvCapture& c, const Calibration& cal, const std::string& origin);
+
 // Decodes a whole container; refuses a calibration whose id differs from the
 // one the container names. `origin` names the input in errors.
 KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -39,6 +40,40 @@ Allocation allocation_for_ratio(const Transform& t, double ratio) {
 }
 
 namespace {
+
+// Rows spooled as f16 to an anonymous temporary file, replayed for the
+// randomized route's passes (1.8 GB for 160K tokens of p = 5,760).
+class SpoolSource : public RowSource {
+ public:
+  explicit SpoolSource(uint32_t p) : p_(p), f_(std::tmpfile()) { require(f_ != nullptr, "calibrate: cannot create a temporary spool file"); }
+  ~SpoolSource() override { std::fclose(f_); }
+  void append(const float* x, size_t n) {
+    buf_.resize(n * p_);
+    for (size_t i = 0; i < n * p_; ++i) buf_[i] = f32_to_f16(x[i]);
+    require(std::fwrite(buf_.data(), 2, buf_.size(), f_) == buf_.size(), "calibrate: writing the spool file failed (disk full?)");
+    rows_ += n;
+  }
+  uint32_t p() const override { return p_; }
+  void reset() override {
+    std::fflush(f_);
+    std::rewind(f_);
+    at_ = 0;
+  }
+  size_t next(float* rows, size_t max_rows) override {
+    const size_t n = std::min<size_t>(max_rows, rows_ - at_);
+    buf_.resize(n * p_);
+    require(std::fread(buf_.data(), 2, buf_.size(), f_) == buf_.size(), "calibrate: reading the spool file failed");
+    for (size_t i = 0; i < buf_.size(); ++i) rows[i] = f16_to_f32(buf_[i]);
+    at_ += n;
+    return n;
+  }
+
+ private:
+  uint32_t p_;
+  FILE* f_;
+  std::vector<uint16_t> buf_;
+  uint64_t rows_ = 0, at_ = 0;
+};
 
 struct Doc {
   std::string file, id;
@@ -82,13 +117,20 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
   const size_t nb = g.block_layers.size();
   std::vector<uint32_t> p(nb);
   for (size_t b = 0; b < nb; ++b) p[b] = uint32_t(g.block_layers[b].size()) * g.n_head_kv * g.head_dim_k;
-  std::vector<std::array<CovAccumulator*, 2>> acc(nb);
-  std::vector<std::unique_ptr<CovAccumulator>> own;
-  for (size_t b = 0; b < nb; ++b)
+  require(opt.pca_route == "auto" || opt.pca_route == "exact" || opt.pca_route == "randomized",
+          "calibrate: PCA route must be auto, exact or randomized, got '" + opt.pca_route + "'");
+  std::vector<bool> randomized(nb);
+  std::vector<std::array<std::unique_ptr<CovAccumulator>, 2>> acc(nb);
+  std::vector<std::array<std::unique_ptr<SpoolSource>, 2>> spool(nb);
+  for (size_t b = 0; b < nb; ++b) {
+    randomized[b] = opt.pca_route == "randomized" || (opt.pca_route == "auto" && p[b] > 12288);
     for (int k = 0; k < 2; ++k) {
-      own.push_back(std::make_unique<CovAccumulator>(p[b]));
-      acc[b][k] = own.back().get();
+      if (randomized[b])
+        spool[b][k] = std::make_unique<SpoolSource>(p[b]);
+      else
+        acc[b][k] = std::make_unique<CovAccumulator>(p[b]);
     }
+  }
   std::vector<std::array<std::vector<float>, 2>> held(nb);
   std::vector<uint64_t> held_n(nb, 0);
   std::map<std::string, std::string> capture_meta;
@@ -121,6 +163,8 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
           gather_features(blk, KvKind(k), &rope, t0, t1, buf.data());
           if (to_held)
             held[b][k].insert(held[b][k].end(), buf.begin(), buf.end());
+          else if (randomized[b])
+            spool[b][k]->append(buf.data(), t1 - t0);
           else
             acc[b][k]->add(buf.data(), t1 - t0);
         }
@@ -144,7 +188,11 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
   for (size_t b = 0; b < nb; ++b)
     for (int k = 0; k < 2; ++k) {
       if (progress) progress("pca", step++, 2 * nb);
-      Pca pca = acc[b][k]->finish(opt.rank_max);
+      RandomizedOptions ro;
+      ro.power_iters = opt.power_iters;
+      Pca pca = randomized[b] ? randomized_pca(*spool[b][k], opt.rank_max, ro) : acc[b][k]->finish(opt.rank_max);
+      acc[b][k].reset();
+      spool[b][k].reset();
       Transform& t = cal.blocks[b][k];
       t.p = pca.p;
       t.r = pca.r;
@@ -203,7 +251,9 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
   cal.meta["skip_sinks"] = std::to_string(opt.skip_sinks);
   cal.meta["calib_n_ctx"] = std::to_string(s.n_ctx());
   cal.meta["corpus_manifest_sha256"] = sha256_file(opt.corpus_dir + "/manifest.json");
-  cal.meta["pca_route"] = "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
+  cal.meta["pca_route"] = randomized[0]
+                              ? "randomized: Halko subspace iteration, " + std::to_string(opt.power_iters) + " power iterations, rows spooled as f16"
+                              : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
   cal.meta["kvtc_version"] = KVTC_VERSION;
   cal.id = calibration_compute_id(cal);
   return cal;

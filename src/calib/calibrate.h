@@ -20,6 +20,11 @@ struct CalibrateOptions {
   uint32_t max_doc_tokens = 0;     // 0: the model's trained context
   uint32_t skip_sinks = 4;         // first tokens of each document left out (never compressed)
   std::vector<double> ratios{8, 16, 32, 64};
+  // "exact" (p x p covariance + LAPACK), "randomized" (Halko subspace
+  // iteration over rows spooled to a temporary file as f16), or "auto":
+  // exact while p <= 12,288 (the covariance and its copy then take <= 2.4 GB).
+  std::string pca_route = "auto";
+  uint32_t power_iters = 8;
   int threads = 0;
 };
 

@@ -40,6 +40,30 @@ class CovAccumulator {
   std::vector<float> tmp_, xc_;
 };
 
+// Rows that can be read more than once (the randomized route makes several
+// passes). next() fills up to max_rows rows of p floats and returns how many
+// it wrote (0 at the end); reset() starts over.
+class RowSource {
+ public:
+  virtual ~RowSource() = default;
+  virtual uint32_t p() const = 0;
+  virtual void reset() = 0;
+  virtual size_t next(float* rows, size_t max_rows) = 0;
+};
+
+// Randomized PCA (Halko, Martinsson & Tropp 2011, subspace iteration): for
+// p too large for a p x p covariance. Memory O(p * (r + oversample)); it
+// reads the source 2 + power_iters times: the mean; power_iters products
+// W = A'(A Z) with re-orthonormalisation (A = rows - mean); then a
+// Rayleigh-Ritz step on the l x l matrix (A Z)'(A Z). total_variance is
+// exact (a trace, summed in the mean pass).
+struct RandomizedOptions {
+  uint32_t oversample = 16;
+  uint32_t power_iters = 8;  // the paper's setting
+  uint64_t seed = 1;
+};
+Pca randomized_pca(RowSource& src, uint32_t r, const RandomizedOptions& opt = {});
+
 // d[n][r] = (x[n][p] - mu) basis'  (SGEMM).
 void pca_project(const Pca& pca, const float* x, size_t n, float* d);
 

@@ -1,6 +1,7 @@
 // The .kvtc decoder: needs only the calibration's mean and basis.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -52,9 +53,7 @@ Header parse_header(const std::string& js, const std::string& origin) {
       x.layers = b.at("layers").get<std::vector<int32_t>>();
       x.n_head_kv = b.at("n_head_kv").get<uint32_t>();
       x.head_dim = b.at("head_dim").get<uint32_t>();
-      x.n_tokens = b.at("n_tokens").get<uint32_t>();
-      require(!x.layers.empty() && x.layers.size() <= 4096 && x.n_head_kv >= 1 && x.n_head_kv <= 4096 && x.head_dim >= 1 && x.head_dim <= 4096 &&
-                  x.n_tokens >= 1 && x.n_tokens <= (1u << 24),
+      require(!x.layers.empty() && x.layers.size() <= 4096 && x.n_head_kv >= 1 && x.n_head_kv <= 4096 && x.head_dim >= 1 && x.head_dim <= 4096,
               "block geometry out of range");
       require(uint64_t(x.layers.size()) * x.n_head_kv * x.head_dim <= (1u << 20), "block feature count out of range");
       for (int kv = 0; kv < 2; ++kv) {
@@ -78,14 +77,6 @@ Header parse_header(const std::string& js, const std::string& origin) {
   return h;
 }
 
-// Raw-token indices of a block: the first `sink` and last `window` tokens.
-std::vector<uint32_t> raw_tokens(uint32_t n, uint32_t sink, uint32_t window) {
-  std::vector<uint32_t> r;
-  for (uint32_t t = 0; t < n; ++t)
-    if (t < sink || t + window >= n) r.push_back(t);
-  return r;
-}
-
 class BitReader {
  public:
   BitReader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
@@ -105,7 +96,7 @@ class BitReader {
 }  // namespace
 
 // Unpacks one chunk into d[n_tok][r_used] (dropped components 0).
-void unpack_chunk(const std::vector<uint8_t>& buf, const std::vector<BlockAlloc>& alloc, uint32_t n_tok, uint32_t r_used, float* d) {
+static void unpack_chunk(const std::vector<uint8_t>& buf, const std::vector<BlockAlloc>& alloc, uint32_t n_tok, uint32_t r_used, float* d) {
   std::fill(d, d + size_t(n_tok) * r_used, 0.0f);
   size_t off = 0;
   std::vector<uint8_t> codes;
@@ -130,12 +121,34 @@ void unpack_chunk(const std::vector<uint8_t>& buf, const std::vector<BlockAlloc>
   }
 }
 
+// Token counts per block from the positions sections, which must tile
+// [0, n) (in any order: appended containers add ranges at the end).
+static void derive_token_counts(const Parsed& P, Header& H, const std::string& origin) {
+  for (size_t b = 0; b < H.blocks.size(); ++b) {
+    std::vector<std::pair<uint32_t, uint32_t>> r;
+    for (const Section& s : P.sections)
+      if (s.kind == kPositions && s.block == b) r.push_back({s.t0, s.t1});
+    std::sort(r.begin(), r.end());
+    uint32_t next = 0;
+    for (auto [t0, t1] : r) {
+      require(t0 == next && t1 > t0, origin + ": positions sections of block " + std::to_string(b) + " do not tile the tokens (gap or overlap at " +
+                                         std::to_string(next) + ")");
+      next = t1;
+    }
+    require(next >= 1 && next <= (1u << 24), origin + ": block " + std::to_string(b) + " has no positions (truncated file?)");
+    H.blocks[b].n_tokens = next;
+  }
+}
+
 KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin) {
   Parsed P = parse(bytes, origin);
   Header H = parse_header(P.header_json, origin);
   require(H.calibration_id == cal.id, origin + ": encoded with calibration " + H.calibration_id.substr(0, 16) + "…, but the calibration given is " +
                                           cal.id.substr(0, 16) + "… (wrong calibration file)");
   require(H.blocks.size() == cal.blocks.size(), origin + ": block count differs from the calibration's");
+  for (const Section& s : P.sections)
+    require(s.block < H.blocks.size(), origin + ": " + section_name(s.kind) + " section: block " + std::to_string(s.block) + " does not exist");
+  derive_token_counts(P, H, origin);
   KvCapture c;
   c.meta = H.capture_meta;
   c.blocks.resize(H.blocks.size());
@@ -156,34 +169,32 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
               origin + ": allocation uses " + std::to_string(bh.r_used[kv]) + " components, the calibration holds " + std::to_string(t.r));
     }
   }
-  // Coverage: every (block, kind, token) decoded exactly once.
+  if (H.has_tokens) c.tokens.assign(H.blocks[0].n_tokens, 0);
+  // Coverage: every (block, kind, token) decoded exactly once; positions
+  // and tokens likewise.
   std::vector<std::array<std::vector<uint8_t>, 2>> seen(H.blocks.size());
   for (size_t b = 0; b < H.blocks.size(); ++b)
     for (auto& s : seen[b]) s.assign(H.blocks[b].n_tokens, 0);
-  std::vector<bool> have_pos(H.blocks.size(), false);
-  bool have_tokens = false;
+  std::vector<uint8_t> tok_seen(H.has_tokens ? H.blocks[0].n_tokens : 0, 0);
   // Positions first: keys need them for RoPE.
   for (const Section& s : P.sections) {
-    const std::string where = origin + ": " + section_name(s.kind) + " section";
-    require(s.block < H.blocks.size(), where + ": block " + std::to_string(s.block) + " does not exist");
+    if (s.kind != kPositions && s.kind != kTokens) continue;
+    const std::string where = origin + ": " + section_name(s.kind) + " section (tokens " + std::to_string(s.t0) + ".." + std::to_string(s.t1) + ")";
     const uint32_t n = H.blocks[s.block].n_tokens;
-    if (s.kind == kPositions || s.kind == kTokens) {
-      require(s.raw_len == uint64_t(n) * 4, where + ": expected " + std::to_string(n * 4) + " bytes");
-      std::vector<uint8_t> pl = payload(s, origin);
-      if (s.kind == kPositions) {
-        require(!have_pos[s.block], where + ": duplicate");
-        std::memcpy(c.blocks[s.block].pos.data(), pl.data(), pl.size());
-        have_pos[s.block] = true;
-      } else {
-        require(s.block == 0 && !have_tokens, where + ": unexpected");
-        c.tokens.resize(n);
-        std::memcpy(c.tokens.data(), pl.data(), pl.size());
-        have_tokens = true;
+    require(s.t0 < s.t1 && s.t1 <= n && s.raw_len == uint64_t(s.t1 - s.t0) * 4, where + ": bad range or size");
+    std::vector<uint8_t> pl = payload(s, origin);
+    if (s.kind == kPositions) {
+      std::memcpy(c.blocks[s.block].pos.data() + s.t0, pl.data(), pl.size());
+    } else {
+      require(s.block == 0 && H.has_tokens, where + ": unexpected");
+      for (uint32_t t = s.t0; t < s.t1; ++t) {
+        require(!tok_seen[t], where + ": token " + std::to_string(t) + " given twice");
+        tok_seen[t] = 1;
       }
+      std::memcpy(c.tokens.data() + s.t0, pl.data(), pl.size());
     }
   }
-  for (size_t b = 0; b < H.blocks.size(); ++b) require(have_pos[b], origin + ": positions of block " + std::to_string(b) + " are missing");
-  require(have_tokens == H.has_tokens, origin + ": tokens section " + std::string(H.has_tokens ? "missing" : "unexpected"));
+  for (uint8_t x : tok_seen) require(x, origin + ": token ids are incomplete (truncated file?)");
   std::vector<float> feat, d;
   for (const Section& s : P.sections) {
     if (s.kind != kRaw && s.kind != kChunk) continue;
@@ -192,34 +203,29 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     require(s.kv <= 1, where + ": kv must be 0 or 1");
     KvBlock& kb = c.blocks[s.block];
     const BlockHeader& bh = H.blocks[s.block];
+    require(s.t0 < s.t1 && s.t1 <= bh.n_tokens, where + ": bad token range");
     const KvKind kind = KvKind(s.kv);
     std::vector<uint16_t>& dst = s.kv == 0 ? kb.k : kb.v;
     auto& cover = seen[s.block][s.kv];
-    if (s.kind == kRaw) {
-      const std::vector<uint32_t> rt = raw_tokens(bh.n_tokens, H.sink, H.window);
-      const uint64_t want = uint64_t(rt.size()) * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2;
-      require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
-      std::vector<uint8_t> pl = payload(s, origin);
-      size_t off = 0;
-      for (uint32_t l = 0; l < kb.n_layer(); ++l)
-        for (uint32_t h = 0; h < kb.n_head_kv; ++h)
-          for (uint32_t t : rt) {
-            std::memcpy(&dst[kb.index(l, h, t, 0)], pl.data() + off, size_t(kb.head_dim) * 2);
-            off += size_t(kb.head_dim) * 2;
-          }
-      for (uint32_t t : rt) {
-        require(!cover[t], where + ": token " + std::to_string(t) + " decoded twice");
-        cover[t] = 1;
-      }
-      continue;
-    }
-    require(s.t0 < s.t1 && s.t1 <= bh.n_tokens && s.t1 - s.t0 <= H.chunk_tokens, where + ": bad token range");
-    const uint32_t n = s.t1 - s.t0;
-    require(s.raw_len == packed_bytes(bh.alloc[s.kv], n), where + ": payload size does not match the allocation");
     for (uint32_t t = s.t0; t < s.t1; ++t) {
       require(!cover[t], where + ": token " + std::to_string(t) + " decoded twice");
       cover[t] = 1;
     }
+    const uint32_t n = s.t1 - s.t0;
+    if (s.kind == kRaw) {
+      const uint64_t want = uint64_t(n) * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2;
+      require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
+      std::vector<uint8_t> pl = payload(s, origin);
+      size_t off = 0;
+      for (uint32_t l = 0; l < kb.n_layer(); ++l)
+        for (uint32_t h = 0; h < kb.n_head_kv; ++h) {
+          std::memcpy(&dst[kb.index(l, h, s.t0, 0)], pl.data() + off, size_t(n) * kb.head_dim * 2);
+          off += size_t(n) * kb.head_dim * 2;
+        }
+      continue;
+    }
+    require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
+    require(s.raw_len == packed_bytes(bh.alloc[s.kv], n), where + ": payload size does not match the allocation");
     std::vector<uint8_t> pl = payload(s, origin);
     const Transform& T = cal.blocks[s.block][s.kv];
     const uint32_t ru = bh.r_used[s.kv];
@@ -279,6 +285,8 @@ ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string&
   ci.model_sha256 = H.model_sha256;
   ci.header_json = P.header_json;
   ci.file_bytes = bytes.size();
+  for (const Section& s : P.sections) require(s.block < H.blocks.size(), origin + ": section of a block that does not exist");
+  derive_token_counts(P, H, origin);
   for (const BlockHeader& b : H.blocks) {
     const uint64_t per_tok = uint64_t(b.layers.size()) * b.n_head_kv * b.head_dim * 2 * 2;
     ci.n_tokens += b.n_tokens;

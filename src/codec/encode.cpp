@@ -1,6 +1,7 @@
 // The .kvtc encoder.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -53,19 +54,106 @@ void check_match(const KvCapture& c, const Calibration& cal, const AllocationSet
     }
 }
 
-std::vector<uint32_t> raw_tokens(uint32_t n, uint32_t sink, uint32_t window) {
-  std::vector<uint32_t> r;
-  for (uint32_t t = 0; t < n; ++t)
-    if (t < sink || t + window >= n) r.push_back(t);
-  return r;
+// Token layout of a block of n tokens: raw sink [0, s_end), coded middle
+// [s_end, w_begin), raw window [w_begin, n).
+struct Layout {
+  uint32_t s_end, w_begin;
+};
+Layout layout(uint32_t n, const CompressOptions& o) {
+  const uint32_t s_end = std::min(o.sink, n);
+  return {s_end, std::max(s_end, n > o.window ? n - o.window : 0u)};
 }
 
-// Middle token ranges [t0, t1) of a block, chunk by chunk.
-std::vector<std::pair<uint32_t, uint32_t>> chunks(uint32_t n, const CompressOptions& o) {
+// Coded ranges [t0, t1) of [c0, c1), chunk by chunk.
+std::vector<std::pair<uint32_t, uint32_t>> chunks(uint32_t c0, uint32_t c1, uint32_t chunk_tokens) {
   std::vector<std::pair<uint32_t, uint32_t>> out;
-  if (n <= o.sink + o.window) return out;
-  for (uint32_t t = o.sink; t < n - o.window; t += o.chunk_tokens) out.push_back({t, std::min(n - o.window, t + o.chunk_tokens)});
+  for (uint32_t t = c0; t < c1; t += chunk_tokens) out.push_back({t, std::min(c1, t + chunk_tokens)});
   return out;
+}
+
+std::vector<uint8_t> i32_bytes(const int32_t* p, size_t n) {
+  std::vector<uint8_t> b(n * 4);
+  std::memcpy(b.data(), p, b.size());
+  return b;
+}
+
+// f16 values of tokens [t0, t1), laid out [layer][head][token][dim].
+std::vector<uint8_t> raw_bytes(const KvBlock& kb, int kv, uint32_t t0, uint32_t t1) {
+  const std::vector<uint16_t>& src = kv == 0 ? kb.k : kb.v;
+  std::vector<uint8_t> raw;
+  raw.reserve(size_t(t1 - t0) * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2);
+  for (uint32_t l = 0; l < kb.n_layer(); ++l)
+    for (uint32_t h = 0; h < kb.n_head_kv; ++h) {
+      const auto* p = reinterpret_cast<const uint8_t*>(&src[kb.index(l, h, t0, 0)]);
+      raw.insert(raw.end(), p, p + size_t(t1 - t0) * kb.head_dim * 2);
+    }
+  return raw;
+}
+
+// Projects, quantizes and packs tokens [t0, t1) of one block and kind.
+std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const Transform& T, const Allocation& A, const RopeParams* rope, uint32_t t0,
+                                  uint32_t t1) {
+  const uint32_t n = t1 - t0, ru = r_used(A);
+  std::vector<float> feat(size_t(n) * T.p), d(size_t(n) * std::max(ru, 1u));
+  gather_features(kb, KvKind(kv), rope, t0, t1, feat.data());
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t f = 0; f < T.p; ++f) feat[size_t(t) * T.p + f] -= T.mu[f];
+  if (ru > 0)  // D = (X - mu) B[:ru]'
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru), int(T.p), 1.0f, feat.data(), int(T.p), T.basis.data(), int(T.p), 0.0f,
+                d.data(), int(ru));
+  std::vector<uint8_t> packed;
+  packed.reserve(packed_bytes(A.blocks, n));
+  std::vector<uint16_t> params(size_t(n) * 2);
+  for (const BlockAlloc& blk : A.blocks) {
+    if (blk.type == QType::kNone) continue;
+    std::vector<uint8_t> all_codes(size_t(n) * blk.size);
+    for (uint32_t t = 0; t < n; ++t)
+      quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
+    const uint32_t np = qtype_param_bits(blk.type) / 16;
+    for (uint32_t k = 0; k < np; ++k)
+      for (uint32_t t = 0; t < n; ++t) {
+        packed.push_back(uint8_t(params[size_t(t) * 2 + k]));
+        packed.push_back(uint8_t(params[size_t(t) * 2 + k] >> 8));
+      }
+    BitWriter bw(packed);
+    const uint32_t cb = qtype_code_bits(blk.type);
+    for (uint8_t code : all_codes) bw.put(code, cb);
+  }
+  require(packed.size() == packed_bytes(A.blocks, n), "compress: internal packing size mismatch");
+  return packed;
+}
+
+// Body sections for new tokens [n0, n1) of every block (positions, tokens,
+// the sink if n0 == 0, coded chunks of [c0, c1)); then the tail (window).
+void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt,
+                uint32_t n0, uint32_t c0) {
+  for (size_t b = 0; b < c.blocks.size(); ++b) {
+    const KvBlock& kb = c.blocks[b];
+    write_section(out, kPositions, uint32_t(b), 0, n0, kb.n_tokens(), i32_bytes(kb.pos.data() + n0, kb.n_tokens() - n0), opt.deflate_level);
+    if (b == 0 && !c.tokens.empty()) {
+      require(c.tokens.size() == kb.n_tokens(), "compress: tokens and positions differ in length");
+      write_section(out, kTokens, 0, 0, n0, kb.n_tokens(), i32_bytes(c.tokens.data() + n0, kb.n_tokens() - n0), opt.deflate_level);
+    }
+  }
+  for (size_t b = 0; b < c.blocks.size(); ++b) {
+    const KvBlock& kb = c.blocks[b];
+    const Layout L = layout(kb.n_tokens(), opt);
+    for (int kv = 0; kv < 2; ++kv) {
+      if (n0 == 0 && L.s_end > 0) write_section(out, kRaw, uint32_t(b), uint32_t(kv), 0, L.s_end, raw_bytes(kb, kv, 0, L.s_end), opt.deflate_level);
+      RopeParams rope;
+      if (kv == 0) rope = rope_params_from_meta(c.meta, b == 1, kb.head_dim, "compress");
+      for (auto [t0, t1] : chunks(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
+        write_section(out, kChunk, uint32_t(b), uint32_t(kv), t0, t1,
+                      encode_chunk(kb, kv, cal.blocks[b][kv], alloc[b][kv], kv == 0 ? &rope : nullptr, t0, t1), opt.deflate_level);
+    }
+  }
+  for (size_t b = 0; b < c.blocks.size(); ++b) {
+    const KvBlock& kb = c.blocks[b];
+    const Layout L = layout(kb.n_tokens(), opt);
+    if (L.w_begin < kb.n_tokens())
+      for (int kv = 0; kv < 2; ++kv)
+        write_section(out, kRaw, uint32_t(b), uint32_t(kv), L.w_begin, kb.n_tokens(), raw_bytes(kb, kv, L.w_begin, kb.n_tokens()), opt.deflate_level);
+  }
 }
 
 }  // namespace
@@ -76,11 +164,12 @@ uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, con
   uint64_t n = kFileHeaderBytes + kMaxHeaderBytes;  // the JSON header is bounded by the format's limit
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
+    const Layout L = layout(kb.n_tokens(), opt);
+    const uint64_t row = uint64_t(kb.n_layer()) * kb.n_head_kv * kb.head_dim * 2;
     n += 2 * section_bound(size_t(kb.n_tokens()) * 4);
-    const uint64_t raw = raw_tokens(kb.n_tokens(), opt.sink, opt.window).size();
     for (int kv = 0; kv < 2; ++kv) {
-      n += section_bound(raw * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2);
-      for (auto [t0, t1] : chunks(kb.n_tokens(), opt)) n += section_bound(packed_bytes(alloc[b][kv].blocks, t1 - t0));
+      n += section_bound(L.s_end * row) + section_bound((kb.n_tokens() - L.w_begin) * row);
+      for (auto [t0, t1] : chunks(L.s_end, L.w_begin, opt.chunk_tokens)) n += section_bound(packed_bytes(alloc[b][kv].blocks, t1 - t0));
     }
   }
   return n;
@@ -109,7 +198,6 @@ std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, c
     jb["layers"] = kb.layers;
     jb["n_head_kv"] = kb.n_head_kv;
     jb["head_dim"] = kb.head_dim;
-    jb["n_tokens"] = kb.n_tokens();
     jb["nominal_ratio"] = {alloc[b][0].nominal_ratio, alloc[b][1].nominal_ratio};
     jb["alloc"] = nlohmann::ordered_json::array();
     for (int kv = 0; kv < 2; ++kv) {
@@ -124,73 +212,69 @@ std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, c
   std::vector<uint8_t> out;
   out.reserve(size_t(std::min<uint64_t>(kvtc_compress_bound(c, alloc, opt), uint64_t(1) << 32)));
   write_file_header(out, hs);
-  for (size_t b = 0; b < c.blocks.size(); ++b) {
-    const KvBlock& kb = c.blocks[b];
-    std::vector<uint8_t> pl(kb.pos.size() * 4);
-    std::memcpy(pl.data(), kb.pos.data(), pl.size());
-    write_section(out, kPositions, uint32_t(b), 0, 0, kb.n_tokens(), pl, opt.deflate_level);
-    if (b == 0 && !c.tokens.empty()) {
-      require(c.tokens.size() == kb.n_tokens(), "compress: tokens and positions differ in length");
-      pl.resize(c.tokens.size() * 4);
-      std::memcpy(pl.data(), c.tokens.data(), pl.size());
-      write_section(out, kTokens, 0, 0, 0, kb.n_tokens(), pl, opt.deflate_level);
-    }
-  }
-  std::vector<float> feat, d, q(1024);
-  std::vector<uint8_t> codes(1024);
-  for (size_t b = 0; b < c.blocks.size(); ++b) {
-    const KvBlock& kb = c.blocks[b];
-    const std::vector<uint32_t> rt = raw_tokens(kb.n_tokens(), opt.sink, opt.window);
-    for (int kv = 0; kv < 2; ++kv) {
-      const std::vector<uint16_t>& src = kv == 0 ? kb.k : kb.v;
-      std::vector<uint8_t> raw;
-      raw.reserve(rt.size() * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2);
-      for (uint32_t l = 0; l < kb.n_layer(); ++l)
-        for (uint32_t hh = 0; hh < kb.n_head_kv; ++hh)
-          for (uint32_t t : rt) {
-            const auto* p = reinterpret_cast<const uint8_t*>(&src[kb.index(l, hh, t, 0)]);
-            raw.insert(raw.end(), p, p + size_t(kb.head_dim) * 2);
-          }
-      write_section(out, kRaw, uint32_t(b), uint32_t(kv), 0, kb.n_tokens(), raw, opt.deflate_level);
-      const Transform& T = cal.blocks[b][kv];
-      const Allocation& A = alloc[b][kv];
-      const uint32_t ru = r_used(A);
-      RopeParams rope;
-      if (kv == 0) rope = rope_params_from_meta(c.meta, b == 1, kb.head_dim, "compress");
-      for (auto [t0, t1] : chunks(kb.n_tokens(), opt)) {
-        const uint32_t n = t1 - t0;
-        feat.resize(size_t(n) * T.p);
-        gather_features(kb, KvKind(kv), kv == 0 ? &rope : nullptr, t0, t1, feat.data());
-        for (uint32_t t = 0; t < n; ++t)
-          for (uint32_t f = 0; f < T.p; ++f) feat[size_t(t) * T.p + f] -= T.mu[f];
-        d.resize(size_t(n) * std::max(ru, 1u));
-        if (ru > 0)  // D = (X - mu) B[:ru]'
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru), int(T.p), 1.0f, feat.data(), int(T.p), T.basis.data(), int(T.p), 0.0f,
-                      d.data(), int(ru));
-        std::vector<uint8_t> packed;
-        packed.reserve(packed_bytes(A.blocks, n));
-        std::vector<uint16_t> params(size_t(n) * 2);
-        for (const BlockAlloc& blk : A.blocks) {
-          if (blk.type == QType::kNone) continue;
-          std::vector<uint8_t> all_codes(size_t(n) * blk.size);
-          for (uint32_t t = 0; t < n; ++t)
-            quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
-          const uint32_t np = qtype_param_bits(blk.type) / 16;
-          for (uint32_t k = 0; k < np; ++k)
-            for (uint32_t t = 0; t < n; ++t) {
-              packed.push_back(uint8_t(params[size_t(t) * 2 + k]));
-              packed.push_back(uint8_t(params[size_t(t) * 2 + k] >> 8));
-            }
-          BitWriter bw(packed);
-          const uint32_t cb = qtype_code_bits(blk.type);
-          for (uint8_t code : all_codes) bw.put(code, cb);
-        }
-        require(packed.size() == packed_bytes(A.blocks, n), "compress: internal packing size mismatch");
-        write_section(out, kChunk, uint32_t(b), uint32_t(kv), t0, t1, packed, opt.deflate_level);
-      }
-    }
-  }
+  write_body(out, c, cal, alloc, opt, 0, 0);
   return out;
+}
+
+AppendResult kvtc_append(const std::vector<uint8_t>& container, const KvCapture& c, const Calibration& cal, const std::string& origin) {
+  const Parsed P = parse(container, origin);
+  nlohmann::json h;
+  try {
+    h = nlohmann::json::parse(P.header_json);
+  } catch (const std::exception& e) {
+    throw Error(origin + ": container header is malformed: " + e.what());
+  }
+  require(h.value("calibration_id", "") == cal.id, origin + ": written with another calibration (wrong calibration file)");
+  require(h.at("blocks").size() == 1 && c.blocks.size() == 1,
+          origin + ": appending is supported for single-cache models only (an iSWA model's window block does not grow by appending)");
+  CompressOptions opt;
+  opt.sink = h.at("sink").get<uint32_t>();
+  opt.window = h.at("window").get<uint32_t>();
+  opt.chunk_tokens = h.at("chunk_tokens").get<uint32_t>();
+  opt.deflate_level = h.at("deflate_level").get<int>();
+  AllocationSet alloc(1);
+  for (int kv = 0; kv < 2; ++kv) {
+    for (const auto& a : h.at("blocks").at(0).at("alloc").at(kv))
+      alloc[0][kv].blocks.push_back({a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(a.at(2).get<int>())});
+    alloc[0][kv].nominal_ratio = h.at("blocks").at(0).at("nominal_ratio").at(kv).get<double>();
+  }
+  check_match(c, cal, alloc);
+  require(h.at("has_tokens").get<bool>() == !c.tokens.empty(), origin + ": the capture must carry token ids exactly when the container does");
+  // Old token count and positions.
+  std::vector<int32_t> old_pos;
+  uint32_t n_old = 0;
+  for (const Section& s : P.sections)
+    if (s.kind == kPositions) n_old = std::max(n_old, s.t1);
+  old_pos.resize(n_old);
+  for (const Section& s : P.sections)
+    if (s.kind == kPositions) {
+      std::vector<uint8_t> pl = payload(s, origin);
+      require(pl.size() == size_t(s.t1 - s.t0) * 4, origin + ": bad positions section");
+      std::memcpy(old_pos.data() + s.t0, pl.data(), pl.size());
+    }
+  const KvBlock& kb = c.blocks[0];
+  const uint32_t n_new = kb.n_tokens();
+  require(n_new > n_old && (n_new - n_old) % 16 == 0, "append: the capture must add a positive multiple of 16 tokens (the container holds " +
+                                                          std::to_string(n_old) + ", the capture " + std::to_string(n_new) + ")");
+  require(n_old >= opt.sink, "append: the container is shorter than its sink; compress the whole capture instead");
+  require(std::equal(old_pos.begin(), old_pos.end(), kb.pos.begin()),
+          "append: the capture's first " + std::to_string(n_old) + " positions differ from the container's");
+  // The old window sections are the file's tail: everything before them stays.
+  const Layout Lo = layout(n_old, opt);
+  size_t tail = container.size();
+  if (Lo.w_begin < n_old) {
+    require(P.sections.size() >= 2, origin + ": no window sections at the end");
+    for (size_t i = P.sections.size() - 2; i < P.sections.size(); ++i) {
+      const Section& s = P.sections[i];
+      require(s.kind == kRaw && s.t0 == Lo.w_begin && s.t1 == n_old, origin + ": the last sections are not the raw window (not appendable)");
+    }
+    tail = size_t(P.sections[P.sections.size() - 2].data - container.data()) - kSectionHeaderBytes;
+  }
+  AppendResult r;
+  r.kept_bytes = tail;
+  r.bytes.assign(container.begin(), container.begin() + tail);
+  write_body(r.bytes, c, cal, alloc, opt, n_old, Lo.w_begin);
+  return r;
 }
 
 }  // namespace kvtc

@@ -95,6 +95,10 @@ Action add_calibrate(CLI::App& app) {
   sub->add_option("--rank-max", o->rank_max, "Largest number of components kept")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--doc-tokens", o->max_doc_tokens, "Tokens per document at most (0: the model's context)")->capture_default_str();
   sub->add_option("--ratios", o->ratios, "Nominal ratios to tabulate")->capture_default_str();
+  sub->add_option("--pca", o->pca_route, "PCA route: exact, randomized or auto (exact while p <= 12288)")
+      ->check(CLI::IsMember({"auto", "exact", "randomized"}))
+      ->capture_default_str();
+  sub->add_option("--power-iters", o->power_iters, "Power iterations of the randomized route")->capture_default_str();
   sub->add_option("--threads", o->threads, "Threads (default: all)");
   sub->add_option("-o,--output", *out, "Output calibration file (.safetensors)")->required();
   sub->add_flag("--json", *json, "Print the summary as JSON");
@@ -228,6 +232,27 @@ Action add_decompress(CLI::App& app) {
       if (!ref->empty())
         std::printf("  relative squared error on coded tokens: K %.5f, V %.5f\n", j["rel_error_k"].get<double>(), j["rel_error_v"].get<double>());
     }
+    return 0;
+  };
+}
+
+Action add_append(CLI::App& app) {
+  auto container = std::make_shared<std::string>();
+  auto capture = std::make_shared<std::string>();
+  auto calib = std::make_shared<std::string>();
+  CLI::App* sub = app.add_subcommand("append", "Grow a .kvtc container with the new tokens of a longer capture (in groups of 16)");
+  sub->add_option("container", *container, ".kvtc file to grow (replaced atomically)")->required();
+  sub->add_option("capture", *capture, "The grown cache: same first tokens, 16k more")->required();
+  sub->add_option("--calib", *calib, "The calibration the container was written with")->required();
+  return [container, capture, calib] {
+    std::vector<uint8_t> bytes = read_file(*container);
+    Calibration cal = calibration_load(*calib);
+    KvCapture c = capture_load(*capture);
+    auto t0 = std::chrono::steady_clock::now();
+    AppendResult r = kvtc_append(bytes, c, cal, *container);
+    const double ms = ms_since(t0);
+    write_file_atomic(*container, r.bytes);
+    std::printf("appended to %s: %zu bytes kept as they were, %zu bytes now, %.0f ms\n", container->c_str(), r.kept_bytes, r.bytes.size(), ms);
     return 0;
   };
 }

@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
   reg(add_compress);
   reg(add_decompress);
   reg(add_inspect);
+  reg(add_append);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

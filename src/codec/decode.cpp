@@ -105,16 +105,17 @@ static void unpack_chunk(const std::vector<uint8_t>& buf, const std::vector<Bloc
     if (b.type == QType::kNone) continue;
     const uint32_t np = qtype_param_bits(b.type) / 16;
     std::vector<uint16_t> params(size_t(n_tok) * 2, 0);
-    for (uint32_t k = 0; k < np; ++k)
-      for (uint32_t t = 0; t < n_tok; ++t, off += 2) params[size_t(t) * 2 + k] = uint16_t(buf[off] | buf[off + 1] << 8);
+    for (uint32_t k = 0; k < np; ++k, off += 2 * size_t(n_tok))  // low-byte plane, then high-byte plane
+      for (uint32_t t = 0; t < n_tok; ++t) params[size_t(t) * 2 + k] = uint16_t(buf[off + t] | buf[off + n_tok + t] << 8);
     const uint32_t cb = qtype_code_bits(b.type);
     const size_t code_bytes = (size_t(n_tok) * b.size * cb + 7) / 8;
     BitReader br(buf.data() + off, code_bytes);
-    codes.resize(b.size);
+    codes.resize(size_t(n_tok) * b.size);
     vals.resize(b.size);
+    for (uint32_t i = 0; i < b.size; ++i)  // component-major: one component's codes for all tokens
+      for (uint32_t t = 0; t < n_tok; ++t) codes[size_t(t) * b.size + i] = uint8_t(br.get(cb));
     for (uint32_t t = 0; t < n_tok; ++t) {
-      for (uint32_t i = 0; i < b.size; ++i) codes[i] = uint8_t(br.get(cb));
-      dequantize_block(b.type, codes.data(), b.size, &params[size_t(t) * 2], vals.data());
+      dequantize_block(b.type, &codes[size_t(t) * b.size], b.size, &params[size_t(t) * 2], vals.data());
       std::memcpy(d + size_t(t) * r_used + b.start, vals.data(), b.size * 4);
     }
     off += code_bytes;

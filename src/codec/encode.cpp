@@ -109,15 +109,19 @@ std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const Transform& T,
     std::vector<uint8_t> all_codes(size_t(n) * blk.size);
     for (uint32_t t = 0; t < n; ++t)
       quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
+    // Byte layout for DEFLATE (docs/format.md; measured in bench/results/ratio.md):
+    // parameters as a low-byte plane then a high-byte plane (the high bytes,
+    // sign and exponent, repeat a lot), codes component-major (one
+    // component's codes for all tokens share a distribution).
     const uint32_t np = qtype_param_bits(blk.type) / 16;
-    for (uint32_t k = 0; k < np; ++k)
-      for (uint32_t t = 0; t < n; ++t) {
-        packed.push_back(uint8_t(params[size_t(t) * 2 + k]));
-        packed.push_back(uint8_t(params[size_t(t) * 2 + k] >> 8));
-      }
+    for (uint32_t k = 0; k < np; ++k) {
+      for (uint32_t t = 0; t < n; ++t) packed.push_back(uint8_t(params[size_t(t) * 2 + k]));
+      for (uint32_t t = 0; t < n; ++t) packed.push_back(uint8_t(params[size_t(t) * 2 + k] >> 8));
+    }
     BitWriter bw(packed);
     const uint32_t cb = qtype_code_bits(blk.type);
-    for (uint8_t code : all_codes) bw.put(code, cb);
+    for (uint32_t i = 0; i < blk.size; ++i)
+      for (uint32_t t = 0; t < n; ++t) bw.put(all_codes[size_t(t) * blk.size + i], cb);
   }
   require(packed.size() == packed_bytes(A.blocks, n), "compress: internal packing size mismatch");
   return packed;

@@ -1,6 +1,7 @@
 // kvtc calibrate / compress / decompress / inspect.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -54,7 +55,9 @@ nlohmann::ordered_json calib_summary(const Calibration& cal, const std::string& 
           for (uint32_t i = 0; i < k; ++i) s += t.variance[i];
           x["explained_variance_top" + std::to_string(k)] = s / t.total_variance;
         }
-      for (const auto& [name, a] : t.tables) {
+      std::vector<std::pair<std::string, Allocation>> tabs(t.tables.begin(), t.tables.end());
+      std::sort(tabs.begin(), tabs.end(), [](const auto& x, const auto& y) { return x.second.nominal_ratio < y.second.nominal_ratio; });
+      for (const auto& [name, a] : tabs) {
         uint32_t coded = 0;
         for (const BlockAlloc& ba : a.blocks)
           if (ba.type != QType::kNone) coded = ba.start + ba.size;

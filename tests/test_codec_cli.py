@@ -154,6 +154,28 @@ class Codec(unittest.TestCase):
         self.assertEqual(r["tokens"], 664)
         self.assertFails(run("append", box, grown, "--calib", self.cal), "multiple of 16")
 
+    def test_eval_machinery(self):
+        # A tiny run checks the machinery, not the numbers.
+        out = self.path("eval.json")
+        p = run("eval", "-m", SMOL, "--calib", self.cal, "--context", "256", "--samples", "2", "--continuation", "32", "--greedy", "8",
+                "--methods", "vanilla", "kvtc-16x", "--out-json", out, "--json", check=0)
+        j = json.loads(p.stdout)
+        with open(out) as f:
+            self.assertEqual(json.load(f)["contexts"], j["contexts"])
+        self.assertTrue(j["vanilla_equals_no_restore"])
+        (c,) = j["contexts"]
+        self.assertEqual(c["context"], 256)
+        van, kv = c["methods"]
+        self.assertEqual([van["name"], kv["name"]], ["vanilla", "kvtc-16x"])
+        self.assertEqual(van["ratio"], 1.0)
+        self.assertGreater(kv["ratio"], 1.5)
+        self.assertEqual(van["scores"]["kld"], 0.0)
+        self.assertEqual(van["scores"]["agree"], 8)
+        self.assertGreater(van["scores"]["ppl"], 1.0)
+        self.assertGreaterEqual(kv["scores"]["kld"], 0.0)
+        self.assertLessEqual(kv["scores"]["agree"], 8)
+        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "zstd", "--context", "256", "--samples", "1"), "unknown method")
+
     def test_must_fail_containers(self):
         good = self.path("good.kvtc")
         self.compress(32, good)

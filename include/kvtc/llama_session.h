@@ -99,8 +99,9 @@ class Session {
   const Model& model() const { return model_; }
 
   // Decodes tokens at positions pos0.. into sequence 0, in batches; keeps
-  // the logits of the last token. Throws if the context would overflow.
-  void decode(const std::vector<int32_t>& tokens, int32_t pos0);
+  // the logits of the last token, and of every token in all_logits
+  // ([n_tokens][n_vocab]) when given. Throws if the context would overflow.
+  void decode(const std::vector<int32_t>& tokens, int32_t pos0, std::vector<float>* all_logits = nullptr);
   const float* last_logits() const;  // [n_vocab]
   int32_t argmax() const;
   // Greedy continuation: n tokens starting from the current logits.

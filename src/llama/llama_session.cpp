@@ -283,7 +283,7 @@ Session::~Session() {
   if (ctx_) llama_free(ctx_);
 }
 
-void Session::decode(const std::vector<int32_t>& tokens, int32_t pos0) {
+void Session::decode(const std::vector<int32_t>& tokens, int32_t pos0, std::vector<float>* all_logits) {
   require(!tokens.empty(), "decode: no tokens");
   require(pos0 >= 0 && uint64_t(pos0) + tokens.size() <= n_ctx_, "decode: positions " + std::to_string(pos0) + ".." +
                                                                      std::to_string(pos0 + int64_t(tokens.size()) - 1) +
@@ -302,11 +302,20 @@ void Session::decode(const std::vector<int32_t>& tokens, int32_t pos0) {
       batch.pos[j] = pos0 + int32_t(i + j);
       batch.n_seq_id[j] = 1;
       batch.seq_id[j][0] = 0;
-      batch.logits[j] = (i + j + 1 == tokens.size());
+      batch.logits[j] = all_logits != nullptr || (i + j + 1 == tokens.size());
     }
     take_llama_errors();
     int rc = llama_decode(ctx_, batch);
     require(rc == 0, "decode: llama_decode returned " + std::to_string(rc) + take_llama_errors());
+    if (all_logits) {
+      const size_t nv = model_.info().n_vocab;
+      if (i == 0) all_logits->resize(tokens.size() * nv);
+      for (size_t j = 0; j < n; ++j) {
+        const float* l = llama_get_logits_ith(ctx_, int32_t(j));
+        require(l != nullptr, "decode: no logits for token " + std::to_string(i + j));
+        std::copy(l, l + nv, all_logits->data() + (i + j) * nv);
+      }
+    }
   }
   const float* l = llama_get_logits_ith(ctx_, -1);
   require(l != nullptr, "decode: no logits");

@@ -24,6 +24,7 @@ Action add_compress(CLI::App& app);
 Action add_decompress(CLI::App& app);
 Action add_inspect(CLI::App& app);
 Action add_append(CLI::App& app);
+Action add_eval(CLI::App& app);
 
 // "%.9g": enough digits for a float to read back bit for bit.
 std::string fmt_float(double x);

@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   reg(add_decompress);
   reg(add_inspect);
   reg(add_append);
+  reg(add_eval);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # make demo: the main job on the embedded defaults — SmolLM2-135M-Instruct,
 # a real document from the evaluation corpus — captured from llama.cpp,
-# written to a file, restored into a fresh sequence and continued.
-# Writes out/demo/session.safetensors.
+# compressed with kvtc, decompressed, restored into a fresh sequence and
+# continued, against recomputing the prefix. Writes out/demo/.
+#
+# Calibration: the full one (make calibrate, 160K tokens, ~25 min) when it
+# exists, else a quick one (16K tokens, ~2 min, cached in .deps/calib/).
 set -euo pipefail
 kvtc=${1:-build/kvtc}
 top=$(cd "$(dirname "$0")/.." && pwd)
 out="$top/out/demo"
-mkdir -p "$out"
+mkdir -p "$out" "$top/.deps/calib"
 tokens=${KVTC_DEMO_TOKENS:-2048}
+ratio=${KVTC_DEMO_RATIO:-16}
+full="$top/.deps/calib/smollm2-160k.safetensors"
+quick="$top/.deps/calib/smollm2-quick16k.safetensors"
 # First evaluation-split prose document in manifest order (stable).
 doc=$(python3 - "$top/.deps/corpus/manifest.json" <<'PY'
 import json, sys
@@ -18,14 +24,35 @@ print(d["file"])
 PY
 )
 text="$top/.deps/corpus/$doc"
-echo "== kvtc demo: capture a real llama.cpp session and restore it"
+echo "== kvtc demo: a real llama.cpp session, compressed ${ratio}x and restored"
 "$kvtc" info | sed -n 1,3p
+if [ -f "$full" ]; then
+  cal="$full"
+  echo "calibration: $cal (160K tokens)"
+else
+  cal="$quick"
+  if [ ! -f "$cal" ]; then
+    echo "calibration: none yet; fitting a quick one on 16K calibration tokens (~2 min; make calibrate does the full 160K)"
+    "$kvtc" calibrate --tokens 16000 --heldout 2048 --doc-tokens 2048 -o "$cal" | sed -n 1,2p
+  else
+    echo "calibration: $cal (quick, 16K tokens; make calibrate for the full one)"
+  fi
+fi
 echo
 echo "== 1. prefill $tokens tokens of $doc and capture the KV cache"
 "$kvtc" capture --text "$text" --max-tokens "$tokens" -o "$out/session.safetensors"
 echo
-echo "== 2. restore it into a fresh sequence, continue, and check against recomputing the prefix"
-"$kvtc" restore "$out/session.safetensors" --generate 32 --verify
+echo "== 2. compress it ${ratio}x (sink 4 and window 128 tokens kept raw)"
+"$kvtc" compress "$out/session.safetensors" --calib "$cal" --ratio "$ratio" -o "$out/session.kvtc"
+"$kvtc" inspect "$out/session.kvtc"
 echo
-echo "The capture is plain safetensors (k, v, pos, tokens + metadata): $out/session.safetensors"
-echo "Compression arrives with the codec (issue 3); this is the raw f16 baseline it will shrink."
+echo "== 3. decompress, restore into a fresh sequence, continue, and compare with recomputing the prefix"
+"$kvtc" decompress "$out/session.kvtc" --calib "$cal" -o "$out/restored.safetensors" --reference "$out/session.safetensors"
+set +e
+"$kvtc" restore "$out/restored.safetensors" --generate 32 --verify
+rc=$?
+set -e
+[ $rc -eq 0 ] || [ $rc -eq 3 ] || exit $rc
+echo
+echo "Files: $out/session.safetensors (raw f16 capture), $out/session.kvtc (compressed), $out/restored.safetensors."
+echo "A lossy restore continues the text but may pick other words than recomputing would (step 3 counts them)."

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Quality after compress -> restore -> continue, with the command, commit and
+# machine on top. Usage: bench/quality.sh NAME [kvtc eval options…]
+# Writes bench/results/NAME.md and NAME.json.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/.." && pwd)
+name=$1
+shift
+kvtc="$top/build/kvtc"
+res="$top/bench/results"
+mkdir -p "$res"
+"$kvtc" eval "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+commit=$(git -C "$top" rev-parse --short HEAD)
+[ -z "$(git -C "$top" status --porcelain --untracked-files=no)" ] || commit="$commit (with uncommitted changes)"
+cpu=$("$kvtc" info --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cpu"]["brand"])')
+{
+  echo "# kvtc quality: $name"
+  echo
+  echo "- command: \`bench/quality.sh $name $*\`"
+  echo "- commit: $commit"
+  echo "- machine: $cpu, $(nproc) threads, $(uname -sr)"
+  echo "- scores: ppl = perplexity of the continuation (teacher-forced), kld = mean next-token KL divergence from vanilla (nats),"
+  echo "  agree = greedy tokens equal to vanilla before the first difference; ± = 95% half-width over samples;"
+  echo "  ratio = f16 K+V bytes of the whole cache over bytes at rest (sink and window raw, all metadata)"
+  cat "$res/$name.body.part"
+} >"$res/$name.md.part"
+mv "$res/$name.md.part" "$res/$name.md"
+mv "$res/$name.json.part" "$res/$name.json"
+rm -f "$res/$name.body.part"
+echo "wrote $res/$name.md"

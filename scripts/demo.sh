@@ -47,12 +47,22 @@ echo "== 2. compress it ${ratio}x (sink 4 and window 128 tokens kept raw)"
 "$kvtc" inspect "$out/session.kvtc"
 echo
 echo "== 3. decompress, restore into a fresh sequence, continue, and compare with recomputing the prefix"
-"$kvtc" decompress "$out/session.kvtc" --calib "$cal" -o "$out/restored.safetensors" --reference "$out/session.safetensors"
+"$kvtc" decompress "$out/session.kvtc" --calib "$cal" -o "$out/restored.safetensors" --reference "$out/session.safetensors" --json >"$out/decompress.json"
 set +e
-"$kvtc" restore "$out/restored.safetensors" --generate 32 --verify
+"$kvtc" restore "$out/restored.safetensors" --generate 32 --verify --json >"$out/restore.json"
 rc=$?
 set -e
 [ $rc -eq 0 ] || [ $rc -eq 3 ] || exit $rc
+python3 - "$out/decompress.json" "$out/restore.json" <<'PY'
+import json, sys
+d, r = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+total = d["decode_ms"] + r["restore_ms"] + r["first_logits_ms"]
+print(f"  decode {d['decode_ms']:.0f} ms (relative squared error on coded tokens: K {d['rel_error_k']:.4f}, V {d['rel_error_v']:.4f})")
+print(f"  restore into llama.cpp {r['restore_ms']:.0f} ms, first logits {r['first_logits_ms']:.0f} ms")
+print(f"  time to first token from the .kvtc file: {total:.0f} ms; recomputing the prefix: {r['recompute_ms']:.0f} ms ({r['recompute_ms'] / total:.1f}x)")
+print(f"  continuation: {r['generated']!r}")
+print(f"  greedy tokens matching the recomputed run: {r['greedy_agree']} of {r['greedy_total']}; max |logit difference| {r['max_abs_logit_diff']:.3f}")
+PY
 echo
 echo "Files: $out/session.safetensors (raw f16 capture), $out/session.kvtc (compressed), $out/restored.safetensors."
 echo "A lossy restore continues the text but may pick other words than recomputing would (step 3 counts them)."

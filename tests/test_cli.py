@@ -8,38 +8,10 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import tempfile
 import unittest
 
-KVTC = os.environ["KVTC_BIN"]
-CORPUS = os.environ["KVTC_CORPUS"]
-SMOL = os.environ["KVTC_MODEL_SMOL"]
-GEMMA = os.environ["KVTC_MODEL_GEMMA"]
-
-
-def run(*args, check=None):
-    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=600)
-    if check is not None:
-        assert p.returncode == check, f"kvtc {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
-    return p
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
-    meta = header.pop("__metadata__", {})
-    return header, meta, data
-
-
-def eval_doc(kind, min_tokens):
-    with open(os.path.join(CORPUS, "manifest.json")) as f:
-        m = json.load(f)
-    d = next(d for d in m["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= min_tokens)
-    return os.path.join(CORPUS, d["file"])
+from kvtc_testlib import GEMMA, SMOL, eval_doc, read_safetensors, run
 
 
 class CliTest(unittest.TestCase):

@@ -6,37 +6,10 @@ import json
 import os
 import random
 import shutil
-import struct
-import subprocess
 import tempfile
 import unittest
 
-KVTC = os.environ["KVTC_BIN"]
-CORPUS = os.environ["KVTC_CORPUS"]
-SMOL = os.environ["KVTC_MODEL_SMOL"]
-GEMMA = os.environ["KVTC_MODEL_GEMMA"]
-
-
-def run(*args, check=None):
-    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=900)
-    if check is not None:
-        assert p.returncode == check, f"kvtc {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
-    return p
-
-
-def eval_doc(kind, min_tokens):
-    with open(os.path.join(CORPUS, "manifest.json")) as f:
-        m = json.load(f)
-    return os.path.join(CORPUS, next(d["file"] for d in m["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= min_tokens))
-
-
-def load_f16(path, name):
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    hdr = json.loads(raw[8:8 + n])
-    b, e = hdr[name]["data_offsets"]
-    return hdr[name]["shape"], struct.unpack(f"<{(e - b) // 2}e", raw[8 + n + b:8 + n + e])
+from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, run
 
 
 class Codec(unittest.TestCase):

@@ -1,0 +1,43 @@
+"""Shared helpers of the CLI tests: the kvtc binary, models and corpus from
+the environment ctest sets, a runner, and a standard-library safetensors
+reader (as a Python user without our tools would read our files)."""
+import json
+import os
+import struct
+import subprocess
+
+KVTC = os.environ["KVTC_BIN"]
+CORPUS = os.environ["KVTC_CORPUS"]
+SMOL = os.environ["KVTC_MODEL_SMOL"]
+GEMMA = os.environ["KVTC_MODEL_GEMMA"]
+
+
+def run(*args, check=None):
+    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=900)
+    if check is not None:
+        assert p.returncode == check, f"kvtc {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def read_safetensors(path):
+    """(header without __metadata__, metadata, data bytes)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    return header, meta, raw[8 + n:]
+
+
+def load_f16(path, name):
+    header, _, data = read_safetensors(path)
+    b, e = header[name]["data_offsets"]
+    return header[name]["shape"], struct.unpack(f"<{(e - b) // 2}e", data[b:e])
+
+
+def eval_doc(kind, min_tokens):
+    """Path of the first evaluation document of `kind` with min_tokens tokens."""
+    with open(os.path.join(CORPUS, "manifest.json")) as f:
+        m = json.load(f)
+    d = next(d for d in m["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= min_tokens)
+    return os.path.join(CORPUS, d["file"])

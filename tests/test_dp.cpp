@@ -6,6 +6,7 @@
 #include <functional>
 #include <random>
 
+#include "../src/calib/calibrate.h"
 #include "../src/calib/dp.h"
 
 using namespace kvtc;
@@ -80,4 +81,38 @@ TEST(Dp, MoreBudgetNeverHurts) {
     EXPECT_LE(a.bits, budget);
   }
   EXPECT_THROW(allocate_bits(e, 100, 3), std::exception);  // unit must divide every block cost
+}
+
+// A shared K+V budget split by relative error: within the combined budget,
+// and never worse than the even split in summed relative error.
+TEST(Dp, JointKeyValueSplit) {
+  std::mt19937 rng(5);
+  const uint32_t r = 64;
+  auto make = [&](float scale) {
+    std::vector<float> d = decaying(200, r, rng);
+    for (auto& x : d) x *= scale;
+    BlockErrors e = measure_block_errors(d.data(), 200, r, {1, 16, 64});
+    Transform t;
+    t.p = t.r = r;
+    t.sizes = e.sizes;
+    t.n_heldout = e.n_tokens;
+    for (const auto& rows : e.err) {
+      std::vector<float> v;
+      for (const auto& q : rows) v.insert(v.end(), q.begin(), q.end());
+      t.block_errors.push_back(v);
+    }
+    double tv = 0;
+    for (float x : d) tv += double(x) * x;
+    t.total_variance = tv / 200;
+    return t;
+  };
+  Transform k = make(10.0f), v = make(1.0f);
+  for (double ratio : {4.0, 8.0, 16.0}) {
+    auto j = joint_allocation_for_ratio(k, v, ratio);
+    Allocation sk = allocation_for_ratio(k, ratio), sv = allocation_for_ratio(v, ratio);
+    const uint64_t budget = uint64_t(std::floor(r * 16.0 / ratio));
+    EXPECT_LE(j[0].budget_bits + j[1].budget_bits, 2 * budget);
+    EXPECT_LE(j[0].bits + j[1].bits, 2 * budget);
+    EXPECT_LE(j[0].error / k.total_variance + j[1].error / v.total_variance, sk.error / k.total_variance + sv.error / v.total_variance + 1e-9);
+  }
 }

@@ -21,8 +21,7 @@ std::string ratio_key(double ratio) {
   return b;
 }
 
-Allocation allocation_for_ratio(const Transform& t, double ratio) {
-  require(ratio >= 1.0 && ratio <= 4096, "ratio must be in [1, 4096], got " + ratio_key(ratio));
+static BlockErrors block_errors_of(const Transform& t) {
   BlockErrors e;
   e.n_components = t.r;
   e.sizes = t.sizes;
@@ -33,6 +32,32 @@ Allocation allocation_for_ratio(const Transform& t, double ratio) {
       for (int q = 0; q < kNumQTypes; ++q) rows[j][q] = v[j * kNumQTypes + q];
     e.err.push_back(std::move(rows));
   }
+  return e;
+}
+
+std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const Transform& v, double ratio) {
+  require(ratio >= 1.0 && ratio <= 4096, "ratio must be in [1, 4096], got " + ratio_key(ratio));
+  require(k.p == v.p, "joint allocation: keys and values differ in p");
+  const uint64_t budget = uint64_t(std::floor(double(k.p) * 16.0 / ratio));
+  const BlockErrors ek = block_errors_of(k), ev = block_errors_of(v);
+  std::vector<double> ck, cv;
+  allocate_bits(ek, 2 * budget, 2, &ck);
+  allocate_bits(ev, 2 * budget, 2, &cv);
+  const size_t total = (2 * budget) / 2;
+  size_t best_k = total / 2;
+  double best = INFINITY;
+  for (size_t bk = 0; bk <= total; ++bk) {
+    const double x = ck[bk] / k.total_variance + cv[total - bk] / v.total_variance;
+    if (x < best) best = x, best_k = bk;
+  }
+  std::array<Allocation, 2> out{allocate_bits(ek, best_k * 2, 2), allocate_bits(ev, (total - best_k) * 2, 2)};
+  for (auto& a : out) a.nominal_ratio = ratio;
+  return out;
+}
+
+Allocation allocation_for_ratio(const Transform& t, double ratio) {
+  require(ratio >= 1.0 && ratio <= 4096, "ratio must be in [1, 4096], got " + ratio_key(ratio));
+  const BlockErrors e = block_errors_of(t);
   const uint64_t budget = uint64_t(std::floor(double(t.p) * 16.0 / ratio));
   Allocation a = allocate_bits(e, budget, 2);
   a.nominal_ratio = ratio;

@@ -2,6 +2,7 @@
 // per (cache block, K/V) -> held-out block errors -> DP tables.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -36,6 +37,13 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress);
 // The DP table for one nominal ratio from a transform's stored block errors:
 // budget = floor(p * 16 / ratio) bits per token.
 Allocation allocation_for_ratio(const Transform& t, double ratio);
+
+// Keys and values of one block under one shared budget of
+// 2 * floor(p * 16 / ratio) bits per token, split between them to minimise
+// the sum of their *relative* errors (error / total variance): values,
+// whose relative error is several times the keys' at equal bits
+// (bench/results/ratio.md), can take bits from keys.
+std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const Transform& v, double ratio);
 
 // "16" for 16.0, "12.5" for 12.5: the key of Transform::tables.
 std::string ratio_key(double ratio);

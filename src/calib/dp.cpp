@@ -33,7 +33,7 @@ BlockErrors measure_block_errors(const float* d, size_t n_tok, uint32_t r, const
   return e;
 }
 
-Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t unit) {
+Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t unit, std::vector<double>* error_curve) {
   const uint32_t r = e.n_components;
   require(unit > 0, "allocate_bits: unit must be positive");
   for (uint32_t s : e.sizes)
@@ -77,6 +77,10 @@ Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t un
         bi[b] = bi[b - 1];
         ci[b] = 0xff;
       }
+  }
+  if (error_curve) {
+    error_curve->resize(W);
+    for (size_t b = 0; b < W; ++b) (*error_curve)[b] = e.n_tokens ? best[size_t(r) * W + b] / double(e.n_tokens) : 0;
   }
   Allocation a;
   a.budget_bits = budget_bits;

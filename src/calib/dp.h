@@ -37,6 +37,8 @@ BlockErrors measure_block_errors(const float* d, size_t n_tok, uint32_t r, const
 // Least-error allocation within budget_bits per token. `unit` is the budget
 // granularity in bits (every block cost must be a multiple: 2 for the
 // method's types). Errors in the result are per token (divided by n_tokens).
-Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t unit = 2);
+// error_curve, when given, receives the least per-token error for every
+// budget 0, unit, 2 unit, ..., budget_bits (one DP gives them all).
+Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t unit = 2, std::vector<double>* error_curve = nullptr);
 
 }  // namespace kvtc

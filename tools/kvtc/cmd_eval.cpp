@@ -102,20 +102,34 @@ std::vector<std::pair<std::string, std::vector<int32_t>>> pick_samples(const Mod
 KvCapture apply_method(const std::string& method, const KvCapture& c, const Calibration* cal, uint64_t* bytes) {
   *bytes = 0;
   if (method == "vanilla") return c;
-  if (method.rfind("kvtc-", 0) == 0 && method.back() == 'x') {
+  // kvtc-<R>x: the calibration's table (separate K and V budgets);
+  // kvtc-<R>x-joint: one budget for K and V split by relative error.
+  const bool joint = method.size() > 6 && method.compare(method.size() - 6, 6, "-joint") == 0;
+  const std::string base = joint ? method.substr(0, method.size() - 6) : method;
+  if (base.rfind("kvtc-", 0) == 0 && base.size() > 6 && base.back() == 'x') {
     require(cal != nullptr, "eval: method " + method + " needs --calib");
-    const double ratio = std::stod(method.substr(5, method.size() - 6));
+    double ratio = 0;
+    try {
+      ratio = std::stod(base.substr(5, base.size() - 6));
+    } catch (const std::exception&) {
+      throw Error("eval: cannot read the ratio of method '" + method + "'");
+    }
     AllocationSet al(cal->blocks.size());
-    for (size_t b = 0; b < cal->blocks.size(); ++b)
+    for (size_t b = 0; b < cal->blocks.size(); ++b) {
+      if (joint) {
+        al[b] = joint_allocation_for_ratio(cal->blocks[b][0], cal->blocks[b][1], ratio);
+        continue;
+      }
       for (int kv = 0; kv < 2; ++kv) {
         auto it = cal->blocks[b][kv].tables.find(ratio_key(ratio));
         al[b][kv] = it != cal->blocks[b][kv].tables.end() ? it->second : allocation_for_ratio(cal->blocks[b][kv], ratio);
       }
+    }
     std::vector<uint8_t> enc = kvtc_compress(c, *cal, al, CompressOptions{});
     *bytes = enc.size();
     return kvtc_decompress(enc, *cal, method);
   }
-  throw Error("eval: unknown method '" + method + "' (vanilla, kvtc-<R>x)");
+  throw Error("eval: unknown method '" + method + "' (vanilla, kvtc-<R>x, kvtc-<R>x-joint)");
 }
 
 int run_eval(const EvalArgs& a) {

@@ -55,6 +55,22 @@ std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const T
   return out;
 }
 
+AllocationSet allocation_set(const Calibration& cal, double ratio, bool joint) {
+  AllocationSet al(cal.blocks.size());
+  for (size_t b = 0; b < cal.blocks.size(); ++b) {
+    if (joint) {
+      al[b] = joint_allocation_for_ratio(cal.blocks[b][0], cal.blocks[b][1], ratio);
+      continue;
+    }
+    for (int kv = 0; kv < 2; ++kv) {
+      const Transform& t = cal.blocks[b][kv];
+      auto it = t.tables.find(ratio_key(ratio));
+      al[b][kv] = it != t.tables.end() ? it->second : allocation_for_ratio(t, ratio);
+    }
+  }
+  return al;
+}
+
 Allocation allocation_for_ratio(const Transform& t, double ratio) {
   require(ratio >= 1.0 && ratio <= 4096, "ratio must be in [1, 4096], got " + ratio_key(ratio));
   const BlockErrors e = block_errors_of(t);

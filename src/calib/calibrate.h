@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvtc/calibration.h"
+#include "kvtc/codec.h"
 
 namespace kvtc {
 
@@ -44,6 +45,11 @@ Allocation allocation_for_ratio(const Transform& t, double ratio);
 // whose relative error is several times the keys' at equal bits
 // (bench/results/ratio.md), can take bits from keys.
 std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const Transform& v, double ratio);
+
+// The allocation of every (block, K/V) for a nominal ratio: the
+// calibration's stored table when it has one, else computed from the stored
+// block errors; joint = true shares one budget between K and V (above).
+AllocationSet allocation_set(const Calibration& cal, double ratio, bool joint = false);
 
 // "16" for 16.0, "12.5" for 12.5: the key of Transform::tables.
 std::string ratio_key(double ratio);

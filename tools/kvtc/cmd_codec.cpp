@@ -71,17 +71,6 @@ nlohmann::ordered_json calib_summary(const Calibration& cal, const std::string& 
   return j;
 }
 
-AllocationSet allocations(const Calibration& cal, double ratio) {
-  AllocationSet s(cal.blocks.size());
-  for (size_t b = 0; b < cal.blocks.size(); ++b)
-    for (int kv = 0; kv < 2; ++kv) {
-      const Transform& t = cal.blocks[b][kv];
-      auto it = t.tables.find(ratio_key(ratio));
-      s[b][kv] = it != t.tables.end() ? it->second : allocation_for_ratio(t, ratio);
-    }
-  return s;
-}
-
 }  // namespace
 
 Action add_calibrate(CLI::App& app) {
@@ -163,7 +152,7 @@ Action add_compress(CLI::App& app) {
     KvCapture c = capture_load(a->in);
     Calibration cal = calibration_load(a->calib);
     const double load_ms = ms_since(t0);
-    AllocationSet al = allocations(cal, a->ratio);
+    AllocationSet al = allocation_set(cal, a->ratio);
     t0 = std::chrono::steady_clock::now();
     std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, a->opt);  // validates the match first
     const uint64_t bound = kvtc_compress_bound(c, al, a->opt);

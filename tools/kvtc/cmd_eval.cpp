@@ -114,17 +114,7 @@ KvCapture apply_method(const std::string& method, const KvCapture& c, const Cali
     } catch (const std::exception&) {
       throw Error("eval: cannot read the ratio of method '" + method + "'");
     }
-    AllocationSet al(cal->blocks.size());
-    for (size_t b = 0; b < cal->blocks.size(); ++b) {
-      if (joint) {
-        al[b] = joint_allocation_for_ratio(cal->blocks[b][0], cal->blocks[b][1], ratio);
-        continue;
-      }
-      for (int kv = 0; kv < 2; ++kv) {
-        auto it = cal->blocks[b][kv].tables.find(ratio_key(ratio));
-        al[b][kv] = it != cal->blocks[b][kv].tables.end() ? it->second : allocation_for_ratio(cal->blocks[b][kv], ratio);
-      }
-    }
+    AllocationSet al = allocation_set(*cal, ratio, joint);
     std::vector<uint8_t> enc = kvtc_compress(c, *cal, al, CompressOptions{});
     *bytes = enc.size();
     return kvtc_decompress(enc, *cal, method);

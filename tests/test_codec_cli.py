@@ -131,15 +131,20 @@ class Codec(unittest.TestCase):
         # A tiny run checks the machinery, not the numbers.
         out = self.path("eval.json")
         p = run("eval", "-m", SMOL, "--calib", self.cal, "--context", "256", "--samples", "2", "--continuation", "32", "--greedy", "8",
-                "--methods", "vanilla", "kvtc-16x", "--out-json", out, "--json", check=0)
+                "--methods", "vanilla", "kvtc-16x", "fp8", "kivi-2", "zstd", "--out-json", out, "--json", check=0)
         j = json.loads(p.stdout)
         with open(out) as f:
             self.assertEqual(json.load(f)["contexts"], j["contexts"])
         self.assertTrue(j["vanilla_equals_no_restore"])
         (c,) = j["contexts"]
         self.assertEqual(c["context"], 256)
-        van, kv = c["methods"]
-        self.assertEqual([van["name"], kv["name"]], ["vanilla", "kvtc-16x"])
+        van, kv, fp8, kivi, zstd = c["methods"]
+        self.assertEqual([m["name"] for m in c["methods"]], ["vanilla", "kvtc-16x", "fp8", "kivi-2", "zstd"])
+        self.assertAlmostEqual(fp8["ratio"], 16 / (8 + 16 / 64), places=6)  # one f16 scale per 64 values
+        self.assertGreater(kivi["ratio"], 1.0)
+        self.assertGreater(zstd["ratio"], 1.0)
+        self.assertEqual(zstd["scores"]["kld"], 0.0)  # lossless
+        self.assertGreater(fp8["scores"]["kld"], 0.0)
         self.assertEqual(van["ratio"], 1.0)
         self.assertGreater(kv["ratio"], 1.5)
         self.assertEqual(van["scores"]["kld"], 0.0)
@@ -147,7 +152,8 @@ class Codec(unittest.TestCase):
         self.assertGreater(van["scores"]["ppl"], 1.0)
         self.assertGreaterEqual(kv["scores"]["kld"], 0.0)
         self.assertLessEqual(kv["scores"]["agree"], 8)
-        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "zstd", "--context", "256", "--samples", "1"), "unknown method")
+        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "h2o", "--context", "256", "--samples", "1"), "unknown method")
+        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x", "--context", "256", "--samples", "1"), "needs --calib")
 
     def test_must_fail_containers(self):
         good = self.path("good.kvtc")

@@ -19,6 +19,7 @@
 #include <random>
 #include <sstream>
 
+#include "../../src/baselines/baselines.h"
 #include "../../src/calib/calibrate.h"
 #include "commands.h"
 #include "kvtc/codec.h"
@@ -102,6 +103,12 @@ std::vector<std::pair<std::string, std::vector<int32_t>>> pick_samples(const Mod
 KvCapture apply_method(const std::string& method, const KvCapture& c, const Calibration* cal, uint64_t* bytes) {
   *bytes = 0;
   if (method == "vanilla") return c;
+  if (method == "fp8") return baselines::fp8_per_token(c, bytes);
+  if (method == "kivi-2" || method == "kivi-4") return baselines::kivi(c, method == "kivi-2" ? 2 : 4, 32, 128, bytes);
+  if (method == "zstd" || method == "deflate") {  // lossless: ratio only, the cache comes back unchanged
+    *bytes = baselines::lossless_bytes(c, method);
+    return c;
+  }
   // kvtc-<R>x: the calibration's table (separate K and V budgets);
   // kvtc-<R>x-joint: one budget for K and V split by relative error.
   const bool joint = method.size() > 6 && method.compare(method.size() - 6, 6, "-joint") == 0;
@@ -119,7 +126,7 @@ KvCapture apply_method(const std::string& method, const KvCapture& c, const Cali
     *bytes = enc.size();
     return kvtc_decompress(enc, *cal, method);
   }
-  throw Error("eval: unknown method '" + method + "' (vanilla, kvtc-<R>x, kvtc-<R>x-joint)");
+  throw Error("eval: unknown method '" + method + "' (vanilla, kvtc-<R>x, kvtc-<R>x-joint, fp8, kivi-2, kivi-4, zstd, deflate)");
 }
 
 int run_eval(const EvalArgs& a) {
@@ -130,6 +137,14 @@ int run_eval(const EvalArgs& a) {
   std::unique_ptr<Calibration> cal;
   if (!a.calib.empty()) cal = std::make_unique<Calibration>(calibration_load(a.calib));
   for (const auto& t : a.tasks) require(t == "ppl" || t == "kld" || t == "agree", "eval: unknown task '" + t + "' (ppl, kld, agree)");
+  // Fail on a bad method name before minutes of prefill: a dry run of each
+  // method on an empty capture would need a model, so check the names.
+  for (const auto& m : a.methods) {
+    const bool kvtc = m.rfind("kvtc-", 0) == 0 && (m.back() == 'x' || (m.size() > 6 && m.compare(m.size() - 6, 6, "-joint") == 0));
+    require(kvtc || m == "vanilla" || m == "fp8" || m == "kivi-2" || m == "kivi-4" || m == "zstd" || m == "deflate",
+            "eval: unknown method '" + m + "' (vanilla, kvtc-<R>x, kvtc-<R>x-joint, fp8, kivi-2, kivi-4, zstd, deflate)");
+    require(!kvtc || cal, "eval: method " + m + " needs --calib");
+  }
   nlohmann::ordered_json result;
   result["model"] = model->info().path;
   result["model_sha256"] = model->sha256();

@@ -119,6 +119,7 @@ class SpoolSource : public RowSource {
 struct Doc {
   std::string file, id;
   uint64_t tokens;
+  std::string order = {};  // sha256 of the id: a stable shuffle
 };
 
 std::vector<Doc> calib_docs(const std::string& corpus) {
@@ -137,9 +138,8 @@ std::vector<Doc> calib_docs(const std::string& corpus) {
       docs.push_back({corpus + "/" + d.at("file").get<std::string>(), d.at("id").get<std::string>(), d.at("tokens").get<uint64_t>()});
   require(!docs.empty(), path + ": no calibration documents");
   // Interleave kinds and sources: order by a hash of the id (stable).
-  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) {
-    return sha256_bytes({(const uint8_t*)a.id.data(), a.id.size()}) < sha256_bytes({(const uint8_t*)b.id.data(), b.id.size()});
-  });
+  for (Doc& d : docs) d.order = sha256_bytes({reinterpret_cast<const uint8_t*>(d.id.data()), d.id.size()});
+  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return a.order < b.order; });
   return docs;
 }
 

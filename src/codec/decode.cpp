@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "container.h"
 #include "kvtc/codec.h"
@@ -196,6 +197,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     }
   }
   for (uint8_t x : tok_seen) require(x, origin + ": token ids are incomplete (truncated file?)");
+  // RoPE parameters per block, parsed at the first coded key chunk.
+  std::vector<std::optional<RopeParams>> rope(H.blocks.size());
   std::vector<float> feat, d;
   for (const Section& s : P.sections) {
     if (s.kind != kRaw && s.kind != kChunk) continue;
@@ -237,9 +240,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     if (ru > 0)  // X = D B[:ru] + mu
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f,
                   feat.data(), int(T.p));
-    RopeParams rope;
-    if (kind == KvKind::kKey) rope = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
-    scatter_features(feat.data(), kind, kind == KvKind::kKey ? &rope : nullptr, s.t0, s.t1, kb);
+    if (kind == KvKind::kKey && !rope[s.block]) rope[s.block] = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
+    scatter_features(feat.data(), kind, kind == KvKind::kKey ? &*rope[s.block] : nullptr, s.t0, s.t1, kb);
   }
   for (size_t b = 0; b < H.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)

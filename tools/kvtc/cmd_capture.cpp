@@ -24,10 +24,6 @@ struct CaptureArgs {
   bool json = false;
 };
 
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
 int run_capture(const CaptureArgs& a) {
   using clock = std::chrono::steady_clock;
   std::vector<uint8_t> raw = read_file(a.text);

@@ -18,10 +18,6 @@ namespace kvtc::cli {
 
 namespace {
 
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
 void check_output_path(const std::string& out) {
   namespace fs = std::filesystem;
   fs::path dir = fs::path(out).parent_path();

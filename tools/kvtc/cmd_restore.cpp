@@ -26,10 +26,6 @@ struct RestoreArgs {
   uint32_t n_ctx = 0;
 };
 
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
 std::string text_of(const Model& m, const std::vector<int32_t>& toks) {
   std::string s;
   for (int32_t t : toks) s += m.token_text(t);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <functional>
 #include <string>
 
@@ -25,6 +26,11 @@ Action add_decompress(CLI::App& app);
 Action add_inspect(CLI::App& app);
 Action add_append(CLI::App& app);
 Action add_eval(CLI::App& app);
+
+// Milliseconds since t0 (steady clock), for the timings the commands print.
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // "%.9g": enough digits for a float to read back bit for bit.
 std::string fmt_float(double x);

@@ -8,11 +8,12 @@
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
+#   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
-.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio clean distclean
+.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio bench-quality clean distclean
 
 all: build
 
@@ -48,6 +49,24 @@ calibrate: $(CALIB)
 # Ratio and error on evaluation caches -> bench/results/ratio.md
 bench-ratio: $(CALIB)
 	python3 bench/ratio.py --calib $(CALIB)
+
+# Quality after compress -> restore -> continue, every method on the same
+# prompts (docs/eval.md) -> bench/results/quality.md + quality.json. Needs
+# the full calibration, a 64K one and a 64K one fitted without RoPE removal
+# (the ablation pair). ~90 min on 2 cores; QUALITY_SAMPLES per context.
+ROPE_CALIB := .deps/calib/smollm2-64k-rope.safetensors
+$(ROPE_CALIB): | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --tokens 64000 --keep-rope -o $@ --json > $(@:.safetensors=.json)
+QUALITY_CONTEXTS ?= 2048 4096
+QUALITY_SAMPLES ?= 8 4
+QUALITY_METHODS ?= vanilla kvtc-8x kvtc-16x kvtc-32x kvtc-64x kvtc-16x@c64k kvtc-16x@rope kvtc-16x-all \
+  fp8 kivi-4 kivi-2 q8_0 q4_0 streaming-8x svd-16x zstd deflate
+bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
+	bench/quality.sh quality --calib $(CALIB) \
+	  --calib-extra c64k=.deps/calib/smollm2-64k.safetensors rope=$(ROPE_CALIB) \
+	  --context $(QUALITY_CONTEXTS) --samples $(QUALITY_SAMPLES) \
+	  --tasks ppl kld agree niah vt kvr --methods $(QUALITY_METHODS)
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60

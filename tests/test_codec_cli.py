@@ -22,8 +22,9 @@ class Codec(unittest.TestCase):
         p = run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512",
                 "--ratios", "8", "16", "32", "64", "-o", cls.cal, "--json", check=0)
         cls.summary = json.loads(p.stdout)
+        # The second one also exercises the no-RoPE-removal ablation.
         run("calibrate", "-m", SMOL, "--tokens", "1500", "--heldout", "256", "--doc-tokens", "1024", "--rank-max", "64",
-            "--ratios", "16", "-o", cls.cal2, check=0)
+            "--ratios", "16", "--keep-rope", "-o", cls.cal2, check=0)
         cls.cap = os.path.join(cls.tmp, "cap.safetensors")
         run("capture", "-m", SMOL, "-t", eval_doc("docs", 1024), "--max-tokens", "700", "-o", cls.cap, check=0)
 
@@ -127,6 +128,19 @@ class Codec(unittest.TestCase):
         self.assertEqual(r["tokens"], 664)
         self.assertFails(run("append", box, grown, "--calib", self.cal), "multiple of 16")
 
+    def test_keep_rope_calibration(self):
+        # Keys fitted with RoPE applied: the container says so, the decoder
+        # skips re-rotation, and a RoPE-removed calibration is refused.
+        box = self.path("rope.kvtc")
+        run("compress", self.cap, "--calib", self.cal2, "-r", "16", "-o", box, check=0)
+        info = json.loads(run("inspect", box, "--json", check=0).stdout)
+        self.assertEqual(info["keys_rope"], "kept")
+        d = json.loads(run("decompress", box, "--calib", self.cal2, "--reference", self.cap, "--json", check=0).stdout)
+        # 64 components of 5,760 at 16x: a coarse but real reconstruction.
+        self.assertLess(d["rel_error_k"], 0.9)
+        self.assertLess(d["rel_error_v"], 0.9)
+        self.assertFails(run("decompress", box, "--calib", self.cal, "-o", self.path("y.safetensors")), "wrong calibration")
+
     def test_eval_machinery(self):
         # A tiny run checks the machinery, not the numbers.
         out = self.path("eval.json")
@@ -143,7 +157,7 @@ class Codec(unittest.TestCase):
         self.assertAlmostEqual(fp8["ratio"], 16 / (8 + 16 / 64), places=6)  # one f16 scale per 64 values
         self.assertGreater(kivi["ratio"], 1.0)
         self.assertGreater(zstd["ratio"], 1.0)
-        self.assertEqual(zstd["scores"]["kld"], 0.0)  # lossless
+        self.assertEqual(zstd["scores"], {})  # lossless: ratio only
         self.assertGreater(fp8["scores"]["kld"], 0.0)
         self.assertEqual(van["ratio"], 1.0)
         self.assertGreater(kv["ratio"], 1.5)
@@ -153,6 +167,32 @@ class Codec(unittest.TestCase):
         self.assertGreaterEqual(kv["scores"]["kld"], 0.0)
         self.assertLessEqual(kv["scores"]["agree"], 8)
         self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "h2o", "--context", "256", "--samples", "1"), "unknown method")
+        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x@x", "--calib", self.cal, "--context", "256"), "--calib-extra x=FILE")
+        self.assertFails(run("eval", "-m", SMOL, "--methods", "fp8", "--context", "256"), "first method must be vanilla")
+        self.assertFails(run("eval", "-m", SMOL, "--tasks", "mmlu", "--context", "256"), "unknown task")
+
+    def test_eval_tasks_and_baselines(self):
+        # Retrieval tasks and every other method kind, machinery only.
+        p = run("eval", "-m", SMOL, "--calib", self.cal, "--calib-extra", "rope=" + self.cal2, "--context", "320", "--samples", "1",
+                "--tasks", "niah", "vt", "kvr", "--methods", "vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "streaming-8x",
+                "svd-16x", "--json", check=0)
+        j = json.loads(p.stdout)
+        (c,) = j["contexts"]
+        self.assertEqual([x["task"] for x in c["prompts"]], ["niah", "vt", "kvr"])
+        for x in c["prompts"]:
+            self.assertLessEqual(x["tokens"], 320)
+            self.assertGreater(x["tokens"], 320 - 64)
+        m = {x["name"]: x for x in c["methods"]}
+        self.assertEqual(set(m), {"vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "streaming-8x", "svd-16x"})
+        self.assertAlmostEqual(m["q8_0"]["ratio"], 64 / 34, places=6)  # ggml block: 32 values in 34 bytes
+        self.assertAlmostEqual(m["q4_0"]["ratio"], 64 / 18, places=6)
+        self.assertGreater(m["streaming-8x"]["ratio"], 7.0)
+        self.assertLessEqual(m["streaming-8x"]["ratio"], 8.0)
+        self.assertGreater(m["svd-16x"]["ratio"], 1.0)
+        for x in c["methods"]:
+            for t in ("niah", "vt", "kvr"):
+                self.assertGreaterEqual(x["scores"][t], 0)
+                self.assertLessEqual(x["scores"][t], 100)
         self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x", "--context", "256", "--samples", "1"), "needs --calib")
 
     def test_must_fail_containers(self):

@@ -45,6 +45,14 @@ struct Calibration {
   std::string id;                                // calibration_id
 };
 
+// Whether keys are de-RoPEd before projection: meta["keys_rope"] is
+// "removed" (the default when absent) or "kept" (an ablation). Any other
+// value was refused by the loader.
+inline bool calibration_keys_derope(const Calibration& c) {
+  auto it = c.meta.find("keys_rope");
+  return it == c.meta.end() || it->second != "kept";
+}
+
 // SHA-256 over every mean and basis, in block/kind order.
 std::string calibration_compute_id(const Calibration& c);
 

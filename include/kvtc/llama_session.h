@@ -85,6 +85,10 @@ struct SessionOptions {
   int n_threads = 0;       // 0: all hardware threads
   uint32_t n_batch = 2048;
   uint32_t n_ubatch = 512;
+  // llama.cpp's own cache types, for running its quantized caches natively
+  // as a baseline: "f16" (default), "q8_0" or "q4_0". capture() and
+  // restore() need f16 (our blob parser reads f16 rows only).
+  std::string cache_type_k = "f16", cache_type_v = "f16";
 };
 
 class Session {

@@ -1,5 +1,7 @@
 #include "baselines.h"
 
+#include <cblas.h>
+#include <lapacke.h>
 #include <libdeflate.h>
 #include <zstd.h>
 
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "kvtc/error.h"
+#include "kvtc/features.h"
 #include "kvtc/quant.h"
 #include "kvtc/util.h"
 
@@ -97,6 +100,116 @@ uint64_t lossless_bytes(const KvCapture& c, const std::string& coder) {
   libdeflate_free_compressor(cmp);
   require(n > 0, "libdeflate: compression failed");
   return n;
+}
+
+KvCapture streaming_evict(const KvCapture& c, double ratio, uint32_t sink, uint64_t* bytes) {
+  require(ratio >= 1, "streaming: ratio must be >= 1");
+  KvCapture out;
+  out.meta = c.meta;
+  *bytes = 0;
+  for (size_t bi = 0; bi < c.blocks.size(); ++bi) {
+    const KvBlock& b = c.blocks[bi];
+    const uint32_t n = b.n_tokens();
+    const uint32_t keep = std::min<uint32_t>(n, uint32_t(std::ceil(double(n) / ratio)));
+    const uint32_t s = std::min(sink, keep);
+    std::vector<uint32_t> idx;
+    for (uint32_t t = 0; t < s; ++t) idx.push_back(t);
+    for (uint32_t t = n - (keep - s); t < n; ++t) idx.push_back(t);
+    KvBlock o;
+    o.layers = b.layers;
+    o.n_head_kv = b.n_head_kv;
+    o.head_dim = b.head_dim;
+    for (uint32_t t : idx) o.pos.push_back(b.pos[t]);
+    o.k.resize(o.numel());
+    o.v.resize(o.numel());
+    for (uint32_t l = 0; l < b.n_layer(); ++l)
+      for (uint32_t h = 0; h < b.n_head_kv; ++h)
+        for (size_t i = 0; i < idx.size(); ++i) {
+          std::copy_n(&b.k[b.index(l, h, idx[i], 0)], b.head_dim, &o.k[o.index(l, h, uint32_t(i), 0)]);
+          std::copy_n(&b.v[b.index(l, h, idx[i], 0)], b.head_dim, &o.v[o.index(l, h, uint32_t(i), 0)]);
+        }
+    if (bi == 0 && !c.tokens.empty())
+      for (uint32_t t : idx) out.tokens.push_back(c.tokens[t]);
+    *bytes += uint64_t(o.numel()) * 2 * 2;
+    out.blocks.push_back(std::move(o));
+  }
+  return out;
+}
+
+namespace {
+
+float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
+
+// Rank-r approximation of row-major X [n x m] in place, centred on its
+// column mean; factors rounded to f16 as they would be stored.
+void lowrank_inplace(float* X, uint32_t n, uint32_t m, uint32_t r) {
+  std::vector<float> mu(m, 0.0f);
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t j = 0; j < m; ++j) mu[j] += X[size_t(t) * m + j];
+  for (float& x : mu) x = f16_round(x / float(n));
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t j = 0; j < m; ++j) X[size_t(t) * m + j] -= mu[j];
+  r = std::min({r, n, m});
+  if (r > 0) {
+    // Right singular vectors = top eigenvectors of X^T X (m x m, in double).
+    std::vector<float> g(size_t(m) * m);
+    cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, int(m), int(n), 1.0f, X, int(m), 0.0f, g.data(), int(m));
+    std::vector<double> gd(g.begin(), g.end()), w(m), z(size_t(m) * r);
+    std::vector<lapack_int> isuppz(2 * size_t(m));
+    lapack_int found = 0;
+    const lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', lapack_int(m), gd.data(), lapack_int(m), 0.0, 0.0,
+                                           lapack_int(m - r + 1), lapack_int(m), 0.0, &found, w.data(), z.data(), lapack_int(r), isuppz.data());
+    require(info == 0 && found == lapack_int(r), "svd baseline: LAPACK dsyevr failed (info " + std::to_string(info) + ")");
+    std::vector<float> B(size_t(r) * m), A(size_t(n) * r);  // B = V_r^T [r x m], A = X V_r [n x r]
+    for (uint32_t i = 0; i < r; ++i)
+      for (uint32_t j = 0; j < m; ++j) B[size_t(i) * m + j] = f16_round(float(z[size_t(j) * r + i]));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(r), int(m), 1.0f, X, int(m), B.data(), int(m), 0.0f, A.data(), int(r));
+    for (float& a : A) a = f16_round(a);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(m), int(r), 1.0f, A.data(), int(r), B.data(), int(m), 0.0f, X, int(m));
+  } else {
+    std::fill_n(X, size_t(n) * m, 0.0f);
+  }
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t j = 0; j < m; ++j) X[size_t(t) * m + j] += mu[j];
+}
+
+}  // namespace
+
+KvCapture svd_lowrank(const KvCapture& c, uint64_t target_bytes, uint32_t group_layers, uint32_t sink, uint32_t window, uint64_t* bytes) {
+  require(group_layers >= 1, "svd: group_layers must be >= 1");
+  KvCapture out = c;
+  // Raw tokens first; what is left of the budget goes to the factors.
+  uint64_t raw = 0, groups = 0;
+  for (const KvBlock& b : c.blocks) {
+    const uint32_t n = b.n_tokens(), s = std::min(sink, n), w = std::min(window, n - s);
+    raw += uint64_t(s + w) * b.n_layer() * b.n_head_kv * b.head_dim * 2 * 2;
+    groups += 2 * ((b.n_layer() + group_layers - 1) / group_layers);
+  }
+  const uint64_t per = target_bytes > raw ? (target_bytes - raw) / groups : 0;
+  *bytes = raw;
+  for (size_t bi = 0; bi < out.blocks.size(); ++bi) {
+    KvBlock& b = out.blocks[bi];
+    const uint32_t n = b.n_tokens(), s = std::min(sink, n), w = std::min(window, n - s), t0 = s, t1 = n - w;
+    if (t1 <= t0) continue;
+    const uint32_t T = t1 - t0, p = feature_dim(b), hd = b.n_head_kv * b.head_dim;
+    const RopeParams rope = rope_params_from_meta(c.meta, bi == 1, b.head_dim, "svd baseline");
+    std::vector<float> X(size_t(T) * p), G;
+    for (int kv = 0; kv < 2; ++kv) {
+      gather_features(b, KvKind(kv), kv == 0 ? &rope : nullptr, t0, t1, X.data());
+      for (uint32_t l0 = 0; l0 < b.n_layer(); l0 += group_layers) {
+        const uint32_t m = std::min(group_layers, b.n_layer() - l0) * hd;
+        // bytes = 2 (T r + r m + m) <= per.
+        const uint64_t r = per / 2 > m ? (per / 2 - m) / (uint64_t(T) + m) : 0;
+        G.resize(size_t(T) * m);
+        for (uint32_t t = 0; t < T; ++t) std::copy_n(&X[size_t(t) * p + size_t(l0) * hd], m, &G[size_t(t) * m]);
+        lowrank_inplace(G.data(), T, m, uint32_t(r));
+        for (uint32_t t = 0; t < T; ++t) std::copy_n(&G[size_t(t) * m], m, &X[size_t(t) * p + size_t(l0) * hd]);
+        *bytes += 2 * (uint64_t(T) * std::min<uint64_t>(r, std::min(T, m)) + std::min<uint64_t>(r, std::min(T, m)) * m + m);
+      }
+      scatter_features(X.data(), KvKind(kv), kv == 0 ? &rope : nullptr, t0, t1, b);
+    }
+  }
+  return out;
 }
 
 }  // namespace kvtc::baselines

@@ -24,4 +24,19 @@ KvCapture kivi(const KvCapture& c, int bits, uint32_t group, uint32_t recent, ui
 // (libdeflate level 12). Returns the compressed size; the cache is unchanged.
 uint64_t lossless_bytes(const KvCapture& c, const std::string& coder);
 
+// StreamingLLM-style eviction (Xiao et al. 2024): keep the first `sink`
+// tokens and the most recent ones, ceil(n / ratio) tokens in all per block;
+// the others are dropped (the returned capture is shorter; kept tokens keep
+// their positions). bytes = kept tokens at f16.
+KvCapture streaming_evict(const KvCapture& c, double ratio, uint32_t sink, uint64_t* bytes);
+
+// Per-prompt low-rank SVD in the manner of xKV (Chang et al. 2025): for
+// each group of `group_layers` adjacent layers and each of K (de-RoPEd, as
+// ShadowKV/xKV factor pre-RoPE keys) and V, the tokens between the raw sink
+// and window are centred and factored as X ~ A B with rank chosen so that
+// A [T x r], B [r x m] and the mean [m], all f16, fit target_bytes split
+// evenly over groups and K/V. Sink and window stay raw (as kvtc's do), so
+// the sizes compare like for like. bytes = stored factors + raw tokens.
+KvCapture svd_lowrank(const KvCapture& c, uint64_t target_bytes, uint32_t group_layers, uint32_t sink, uint32_t window, uint64_t* bytes);
+
 }  // namespace kvtc::baselines

@@ -117,12 +117,12 @@ class SpoolSource : public RowSource {
 };
 
 struct Doc {
-  std::string file, id;
+  std::string file, id, kind;
   uint64_t tokens;
   std::string order = {};  // sha256 of the id: a stable shuffle
 };
 
-std::vector<Doc> calib_docs(const std::string& corpus) {
+std::vector<Doc> calib_docs(const std::string& corpus, const std::vector<std::string>& kinds) {
   const std::string path = corpus + "/manifest.json";
   std::ifstream f(path);
   require(f.good(), path + ": cannot open (run `make corpus`)");
@@ -134,9 +134,11 @@ std::vector<Doc> calib_docs(const std::string& corpus) {
   }
   std::vector<Doc> docs;
   for (const auto& d : m.at("documents"))
-    if (d.at("split") == "calib")
-      docs.push_back({corpus + "/" + d.at("file").get<std::string>(), d.at("id").get<std::string>(), d.at("tokens").get<uint64_t>()});
-  require(!docs.empty(), path + ": no calibration documents");
+    if (d.at("split") == "calib" &&
+        (kinds.empty() || std::find(kinds.begin(), kinds.end(), d.at("kind").get<std::string>()) != kinds.end()))
+      docs.push_back({corpus + "/" + d.at("file").get<std::string>(), d.at("id").get<std::string>(), d.at("kind").get<std::string>(),
+                      d.at("tokens").get<uint64_t>()});
+  require(!docs.empty(), path + ": no calibration documents" + (kinds.empty() ? std::string() : " of the kinds asked for"));
   // Interleave kinds and sources: order by a hash of the id (stable).
   for (Doc& d : docs) d.order = sha256_bytes({reinterpret_cast<const uint8_t*>(d.id.data()), d.id.size()});
   std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return a.order < b.order; });
@@ -149,7 +151,7 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
   auto model = Model::load(opt.model_path);
   const ModelInfo& mi = model->info();
   const CacheGeometry g = model->geometry();
-  std::vector<Doc> docs = calib_docs(opt.corpus_dir);
+  std::vector<Doc> docs = calib_docs(opt.corpus_dir, opt.kinds);
   SessionOptions so;
   so.n_ctx = opt.max_doc_tokens ? std::min(opt.max_doc_tokens, mi.n_ctx_train) : mi.n_ctx_train;
   so.n_threads = opt.threads;
@@ -201,7 +203,7 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
         for (uint32_t t0 = t_begin; t0 < blk.n_tokens(); t0 += 512) {
           const uint32_t t1 = std::min(blk.n_tokens(), t0 + 512);
           buf.resize(size_t(t1 - t0) * p[b]);
-          gather_features(blk, KvKind(k), &rope, t0, t1, buf.data());
+          gather_features(blk, KvKind(k), opt.keep_rope ? nullptr : &rope, t0, t1, buf.data());
           if (to_held)
             held[b][k].insert(held[b][k].end(), buf.begin(), buf.end());
           else if (randomized[b])
@@ -295,6 +297,8 @@ Calibration calibrate(const CalibrateOptions& opt, const ProgressFn& progress) {
   cal.meta["pca_route"] = randomized[0]
                               ? "randomized: Halko subspace iteration, " + std::to_string(opt.power_iters) + " power iterations, rows spooled as f16"
                               : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
+  cal.meta["keys_rope"] = opt.keep_rope ? "kept" : "removed";
+  if (!opt.kinds.empty()) cal.meta["calib_kinds"] = nlohmann::json(opt.kinds).dump();
   cal.meta["kvtc_version"] = KVTC_VERSION;
   cal.id = calibration_compute_id(cal);
   return cal;

@@ -28,6 +28,13 @@ struct CalibrateOptions {
   std::string pca_route = "auto";
   uint32_t power_iters = 8;
   int threads = 0;
+  // Ablation (the paper's Figure 4): fit keys as llama.cpp stores them,
+  // RoPE applied. Recorded as meta["keys_rope"] = "kept"; encoder and
+  // decoder then skip de-RoPE / re-RoPE. Default "removed" (method.md §1).
+  bool keep_rope = false;
+  // Corpus kinds to draw documents from ("prose", "docs", "code", "math");
+  // empty: all. Recorded as meta["calib_kinds"].
+  std::vector<std::string> kinds;
 };
 
 // stage: "prefill", "pca", "dp"; done/total in that stage's units.

@@ -113,6 +113,9 @@ Calibration calibration_from_safetensors(const SafeTensors& st, const std::strin
   require(meta("tensors_xxh64") == tensors_checksum(st), origin + ": tensor checksum mismatch (corrupted calibration file)");
   Calibration c;
   c.meta = st.metadata;
+  if (auto it = c.meta.find("keys_rope"); it != c.meta.end())
+    require(it->second == "removed" || it->second == "kept",
+            origin + ": __metadata__['keys_rope'] is '" + it->second + "', expected 'removed' or 'kept'");
   const std::string& nb = meta("n_blocks");
   require(nb == "1" || nb == "2", origin + ": __metadata__['n_blocks'] must be 1 or 2, found '" + nb + "'");
   c.blocks.resize(nb == "1" ? 1 : 2);

@@ -30,6 +30,7 @@ struct Header {
   std::string calibration_id, model_sha256;
   uint32_t sink = 0, window = 0, chunk_tokens = 0;
   bool has_tokens = false;
+  bool keys_derope = true;  // header keys_rope: "removed" (absent: removed) or "kept"
   std::map<std::string, std::string> capture_meta;
   std::vector<BlockHeader> blocks;
 };
@@ -45,6 +46,9 @@ Header parse_header(const std::string& js, const std::string& origin) {
     h.window = j.at("window").get<uint32_t>();
     h.chunk_tokens = j.at("chunk_tokens").get<uint32_t>();
     h.has_tokens = j.at("has_tokens").get<bool>();
+    const std::string kr = j.value("keys_rope", std::string("removed"));
+    require(kr == "removed" || kr == "kept", "keys_rope must be 'removed' or 'kept', got '" + kr + "'");
+    h.keys_derope = kr == "removed";
     h.capture_meta = j.at("capture_meta").get<std::map<std::string, std::string>>();
     require(h.chunk_tokens >= 1 && h.chunk_tokens <= 65536, "chunk_tokens out of range");
     const json& bl = j.at("blocks");
@@ -148,6 +152,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
   require(H.calibration_id == cal.id, origin + ": encoded with calibration " + H.calibration_id.substr(0, 16) + "…, but the calibration given is " +
                                           cal.id.substr(0, 16) + "… (wrong calibration file)");
   require(H.blocks.size() == cal.blocks.size(), origin + ": block count differs from the calibration's");
+  require(H.keys_derope == calibration_keys_derope(cal), origin + ": header keys_rope says " + (H.keys_derope ? "removed" : "kept") +
+                                                             ", the calibration's meta keys_rope the opposite");
   for (const Section& s : P.sections)
     require(s.block < H.blocks.size(), origin + ": " + section_name(s.kind) + " section: block " + std::to_string(s.block) + " does not exist");
   derive_token_counts(P, H, origin);
@@ -240,8 +246,9 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     if (ru > 0)  // X = D B[:ru] + mu
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f,
                   feat.data(), int(T.p));
-    if (kind == KvKind::kKey && !rope[s.block]) rope[s.block] = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
-    scatter_features(feat.data(), kind, kind == KvKind::kKey ? &*rope[s.block] : nullptr, s.t0, s.t1, kb);
+    const bool rerope = kind == KvKind::kKey && H.keys_derope;
+    if (rerope && !rope[s.block]) rope[s.block] = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
+    scatter_features(feat.data(), kind, rerope ? &*rope[s.block] : nullptr, s.t0, s.t1, kb);
   }
   for (size_t b = 0; b < H.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)

@@ -144,11 +144,14 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
     const Layout L = layout(kb.n_tokens(), opt);
     for (int kv = 0; kv < 2; ++kv) {
       if (n0 == 0 && L.s_end > 0) write_section(out, kRaw, uint32_t(b), uint32_t(kv), 0, L.s_end, raw_bytes(kb, kv, 0, L.s_end), opt.deflate_level);
+      // Keys are de-RoPEd unless the calibration was fitted on them as
+      // stored (the no-RoPE-removal ablation, meta keys_rope = "kept").
+      const bool derope = kv == 0 && calibration_keys_derope(cal);
       RopeParams rope;
-      if (kv == 0) rope = rope_params_from_meta(c.meta, b == 1, kb.head_dim, "compress");
+      if (derope) rope = rope_params_from_meta(c.meta, b == 1, kb.head_dim, "compress");
       for (auto [t0, t1] : chunks(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
         write_section(out, kChunk, uint32_t(b), uint32_t(kv), t0, t1,
-                      encode_chunk(kb, kv, cal.blocks[b][kv], alloc[b][kv], kv == 0 ? &rope : nullptr, t0, t1), opt.deflate_level);
+                      encode_chunk(kb, kv, cal.blocks[b][kv], alloc[b][kv], derope ? &rope : nullptr, t0, t1), opt.deflate_level);
     }
   }
   for (size_t b = 0; b < c.blocks.size(); ++b) {
@@ -194,6 +197,7 @@ std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, c
   h["chunk_tokens"] = opt.chunk_tokens;
   h["deflate_level"] = opt.deflate_level;
   h["has_tokens"] = !c.tokens.empty();
+  h["keys_rope"] = calibration_keys_derope(cal) ? "removed" : "kept";
   h["capture_meta"] = c.meta;
   h["blocks"] = nlohmann::json::array();
   for (size_t b = 0; b < c.blocks.size(); ++b) {

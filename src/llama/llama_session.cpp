@@ -267,8 +267,17 @@ Session::Session(const Model& model, const SessionOptions& opt) : model_(model),
   cp.n_threads_batch = nt;
   // Every setting that changes the state blob is fixed, never AUTO.
   cp.flash_attn_type = opt.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-  cp.type_k = GGML_TYPE_F16;
-  cp.type_v = GGML_TYPE_F16;
+  auto cache_type = [](const std::string& t) {
+    if (t == "f16") return GGML_TYPE_F16;
+    if (t == "q8_0") return GGML_TYPE_Q8_0;
+    if (t == "q4_0") return GGML_TYPE_Q4_0;
+    throw Error("session: cache type must be f16, q8_0 or q4_0, got '" + t + "'");
+  };
+  cp.type_k = cache_type(opt.cache_type_k);
+  cp.type_v = cache_type(opt.cache_type_v);
+  // llama.cpp quantizes V only with flash attention (the transposed V
+  // layout has no quantized form).
+  require(opt.flash_attn || opt.cache_type_v == "f16", "session: a quantized V cache needs flash attention");
   cp.kv_unified = true;
   cp.swa_full = false;
   cp.no_perf = true;

@@ -88,6 +88,8 @@ Action add_calibrate(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--power-iters", o->power_iters, "Power iterations of the randomized route")->capture_default_str();
   sub->add_option("--threads", o->threads, "Threads (default: all)");
+  sub->add_flag("--keep-rope", o->keep_rope, "Ablation: fit keys with RoPE applied, as llama.cpp stores them (meta keys_rope = kept)");
+  sub->add_option("--kinds", o->kinds, "Corpus kinds to calibrate on (prose, docs, code, math; default all)");
   sub->add_option("-o,--output", *out, "Output calibration file (.safetensors)")->required();
   sub->add_flag("--json", *json, "Print the summary as JSON");
   return [o, out, json] {
@@ -276,6 +278,7 @@ Action add_inspect(CLI::App& app) {
     j["sink"] = hdr["sink"];
     j["window"] = hdr["window"];
     j["chunk_tokens"] = hdr["chunk_tokens"];
+    j["keys_rope"] = hdr.value("keys_rope", "removed");
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {

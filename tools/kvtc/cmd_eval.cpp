@@ -3,12 +3,13 @@
 // the sequence's state, encode and decode it with a method, restore it into
 // a fresh sequence, then continue.
 //
-// Tasks (this first version): ppl (perplexity of the next 256 real-text
-// tokens, teacher-forced), kld (mean next-token KL divergence from the
-// uncompressed run over those tokens), agree (of 64 greedy tokens, how many
-// match the uncompressed run before the first difference, and the share of
-// samples where all 64 match). Methods: vanilla (restore without
-// compression) and kvtc-<R>x for any nominal ratio R.
+// Tasks: ppl (perplexity of the next 256 real-text tokens, teacher-forced),
+// kld (mean next-token KL divergence from vanilla over those tokens), agree
+// (of 64 greedy tokens, how many match vanilla before the first difference,
+// and the share of samples where all 64 match) on real text of the
+// evaluation split; niah, vt, kvr (eval_tasks.h), scored in percent. Each
+// task has its own prompts and prefill; every method runs on the same
+// prompts, so differences are paired. Methods: see parse_method.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "../../src/baselines/baselines.h"
 #include "../../src/calib/calibrate.h"
 #include "commands.h"
+#include "eval_tasks.h"
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
 #include "kvtc/llama_session.h"
@@ -36,9 +38,11 @@ struct EvalArgs {
   std::vector<std::string> tasks{"ppl", "kld", "agree"};
   std::vector<std::string> methods{"vanilla", "kvtc-8x", "kvtc-16x", "kvtc-32x", "kvtc-64x"};
   std::vector<uint32_t> contexts{2048};
-  uint32_t samples = 8, cont = 256, greedy = 64;
+  std::vector<uint32_t> samples{8};  // per context (one value: all contexts)
+  uint32_t cont = 256, greedy = 64;
+  std::vector<std::string> calib_extra;  // NAME=FILE, for kvtc-<R>x@NAME
   uint64_t seed = 1;
-  bool json = false;
+  bool json = false, verbose_tasks = false;
 };
 
 struct Stat {
@@ -66,187 +70,373 @@ void log_softmax(const float* l, size_t n, std::vector<double>& out) {
   for (size_t i = 0; i < n; ++i) out[i] = double(l[i]) - lse;
 }
 
-std::vector<std::pair<std::string, std::vector<int32_t>>> pick_samples(const Model& m, const std::string& corpus, uint32_t need, uint32_t n,
-                                                                       uint64_t seed) {
+// A method name parsed: vanilla, fp8, kivi-2, kivi-4, zstd, deflate,
+// q8_0, q4_0 (llama.cpp's cache types, run natively), streaming-<R>x,
+// svd-<R>x (per-prompt low rank at the size kvtc-<R>x takes on the same
+// sample), kvtc-<R>x[-joint][-all][@NAME] (-joint: one K+V budget; -all:
+// sink and window compressed too; @NAME: the calibration given as
+// --calib-extra NAME=FILE).
+struct Method {
+  std::string name, kind;  // kind: vanilla fp8 kivi lossless native streaming svd kvtc
+  double ratio = 0;
+  int bits = 0;
+  bool joint = false, all = false;
+  std::string calib;  // "" = --calib
+};
+
+const char* kMethodHelp = "vanilla, kvtc-<R>x[-joint][-all][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate";
+
+Method parse_method(const std::string& name) {
+  Method m;
+  m.name = name;
+  auto bad = [&] { return Error("eval: unknown method '" + name + "' (" + kMethodHelp + ")"); };
+  auto ratio_of = [&](const std::string& s) {  // "<R>x"
+    if (s.size() < 2 || s.back() != 'x') throw bad();
+    size_t used = 0;
+    double r = 0;
+    try {
+      r = std::stod(s.substr(0, s.size() - 1), &used);
+    } catch (const std::exception&) {
+      throw bad();
+    }
+    if (used != s.size() - 1 || !(r >= 1 && r <= 4096)) throw bad();
+    return r;
+  };
+  if (name == "vanilla" || name == "fp8") {
+    m.kind = name;
+  } else if (name == "kivi-2" || name == "kivi-4") {
+    m.kind = "kivi";
+    m.bits = name == "kivi-2" ? 2 : 4;
+  } else if (name == "zstd" || name == "deflate") {
+    m.kind = "lossless";
+  } else if (name == "q8_0" || name == "q4_0") {
+    m.kind = "native";
+  } else if (name.rfind("streaming-", 0) == 0) {
+    m.kind = "streaming";
+    m.ratio = ratio_of(name.substr(10));
+  } else if (name.rfind("svd-", 0) == 0) {
+    m.kind = "svd";
+    m.ratio = ratio_of(name.substr(4));
+  } else if (name.rfind("kvtc-", 0) == 0) {
+    m.kind = "kvtc";
+    std::string rest = name.substr(5);
+    if (size_t at = rest.find('@'); at != std::string::npos) {
+      m.calib = rest.substr(at + 1);
+      rest = rest.substr(0, at);
+      if (m.calib.empty()) throw bad();
+    }
+    auto strip = [&](const std::string& suf) {
+      if (rest.size() > suf.size() && rest.compare(rest.size() - suf.size(), suf.size(), suf) == 0) {
+        rest.resize(rest.size() - suf.size());
+        return true;
+      }
+      return false;
+    };
+    m.all = strip("-all");
+    m.joint = strip("-joint");
+    m.ratio = ratio_of(rest);
+  } else {
+    throw bad();
+  }
+  return m;
+}
+
+// Raw f16 bytes of a capture's K and V (all blocks).
+uint64_t f16_bytes(const KvCapture& c) {
+  uint64_t n = 0;
+  for (const KvBlock& b : c.blocks) n += uint64_t(b.numel()) * 2 * 2;
+  return n;
+}
+
+std::vector<uint8_t> kvtc_encode(const Method& m, const KvCapture& c, const Calibration& cal) {
+  CompressOptions opt;
+  if (m.all) opt.sink = 0, opt.window = 0;
+  return kvtc_compress(c, cal, allocation_set(cal, m.ratio, m.joint), opt);
+}
+
+// Encodes and decodes a capture with method m; *bytes = bytes at rest.
+KvCapture apply_method(const Method& m, const KvCapture& c, const std::map<std::string, Calibration>& cals, uint64_t* bytes) {
+  *bytes = f16_bytes(c);
+  if (m.kind == "vanilla") return c;
+  if (m.kind == "fp8") return baselines::fp8_per_token(c, bytes);
+  if (m.kind == "kivi") return baselines::kivi(c, m.bits, 32, 128, bytes);
+  if (m.kind == "lossless") {  // ratio only: the cache comes back unchanged
+    *bytes = baselines::lossless_bytes(c, m.name);
+    return c;
+  }
+  if (m.kind == "streaming") return baselines::streaming_evict(c, m.ratio, 4, bytes);
+  const Calibration& cal = cals.at(m.calib);
+  if (m.kind == "svd") {
+    Method k;
+    k.ratio = m.ratio;
+    const uint64_t target = kvtc_encode(k, c, cal).size();
+    return baselines::svd_lowrank(c, target, 4, CompressOptions{}.sink, CompressOptions{}.window, bytes);
+  }
+  std::vector<uint8_t> enc = kvtc_encode(m, c, cal);
+  *bytes = enc.size();
+  return kvtc_decompress(enc, cal, m.name);
+}
+
+// A prompt of one task: text (ppl/kld/agree share it) or a retrieval task.
+struct Prompt {
+  std::string task, id;  // task "text" for the ppl/kld/agree group
+  std::vector<int32_t> tokens, cont;
+  TaskPrompt gen;
+};
+
+// Real-text documents of the evaluation split (for ppl and as haystacks).
+struct EvalDoc {
+  std::string id, kind, file;
+  uint32_t tokens;
+};
+
+std::vector<EvalDoc> eval_docs(const std::string& corpus) {
   std::ifstream f(corpus + "/manifest.json");
   require(f.good(), corpus + "/manifest.json: cannot open (run `make corpus`)");
   nlohmann::json man = nlohmann::json::parse(f);
-  std::vector<std::pair<std::string, std::string>> docs;
+  std::vector<EvalDoc> docs;
   for (const auto& d : man.at("documents"))
-    if (d.at("split") == "eval" && d.at("tokens").get<uint32_t>() >= need)
-      docs.push_back({d.at("id"), corpus + "/" + d.at("file").get<std::string>()});
-  require(!docs.empty(), "eval: no evaluation document holds " + std::to_string(need) + " tokens");
+    if (d.at("split") == "eval")
+      docs.push_back({d.at("id"), d.at("kind"), corpus + "/" + d.at("file").get<std::string>(), d.at("tokens").get<uint32_t>()});
+  return docs;
+}
+
+// n text samples of `need` tokens: random windows of distinct documents.
+std::vector<Prompt> text_prompts(const Model& m, const std::vector<EvalDoc>& all, uint32_t ctx, uint32_t cont, uint32_t n, uint64_t seed) {
+  const uint32_t need = ctx + cont;
+  std::vector<EvalDoc> docs;
+  for (const auto& d : all)
+    if (d.tokens >= need) docs.push_back(d);
   std::mt19937_64 rng(seed);
   std::shuffle(docs.begin(), docs.end(), rng);
-  std::vector<std::pair<std::string, std::vector<int32_t>>> out;
+  std::vector<Prompt> out;
+  const std::vector<int32_t> bos = m.tokenize("");
   for (size_t i = 0; out.size() < n && i < docs.size(); ++i) {
-    std::vector<uint8_t> raw = read_file(docs[i].second);
+    std::vector<uint8_t> raw = read_file(docs[i].file);
     std::vector<int32_t> t = m.tokenize(std::string(raw.begin(), raw.end()));
     if (t.size() < need) continue;
-    // A random window of the document, fixed by the seed.
     const size_t off = t.size() > need ? size_t(rng() % (t.size() - need + 1)) : 0;
     std::vector<int32_t> w(t.begin() + off, t.begin() + off + need);
-    if (off > 0 && m.info().n_vocab > 0) {
-      // Keep the model's BOS at the start, as a real session has it.
-      std::vector<int32_t> bos = m.tokenize("");
-      if (!bos.empty()) w.front() = bos.front();
-    }
-    out.push_back({docs[i].first, std::move(w)});
+    if (off > 0 && !bos.empty()) w.front() = bos.front();  // a real session starts with BOS
+    Prompt p;
+    p.task = "text";
+    p.id = docs[i].id;
+    p.tokens.assign(w.begin(), w.begin() + ctx);
+    p.cont.assign(w.begin() + ctx, w.end());
+    out.push_back(std::move(p));
   }
   require(out.size() == n,
           "eval: only " + std::to_string(out.size()) + " evaluation documents hold " + std::to_string(need) + " tokens; ask for fewer samples");
   return out;
 }
 
-// Encodes and decodes a capture with `method`; returns the decoded capture
-// and the bytes at rest (0 for vanilla).
-KvCapture apply_method(const std::string& method, const KvCapture& c, const Calibration* cal, uint64_t* bytes) {
-  *bytes = 0;
-  if (method == "vanilla") return c;
-  if (method == "fp8") return baselines::fp8_per_token(c, bytes);
-  if (method == "kivi-2" || method == "kivi-4") return baselines::kivi(c, method == "kivi-2" ? 2 : 4, 32, 128, bytes);
-  if (method == "zstd" || method == "deflate") {  // lossless: ratio only, the cache comes back unchanged
-    *bytes = baselines::lossless_bytes(c, method);
-    return c;
-  }
-  // kvtc-<R>x: the calibration's table (separate K and V budgets);
-  // kvtc-<R>x-joint: one budget for K and V split by relative error.
-  const bool joint = method.size() > 6 && method.compare(method.size() - 6, 6, "-joint") == 0;
-  const std::string base = joint ? method.substr(0, method.size() - 6) : method;
-  if (base.rfind("kvtc-", 0) == 0 && base.size() > 6 && base.back() == 'x') {
-    require(cal != nullptr, "eval: method " + method + " needs --calib");
-    double ratio = 0;
-    try {
-      ratio = std::stod(base.substr(5, base.size() - 6));
-    } catch (const std::exception&) {
-      throw Error("eval: cannot read the ratio of method '" + method + "'");
+// Haystacks: prose and docs of the evaluation split, cycled.
+std::vector<Prompt> task_prompts(const Model& m, const std::vector<EvalDoc>& all, const std::string& task, uint32_t ctx, uint32_t n,
+                                 uint64_t seed) {
+  std::vector<EvalDoc> docs;
+  for (const auto& d : all)
+    if ((d.kind == "prose" || d.kind == "docs") && d.tokens >= ctx) docs.push_back(d);
+  require(task == "kvr" || !docs.empty(), "eval: no prose/docs evaluation document holds " + std::to_string(ctx) + " tokens");
+  std::mt19937_64 rng(seed);
+  std::shuffle(docs.begin(), docs.end(), rng);
+  std::vector<Prompt> out;
+  for (uint32_t i = 0; i < n; ++i) {
+    std::string text, id;
+    if (task != "kvr") {
+      const EvalDoc& d = docs[i % docs.size()];
+      std::vector<uint8_t> raw = read_file(d.file);
+      // Start at a paragraph boundary chosen by the seed.
+      std::string s(raw.begin(), raw.end());
+      size_t off = s.size() > 8 * ctx ? size_t(rng() % (s.size() - 8 * ctx)) : 0;
+      if (off > 0) off = std::min(s.size(), s.find("\n\n", off) == std::string::npos ? off : s.find("\n\n", off) + 2);
+      text = s.substr(off);
+      id = d.id;
     }
-    AllocationSet al = allocation_set(*cal, ratio, joint);
-    std::vector<uint8_t> enc = kvtc_compress(c, *cal, al, CompressOptions{});
-    *bytes = enc.size();
-    return kvtc_decompress(enc, *cal, method);
+    Prompt p;
+    p.task = task;
+    p.gen = make_task_prompt(m, task, text, id, ctx, seed, i);
+    p.id = p.gen.id;
+    p.tokens = p.gen.tokens;
+    out.push_back(std::move(p));
   }
-  throw Error("eval: unknown method '" + method + "' (vanilla, kvtc-<R>x, kvtc-<R>x-joint, fp8, kivi-2, kivi-4, zstd, deflate)");
+  return out;
 }
 
 int run_eval(const EvalArgs& a) {
   using clock = std::chrono::steady_clock;
   const auto t_start = clock::now();
+  auto has = [&](const std::string& t) { return std::find(a.tasks.begin(), a.tasks.end(), t) != a.tasks.end(); };
+  for (const auto& t : a.tasks)
+    require(t == "ppl" || t == "kld" || t == "agree" || t == "niah" || t == "vt" || t == "kvr",
+            "eval: unknown task '" + t + "' (ppl, kld, agree, niah, vt, kvr)");
+  // Method names and calibrations are checked before minutes of prefill.
+  std::vector<Method> methods;
+  for (const auto& n : a.methods) methods.push_back(parse_method(n));
+  require(!methods.empty() && methods.front().kind == "vanilla", "eval: the first method must be vanilla (the reference of kld and agree)");
+  std::map<std::string, std::string> calib_files;
+  if (!a.calib.empty()) calib_files[""] = a.calib;
+  for (const auto& e : a.calib_extra) {
+    const size_t eq = e.find('=');
+    require(eq != std::string::npos && eq > 0 && eq + 1 < e.size(), "eval: --calib-extra takes NAME=FILE, got '" + e + "'");
+    calib_files[e.substr(0, eq)] = e.substr(eq + 1);
+  }
+  for (const Method& m : methods)
+    if (m.kind == "kvtc" || m.kind == "svd")
+      require(calib_files.count(m.calib), "eval: method " + m.name + " needs " + (m.calib.empty() ? "--calib" : "--calib-extra " + m.calib + "=FILE"));
   auto model = Model::load(a.model);
   const size_t nv = model->info().n_vocab;
-  std::unique_ptr<Calibration> cal;
-  if (!a.calib.empty()) cal = std::make_unique<Calibration>(calibration_load(a.calib));
-  for (const auto& t : a.tasks) require(t == "ppl" || t == "kld" || t == "agree", "eval: unknown task '" + t + "' (ppl, kld, agree)");
-  // Fail on a bad method name before minutes of prefill: a dry run of each
-  // method on an empty capture would need a model, so check the names.
-  for (const auto& m : a.methods) {
-    const bool kvtc = m.rfind("kvtc-", 0) == 0 && (m.back() == 'x' || (m.size() > 6 && m.compare(m.size() - 6, 6, "-joint") == 0));
-    require(kvtc || m == "vanilla" || m == "fp8" || m == "kivi-2" || m == "kivi-4" || m == "zstd" || m == "deflate",
-            "eval: unknown method '" + m + "' (vanilla, kvtc-<R>x, kvtc-<R>x-joint, fp8, kivi-2, kivi-4, zstd, deflate)");
-    require(!kvtc || cal, "eval: method " + m + " needs --calib");
-  }
+  std::map<std::string, Calibration> cals;
+  for (const auto& [k, f] : calib_files) cals.emplace(k, calibration_load(f));
+
   nlohmann::ordered_json result;
   result["model"] = model->info().path;
   result["model_sha256"] = model->sha256();
   result["calibration"] = a.calib;
-  if (cal) result["calibration_id"] = cal->id;
+  if (cals.count("")) result["calibration_id"] = cals.at("").id;
+  for (const auto& [k, f] : calib_files)
+    if (!k.empty()) result["calibration_extra"][k] = {{"file", f}, {"id", cals.at(k).id}, {"calib_tokens", cals.at(k).meta["calib_tokens"]},
+                                                      {"keys_rope", calibration_keys_derope(cals.at(k)) ? "removed" : "kept"}};
   result["seed"] = a.seed;
   result["samples"] = a.samples;
   result["continuation_tokens"] = a.cont;
   result["greedy_tokens"] = a.greedy;
+  result["tasks"] = a.tasks;
   result["contexts"] = nlohmann::json::array();
   std::vector<double> lp_ref, lp;
   bool vanilla_exact = true;
-  for (uint32_t ctx : a.contexts) {
-    const uint32_t need = ctx + a.cont;
-    auto samples = pick_samples(*model, a.corpus, need, a.samples, a.seed + ctx);
+  const std::vector<EvalDoc> docs = eval_docs(a.corpus);
+  require(a.samples.size() == 1 || a.samples.size() == a.contexts.size(), "eval: --samples takes one count or one per --context");
+  for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
+    const uint32_t ctx = a.contexts[ci], n_samples = a.samples[a.samples.size() == 1 ? 0 : ci];
+    std::vector<Prompt> prompts;
+    const bool text = has("ppl") || has("kld") || has("agree");
+    if (text) prompts = text_prompts(*model, docs, ctx, a.cont, n_samples, a.seed + ctx);
+    for (const char* t : {"niah", "vt", "kvr"})
+      if (has(t)) {
+        auto p = task_prompts(*model, docs, t, ctx, n_samples, a.seed + ctx);
+        prompts.insert(prompts.end(), p.begin(), p.end());
+      }
     SessionOptions so;
-    so.n_ctx = need + a.greedy + 16;
+    so.n_ctx = ctx + a.cont + std::max(a.greedy, 64u) + 16;
     Session s(*model, so);
-    // Per method: per-sample scores; KL and agreement are against vanilla.
+    std::map<std::string, std::unique_ptr<Session>> native;  // q8_0 / q4_0 contexts
+    for (const Method& m : methods)
+      if (m.kind == "native") {
+        SessionOptions qo = so;
+        qo.cache_type_k = qo.cache_type_v = m.name;
+        native[m.name] = std::make_unique<Session>(*model, qo);
+      }
+    // Per method: per-prompt scores; KL and agreement are against vanilla.
     std::map<std::string, std::map<std::string, Stat>> sc;
     std::map<std::string, std::pair<uint64_t, uint64_t>> bytes;  // f16 bytes, stored bytes
-    for (size_t si = 0; si < samples.size(); ++si) {
-      const auto& toks = samples[si].second;
-      std::vector<int32_t> context(toks.begin(), toks.begin() + ctx);
-      std::vector<int32_t> cont(toks.begin() + ctx, toks.end());
+    for (size_t pi = 0; pi < prompts.size(); ++pi) {
+      const Prompt& P = prompts[pi];
+      const uint32_t n = uint32_t(P.tokens.size());
       s.clear();
-      s.decode(context, 0);
+      s.decode(P.tokens, 0);
       KvCapture cap = s.capture();
-      cap.tokens = context;
-      // The same continuation on the cache that never left llama.cpp: the
-      // vanilla method (restore without compression) must give these logits
-      // bit for bit.
+      cap.tokens = P.tokens;
+      // Logits are not in the state: every method re-decodes the last
+      // prompt token after restoring, then continues.
+      std::vector<int32_t> seq{P.tokens.back()};
+      seq.insert(seq.end(), P.cont.begin(), P.cont.end());
+      if (!seq.empty() && P.task == "text") seq.pop_back();
+      // The continuation on the cache that never left llama.cpp: vanilla
+      // (restore without compression) must give these logits bit for bit.
       std::vector<float> direct;
-      {
-        s.remove_from(int32_t(ctx) - 1);
-        std::vector<int32_t> seq{context.back()};
-        seq.insert(seq.end(), cont.begin(), cont.end() - 1);
-        s.decode(seq, int32_t(ctx) - 1, &direct);
+      if (P.task == "text") {
+        s.remove_from(int32_t(n) - 1);
+        s.decode(seq, int32_t(n) - 1, &direct);
       }
       std::vector<float> ref_logits;
       std::vector<int32_t> ref_greedy;
-      for (const std::string& method : a.methods) {
+      for (const Method& m : methods) {
+        Session* run = &s;
         uint64_t stored = 0;
-        KvCapture dec = apply_method(method, cap, cal.get(), &stored);
-        bytes[method].first += cap.f16_bytes_per_token() * ctx;
-        bytes[method].second += stored ? stored : cap.f16_bytes_per_token() * ctx;
-        s.restore(dec);
-        // Logits are not in the state: re-decode the last context token,
-        // then teacher-force the continuation.
-        s.remove_from(int32_t(ctx) - 1);
-        std::vector<int32_t> seq{context.back()};
-        seq.insert(seq.end(), cont.begin(), cont.end() - 1);
-        std::vector<float> logits;
-        s.decode(seq, int32_t(ctx) - 1, &logits);
-        if (method == a.methods.front()) ref_logits = logits;
-        if (method == "vanilla") {
-          const bool same = logits.size() == direct.size() && std::memcmp(logits.data(), direct.data(), logits.size() * sizeof(float)) == 0;
-          vanilla_exact = vanilla_exact && same;
+        if (m.kind == "lossless") {  // ratio only: the cache would come back bit for bit
+          bytes[m.name].first += f16_bytes(cap);
+          bytes[m.name].second += baselines::lossless_bytes(cap, m.name);
+          continue;
         }
-        double nll = 0, kl = 0;
-        for (size_t i = 0; i < cont.size(); ++i) {
-          log_softmax(&logits[i * nv], nv, lp);
-          nll -= lp[size_t(cont[i])];
-          if (method != a.methods.front()) {
+        if (m.kind == "native") {
+          run = native.at(m.name).get();
+          run->clear();
+          run->decode(P.tokens, 0);
+          const uint64_t per_block = m.name == "q8_0" ? 34 : 18;  // ggml block of 32 values
+          stored = f16_bytes(cap) / 64 * per_block;
+        } else {
+          KvCapture dec = apply_method(m, cap, cals, &stored);
+          s.restore(dec);
+        }
+        bytes[m.name].first += f16_bytes(cap);
+        bytes[m.name].second += stored;
+        run->remove_from(int32_t(n) - 1);
+        if (P.task == "text") {
+          std::vector<float> logits;
+          run->decode(seq, int32_t(n) - 1, &logits);
+          if (m.kind == "vanilla") {
+            ref_logits = logits;
+            vanilla_exact = vanilla_exact && logits.size() == direct.size() &&
+                            std::memcmp(logits.data(), direct.data(), logits.size() * sizeof(float)) == 0;
+          }
+          double nll = 0, kl = 0;
+          for (size_t i = 0; i < P.cont.size(); ++i) {
+            log_softmax(&logits[i * nv], nv, lp);
+            nll -= lp[size_t(P.cont[i])];
             log_softmax(&ref_logits[i * nv], nv, lp_ref);
             double k = 0;
             for (size_t v = 0; v < nv; ++v) k += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
             kl += k;
           }
-        }
-        sc[method]["ppl"].x.push_back(std::exp(nll / double(cont.size())));
-        sc[method]["kld"].x.push_back(kl / double(cont.size()));
-        if (std::find(a.tasks.begin(), a.tasks.end(), "agree") != a.tasks.end()) {
-          s.remove_from(int32_t(ctx) - 1);
-          s.decode({context.back()}, int32_t(ctx) - 1);
-          std::vector<int32_t> g = s.greedy(int(a.greedy));
-          if (method == a.methods.front()) ref_greedy = g;
-          uint32_t k = 0;
-          while (k < g.size() && g[k] == ref_greedy[k]) ++k;
-          sc[method]["agree"].x.push_back(k);
-          sc[method]["agree_all"].x.push_back(k == g.size() ? 1.0 : 0.0);
+          sc[m.name]["ppl"].x.push_back(std::exp(nll / double(P.cont.size())));
+          sc[m.name]["kld"].x.push_back(kl / double(P.cont.size()));
+          if (has("agree")) {
+            run->remove_from(int32_t(n) - 1);
+            run->decode({P.tokens.back()}, int32_t(n) - 1);
+            std::vector<int32_t> g = run->greedy(int(a.greedy));
+            if (m.kind == "vanilla") ref_greedy = g;
+            uint32_t k = 0;
+            while (k < g.size() && g[k] == ref_greedy[k]) ++k;
+            sc[m.name]["agree"].x.push_back(k);
+            sc[m.name]["agree_all"].x.push_back(k == g.size() ? 1.0 : 0.0);
+          }
+        } else {
+          run->decode({P.tokens.back()}, int32_t(n) - 1);
+          std::string out;
+          for (int32_t t : run->greedy(int(P.gen.gen_tokens))) out += model->token_text(t);
+          // Scores in percent, as RULER reports them.
+          sc[m.name][P.task].x.push_back(100.0 * score_generation(P.gen, out));
+          if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) { std::string t; for (int32_t x : P.tokens) t += model->token_text(x); std::fprintf(stderr, "%s\n", t.c_str()); }
+          if (a.verbose_tasks) std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name.c_str(), P.id.c_str(), out.c_str(), 100.0 * score_generation(P.gen, out), P.gen.answers.front().c_str());
         }
       }
-      std::fprintf(stderr, "[eval] context %u, sample %zu/%zu (%s) done, %.0f s\n", ctx, si + 1, samples.size(), samples[si].first.c_str(),
+      std::fprintf(stderr, "[eval] context %u, prompt %zu/%zu (%s, %s) done, %.0f s\n", ctx, pi + 1, prompts.size(), P.task.c_str(), P.id.c_str(),
                    std::chrono::duration<double>(clock::now() - t_start).count());
     }
     nlohmann::ordered_json cj;
     cj["context"] = ctx;
-    cj["documents"] = nlohmann::json::array();
-    for (const auto& smp : samples) cj["documents"].push_back(smp.first);
+    cj["samples"] = n_samples;
+    cj["prompts"] = nlohmann::json::array();
+    for (const auto& p : prompts) cj["prompts"].push_back({{"task", p.task}, {"id", p.id}, {"tokens", p.tokens.size()}});
     cj["methods"] = nlohmann::json::array();
-    for (const std::string& method : a.methods) {
+    const std::string ref = methods.front().name;
+    for (const Method& mm : methods) {
+      const std::string& method = mm.name;
       nlohmann::ordered_json m;
       m["name"] = method;
       m["ratio"] = double(bytes[method].first) / double(bytes[method].second);
+      if (mm.kind == "lossless") {
+        m["scores"] = nlohmann::json::object();  // ratio only
+        cj["methods"].push_back(m);
+        continue;
+      }
       for (const std::string& t : a.tasks) {
         m["scores"][t] = sc[method][t].mean();
         m["half_width"][t] = sc[method][t].half();
         if (t == "agree") m["scores"]["agree_all"] = sc[method]["agree_all"].mean();
-        // Paired difference against the reference method, sample by sample.
+        // Paired difference against vanilla, prompt by prompt.
         Stat d;
-        for (size_t i = 0; i < sc[method][t].x.size(); ++i) d.x.push_back(sc[method][t].x[i] - sc[a.methods.front()][t].x[i]);
+        for (size_t i = 0; i < sc[method][t].x.size(); ++i) d.x.push_back(sc[method][t].x[i] - sc[ref][t].x[i]);
         m["paired_diff"][t] = {{"mean", d.mean()}, {"half_width", d.half()}};
       }
       cj["methods"].push_back(m);
@@ -261,20 +451,34 @@ int run_eval(const EvalArgs& a) {
   }
   std::ostringstream md;
   for (const auto& cj : result["contexts"]) {
-    md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << a.samples << " samples\n\n| method | ratio (whole cache) |";
+    md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>() << " samples per task\n\n| method | ratio (whole cache) |";
     for (const auto& t : a.tasks) md << " " << t << " |";
     md << "\n|---|---|";
     for (size_t i = 0; i < a.tasks.size(); ++i) md << "---|";
     md << "\n";
     for (const auto& m : cj["methods"]) {
-      char b[64];
+      char b[96];
       std::snprintf(b, sizeof b, "%.2fx", m["ratio"].get<double>());
       md << "| " << m["name"].get<std::string>() << " | " << b << " |";
+      if (m["scores"].empty()) {  // lossless: ratio only
+        for (size_t i = 0; i < a.tasks.size(); ++i) md << " (lossless) |";
+        md << "\n";
+        continue;
+      }
       for (const auto& t : a.tasks) {
-        std::snprintf(b, sizeof b, " %.4g ± %.2g", m["scores"][t].get<double>(), m["half_width"][t].get<double>());
+        const double v = m["scores"][t].get<double>(), h = m["half_width"][t].get<double>();
+        if (t == "ppl" || t == "kld")
+          std::snprintf(b, sizeof b, " %.4g ± %.2g", v, h);
+        else
+          std::snprintf(b, sizeof b, " %.1f ± %.1f", v, h);
         md << b;
         if (t == "agree") {
           std::snprintf(b, sizeof b, " (all %u: %.0f%%)", a.greedy, 100 * m["scores"]["agree_all"].get<double>());
+          md << b;
+        }
+        if (m["name"] != cj["methods"][0]["name"] && t != "kld") {
+          // Paired difference against vanilla: what a 1-point claim needs.
+          std::snprintf(b, sizeof b, " [Δ %+.3g ± %.2g]", m["paired_diff"][t]["mean"].get<double>(), m["paired_diff"][t]["half_width"].get<double>());
           md << b;
         }
         md << " |";
@@ -299,20 +503,22 @@ Action add_eval(CLI::App& app) {
   auto a = std::make_shared<EvalArgs>();
   a->model = default_model();
   a->corpus = default_corpus();
-  CLI::App* sub = app.add_subcommand("eval", "Quality after compress -> restore -> continue (ppl, kld, agree), method by method");
+  CLI::App* sub = app.add_subcommand("eval", "Quality after compress -> restore -> continue (ppl, kld, agree, niah, vt, kvr), method by method");
   sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
-  sub->add_option("--calib", a->calib, "Calibration file (needed by kvtc methods)");
+  sub->add_option("--calib", a->calib, "Calibration file (needed by kvtc and svd methods)");
+  sub->add_option("--calib-extra", a->calib_extra, "More calibrations as NAME=FILE, used by kvtc-<R>x@NAME (ablations)");
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
-  sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree")->capture_default_str();
-  sub->add_option("--methods", a->methods, "Methods; the first is the reference (vanilla)")->capture_default_str();
+  sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval)")->capture_default_str();
+  sub->add_option("--methods", a->methods, "Methods (vanilla first, the reference): vanilla, kvtc-<R>x[-joint][-all][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate")->capture_default_str();
   sub->add_option("--context", a->contexts, "Context lengths in tokens")->capture_default_str();
-  sub->add_option("--samples", a->samples, "Samples per context")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--samples", a->samples, "Samples per task: one count, or one per --context")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--continuation", a->cont, "Teacher-forced tokens scored after the context")->capture_default_str()->check(CLI::Range(2, 4096));
   sub->add_option("--greedy", a->greedy, "Greedy tokens compared for `agree`")->capture_default_str()->check(CLI::Range(1, 1024));
   sub->add_option("--seed", a->seed, "Seed for document and window choice")->capture_default_str();
   sub->add_option("--out-json", a->out_json, "Write the JSON result here");
   sub->add_option("--out-md", a->out_md, "Write the markdown table here");
   sub->add_flag("--json", a->json, "Print JSON instead of the table");
+  sub->add_flag("--show-generations", a->verbose_tasks, "Print each retrieval generation and its score to stderr");
   return [a] { return run_eval(*a); };
 }
 

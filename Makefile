@@ -9,11 +9,13 @@
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
+#   make analyze  the paper's evidence (head similarity, error vs calibration
+#                 size, position, domain) as PNG + JSON     -> bench/results/analyze/
 JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
-.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio bench-quality clean distclean
+.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio bench-quality analyze clean distclean
 
 all: build
 
@@ -49,6 +51,32 @@ calibrate: $(CALIB)
 # Ratio and error on evaluation caches -> bench/results/ratio.md
 bench-ratio: $(CALIB)
 	python3 bench/ratio.py --calib $(CALIB)
+
+# The paper's evidence on the default model -> bench/results/analyze/
+# (PNG figures, analyze.json, README.md). Calibrations it needs are fitted
+# once, only where missing: 2K/4K/8K/64K tokens for the error against
+# calibration size (beside the quick 16K of `make demo` and the full 160K),
+# and 16K of each corpus kind for the cross-domain matrix (the same settings
+# as the quick 16K, which is that matrix's all-kinds row). ~10 min of
+# calibration once, then ~15 min on 2 cores.
+SIZE_CALIBS := $(foreach n,2 4 8 64,.deps/calib/smollm2-$(n)k.safetensors)
+QUICK_CALIB := .deps/calib/smollm2-quick16k.safetensors
+DOMAIN_KINDS := prose docs code math
+DOMAIN_CALIBS := $(foreach k,$(DOMAIN_KINDS),.deps/calib/smollm2-16k-$(k).safetensors)
+$(SIZE_CALIBS): .deps/calib/smollm2-%k.safetensors: | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --tokens $*000 -o $@ --json > $(@:.safetensors=.json)
+$(QUICK_CALIB): | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --tokens 16000 --heldout 2048 --doc-tokens 2048 -o $@ --json > $(@:.safetensors=.json)
+$(DOMAIN_CALIBS): .deps/calib/smollm2-16k-%.safetensors: | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --tokens 16000 --heldout 2048 --doc-tokens 2048 --kinds $* -o $@ --json > $(@:.safetensors=.json)
+
+analyze: build $(CORPUS) $(CALIB) $(QUICK_CALIB) $(SIZE_CALIBS) $(DOMAIN_CALIBS)
+	bench/analyze.sh --calib $(CALIB) \
+	  --calib-sizes $(SIZE_CALIBS) $(QUICK_CALIB) $(CALIB) \
+	  --domain-calibs $(foreach k,$(DOMAIN_KINDS),$(k)=.deps/calib/smollm2-16k-$(k).safetensors) all=$(QUICK_CALIB)
 
 # Quality after compress -> restore -> continue, every method on the same
 # prompts (docs/eval.md) -> bench/results/quality.md + quality.json. Needs

@@ -26,6 +26,7 @@ Action add_decompress(CLI::App& app);
 Action add_inspect(CLI::App& app);
 Action add_append(CLI::App& app);
 Action add_eval(CLI::App& app);
+Action add_analyze(CLI::App& app);
 
 // Milliseconds since t0 (steady clock), for the timings the commands print.
 inline double ms_since(std::chrono::steady_clock::time_point t0) {

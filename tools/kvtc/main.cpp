@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
   reg(add_inspect);
   reg(add_append);
   reg(add_eval);
+  reg(add_analyze);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The paper's evidence on our model (`kvtc analyze`), with the command,
+# commit and machine on top. Usage: bench/analyze.sh [kvtc analyze options…]
+# Writes bench/results/analyze/: the PNGs, analyze.json and README.md.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/.." && pwd)
+kvtc="$top/build/kvtc"
+out="$top/bench/results/analyze"
+mkdir -p "$out"
+body="$out/README.body.part"
+trap 'rm -f "$body" "$out/README.md.part"' EXIT
+start=$(date +%s)
+"$kvtc" analyze "$@" -o "$out" --out-md "$body" >/dev/null
+commit=$(git -C "$top" rev-parse --short HEAD)
+[ -z "$(git -C "$top" status --porcelain --untracked-files=no)" ] || commit="$commit (with uncommitted changes)"
+cpu=$("$kvtc" info --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cpu"]["brand"])')
+model=$(python3 -c 'import json,os,sys; print(os.path.basename(json.load(open(sys.argv[1]))["model"]))' "$out/analyze.json")
+{
+  echo "# kvtc analyze: the paper's evidence on $model"
+  echo
+  echo "- command: \`make analyze\`, i.e. \`bench/analyze.sh $*\`"
+  echo "- commit: $commit"
+  echo "- machine: $cpu, $(nproc) threads, $(uname -sr); $(( $(date +%s) - start )) s"
+  echo "- all numbers: [analyze.json](analyze.json); errors are ||x - x'||^2 / ||x||^2 over the coded tokens (the first 4 and"
+  echo "  the last 128 tokens of a cache are stored raw), pooled over the evaluation captures, keys as llama.cpp stores them"
+  cat "$body"
+} >"$out/README.md.part"
+mv "$out/README.md.part" "$out/README.md"
+echo "wrote $out/README.md"

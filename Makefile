@@ -9,13 +9,14 @@
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
+#   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain) as PNG + JSON     -> bench/results/analyze/
 JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
-.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio bench-quality analyze clean distclean
+.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -95,6 +96,11 @@ bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
 	  --calib-extra c64k=.deps/calib/smollm2-64k.safetensors rope=$(ROPE_CALIB) \
 	  --context $(QUALITY_CONTEXTS) --samples $(QUALITY_SAMPLES) \
 	  --tasks ppl kld agree niah vt kvr --methods $(QUALITY_METHODS)
+
+# Codec speed with restore vs recompute -> bench/results/speed.md + .json
+# (kvtc bench; contexts past 8K are the real 8K capture tiled). ~6 min.
+bench-speed: $(CALIB)
+	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --levels 1 3 6 9 12 --repeat 3
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60

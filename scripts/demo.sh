@@ -64,5 +64,8 @@ print(f"  continuation: {r['generated']!r}")
 print(f"  greedy tokens matching the recomputed run: {r['greedy_agree']} of {r['greedy_total']}; max |logit difference| {r['max_abs_logit_diff']:.3f}")
 PY
 echo
-echo "Files: $out/session.safetensors (raw f16 capture), $out/session.kvtc (compressed), $out/restored.safetensors."
+echo "== 4. a multi-turn chat: between turns the cache rests as .kvtc; each turn restores it, or recomputes the whole history"
+"$kvtc" session --calib "$cal" --ratio "$ratio" --turns "${KVTC_DEMO_TURNS:-4}" --turn-tokens 400 --reply 32 -o "$out/turns"
+echo
+echo "Files: $out/session.safetensors (raw f16 capture), $out/session.kvtc (compressed), $out/restored.safetensors, $out/turns/turn*.kvtc."
 echo "A lossy restore continues the text but may pick other words than recomputing would (step 3 counts them)."

@@ -128,6 +128,28 @@ class Codec(unittest.TestCase):
         self.assertEqual(r["tokens"], 664)
         self.assertFails(run("append", box, grown, "--calib", self.cal), "multiple of 16")
 
+    def test_bench_and_session_machinery(self):
+        # Machinery only: fields present and consistent, no timing asserted.
+        b = json.loads(run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--repeat", "1", "--json",
+                           check=0).stdout)
+        (c,) = b["contexts"]
+        self.assertEqual(c["tokens"], 300)
+        self.assertGreater(c["recompute_ms"], 0)
+        self.assertGreater(c["restore_ms"], 0)
+        (x,) = c["ratios"]
+        self.assertGreater(x["ratio"], 1.0)
+        self.assertAlmostEqual(x["restore_ms"], x["decompress_ms"] + x["state_load_ms"], places=6)
+        for k in ("gather_rope_ms", "center_ms", "project_ms", "quant_pack_ms", "entropy_ms"):
+            self.assertGreaterEqual(x["encode_stages"][k], 0)
+        self.assertGreater(b["baselines"]["gemm_peak_gflops"], 0)
+        s = json.loads(run("session", "-m", SMOL, "--calib", self.cal, "--turns", "2", "--turn-tokens", "48", "--reply", "4",
+                           "-o", self.path("turns"), "--json", check=0).stdout)
+        self.assertEqual(len(s["turns"]), 2)
+        t2 = s["turns"][1]
+        self.assertGreater(t2["history_tokens"], s["turns"][0]["history_tokens"])
+        self.assertLess(t2["kvtc_bytes"], t2["f16_bytes"])
+        self.assertTrue(os.path.exists(self.path("turns/turn2.kvtc")))
+
     def test_keep_rope_calibration(self):
         # Keys fitted with RoPE applied: the container says so, the decoder
         # skips re-rotation, and a RoPE-removed calibration is refused.

@@ -14,6 +14,7 @@
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
 #include "kvtc/util.h"
+#include "../src/codec/container.h"
 
 using namespace kvtc;
 namespace fs = std::filesystem;
@@ -64,6 +65,35 @@ TEST(Golden, V1Decodes) {
   EXPECT_LT(e.v, 0.9);
   for (uint32_t t : {0u, 1u, 56u, 63u})
     for (uint32_t d = 0; d < 8; ++d) EXPECT_EQ(c.blocks[0].k[c.blocks[0].index(1, 0, t, d)], ref.blocks[0].k[ref.blocks[0].index(1, 0, t, d)]);
+}
+
+// The encoder's output is stable: re-encoding the golden input gives the
+// golden file's sections byte for byte (the JSON header may gain fields),
+// on one thread and on several. Catches any change of quantization,
+// packing or DEFLATE input layout, e.g. by a faster implementation.
+TEST(Golden, ReencodeIsByteIdentical) {
+  KvCapture c = capture_load(kDir + "/original.safetensors");
+  Calibration cal = calibration_load(kDir + "/calibration.safetensors");
+  const std::vector<uint8_t> golden = read_file(kDir + "/ok.kvtc");
+  const container::Parsed g = container::parse(golden, "ok.kvtc");
+  for (int threads : {1, 2, 3}) {
+    CompressOptions o;
+    o.sink = 2;
+    o.window = 8;
+    o.chunk_tokens = 16;
+    o.threads = threads;
+    const std::vector<uint8_t> now = kvtc_compress(c, cal, fuzz::small_alloc(), o);
+    const container::Parsed n = container::parse(now, "re-encoded");
+    ASSERT_EQ(n.sections.size(), g.sections.size());
+    for (size_t i = 0; i < g.sections.size(); ++i) {
+      const auto &a = g.sections[i], &b = n.sections[i];
+      EXPECT_EQ(a.kind, b.kind);
+      EXPECT_EQ(a.t0, b.t0);
+      EXPECT_EQ(a.t1, b.t1);
+      EXPECT_EQ(a.raw_len, b.raw_len);
+      EXPECT_EQ(container::payload(a, "golden"), container::payload(b, "now")) << "section " << i << ", threads " << threads;
+    }
+  }
 }
 
 TEST(Golden, V1MustFail) {

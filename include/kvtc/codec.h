@@ -22,11 +22,32 @@ namespace kvtc {
 
 constexpr uint32_t kContainerVersion = 1;
 
+// Time per codec stage, in milliseconds of thread time summed over the
+// worker threads (so they add up to threads x wall time at most). Filled
+// when a pointer is passed in the options; the caller owns it.
+struct CodecStageTimes {
+  double gather_ms = 0;   // f16 <-> f32 and (de-)RoPE, cache layout <-> feature rows
+  double center_ms = 0;   // subtracting / adding the mean
+  double project_ms = 0;  // the GEMM with the PCA basis
+  double quant_ms = 0;    // quantization and bit packing (or unpacking and dequantization)
+  double entropy_ms = 0;  // DEFLATE / inflate, checksums, raw sections
+  int threads = 1;        // worker threads used
+};
+
 struct CompressOptions {
   uint32_t sink = 4;            // raw tokens at the start of each block
   uint32_t window = 128;        // raw tokens at the end of each block
   uint32_t chunk_tokens = 256;  // middle tokens per independently decodable chunk (multiple of 16)
   int deflate_level = 6;        // libdeflate level, 0..12
+  // Chunks are coded in parallel on this many threads (0: all hardware
+  // threads). The output does not depend on it.
+  int threads = 0;
+  CodecStageTimes* stats = nullptr;  // optional, not owned
+};
+
+struct DecompressOptions {
+  int threads = 0;  // 0: all hardware threads; the output does not depend on it
+  CodecStageTimes* stats = nullptr;
 };
 
 // The allocation to use for one (block, K/V): [block][kind].
@@ -54,7 +75,8 @@ AppendResult kvtc_append(const std::vector<uint8_t>& container, const KvCapture&
 
 // Decodes a whole container; refuses a calibration whose id differs from the
 // one the container names. `origin` names the input in errors.
-KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin);
+KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin,
+                          const DecompressOptions& opt = DecompressOptions{});
 
 // Layout and sizes without decoding (checksums verified).
 struct ContainerInfo {

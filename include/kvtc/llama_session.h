@@ -65,6 +65,9 @@ class Model {
   llama_model* raw() const { return model_; }
   // add_bos follows the model's own setting; special tokens are not parsed.
   std::vector<int32_t> tokenize(const std::string& text) const;
+  // With control over both: parse_special turns "<|im_start|>" and the
+  // like into their single tokens (for chat templates).
+  std::vector<int32_t> tokenize(const std::string& text, bool add_bos, bool parse_special) const;
   std::string token_text(int32_t token) const;
   bool is_eog(int32_t token) const;
   // SHA-256 of the model file, computed on first use (~0.3 s per 100 MB).

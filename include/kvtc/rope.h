@@ -37,4 +37,17 @@ RopeParams rope_params_from_meta(const std::map<std::string, std::string>& meta,
 // Apply then undo returns x within a few f32 ulps.
 void rope_rotate(float* x, const int32_t* pos, size_t n_tok, const RopeParams& p, bool inverse);
 
+// The cos/sin of every (token, pair) for a run of positions, computed once
+// and applied to every layer and head of a block: the angles do not depend
+// on the layer (30 layers x 3 heads share them in SmolLM2). rope_apply with
+// a table gives exactly rope_rotate's result.
+struct RopeTable {
+  RopeParams::Layout layout = RopeParams::Layout::kNone;
+  uint32_t half = 0, head_dim = 0;
+  size_t n_tok = 0;
+  std::vector<double> c, s;  // [n_tok][half]; s negated for the inverse
+};
+RopeTable rope_table(const int32_t* pos, size_t n_tok, const RopeParams& p, bool inverse);
+void rope_apply(float* x, const RopeTable& t);  // x: [t.n_tok][head_dim]
+
 }  // namespace kvtc

@@ -39,5 +39,9 @@ std::vector<std::string> cpu_feature_names(const CpuFeatures& f);
 // IEEE binary16 <-> binary32, exact for every finite half and for inf/NaN.
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);  // round to nearest even
+// The same over arrays; F16C instructions where the CPU has them (chosen at
+// run time), the scalar functions otherwise. Results are identical.
+void f16_to_f32_n(const uint16_t* in, float* out, size_t n);
+void f32_to_f16_n(const float* in, uint16_t* out, size_t n);
 
 }  // namespace kvtc

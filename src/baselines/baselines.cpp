@@ -79,7 +79,7 @@ KvCapture kivi(const KvCapture& c, int bits, uint32_t group, uint32_t recent, ui
   return out;
 }
 
-uint64_t lossless_bytes(const KvCapture& c, const std::string& coder) {
+uint64_t lossless_bytes(const KvCapture& c, const std::string& coder, int level) {
   std::vector<uint8_t> raw;
   for (const KvBlock& b : c.blocks)
     for (const auto* x : {&b.k, &b.v}) {
@@ -88,12 +88,12 @@ uint64_t lossless_bytes(const KvCapture& c, const std::string& coder) {
     }
   if (coder == "zstd") {
     std::vector<uint8_t> out(ZSTD_compressBound(raw.size()));
-    size_t n = ZSTD_compress(out.data(), out.size(), raw.data(), raw.size(), 19);
+    size_t n = ZSTD_compress(out.data(), out.size(), raw.data(), raw.size(), level < 0 ? 19 : level);
     require(!ZSTD_isError(n), std::string("zstd: ") + ZSTD_getErrorName(n));
     return n;
   }
   require(coder == "deflate", "lossless: coder must be zstd or deflate");
-  libdeflate_compressor* cmp = libdeflate_alloc_compressor(12);
+  libdeflate_compressor* cmp = libdeflate_alloc_compressor(level < 0 ? 12 : level);
   require(cmp != nullptr, "libdeflate: cannot allocate a compressor");
   std::vector<uint8_t> out(libdeflate_deflate_compress_bound(cmp, raw.size()));
   size_t n = libdeflate_deflate_compress(cmp, raw.data(), raw.size(), out.data(), out.size());

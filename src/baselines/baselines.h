@@ -20,9 +20,10 @@ KvCapture fp8_per_token(const KvCapture& c, uint64_t* bytes);
 // tokens, and the tokens of an unfinished key group, kept in f16.
 KvCapture kivi(const KvCapture& c, int bits, uint32_t group, uint32_t recent, uint64_t* bytes);
 
-// Lossless coding of the raw f16 K+V bytes: "zstd" (level 19) or "deflate"
-// (libdeflate level 12). Returns the compressed size; the cache is unchanged.
-uint64_t lossless_bytes(const KvCapture& c, const std::string& coder);
+// Lossless coding of the raw f16 K+V bytes: "zstd" or "deflate" (libdeflate)
+// at `level` (-1: the strongest, zstd 19 / libdeflate 12). Returns the
+// compressed size; the cache is unchanged.
+uint64_t lossless_bytes(const KvCapture& c, const std::string& coder, int level = -1);
 
 // StreamingLLM-style eviction (Xiao et al. 2024): keep the first `sink`
 // tokens and the most recent ones, ceil(n / ratio) tokens in all per block;

@@ -67,7 +67,14 @@ void write_section(std::vector<uint8_t>& o, uint32_t kind, uint32_t block, uint3
                    int level) {
   std::vector<uint8_t> stored;
   if (level > 0 && !payload.empty()) {
-    std::unique_ptr<libdeflate_compressor, CompressorDeleter> c(libdeflate_alloc_compressor(level));
+    // One compressor per thread and level: allocating one costs more than
+    // compressing a small section (libdeflate's level-6 state is ~0.5 MB).
+    thread_local std::unique_ptr<libdeflate_compressor, CompressorDeleter> c;
+    thread_local int c_level = -1;
+    if (!c || c_level != level) {
+      c.reset(libdeflate_alloc_compressor(level));
+      c_level = level;
+    }
     require(c != nullptr, "kvtc: libdeflate could not allocate a compressor");
     stored.resize(libdeflate_deflate_compress_bound(c.get(), payload.size()));
     size_t n = libdeflate_deflate_compress(c.get(), payload.data(), payload.size(), stored.data(), stored.size());
@@ -137,7 +144,7 @@ std::vector<uint8_t> payload(const Section& s, const std::string& origin) {
     if (s.raw_len) std::memcpy(out.data(), s.data, s.raw_len);
     return out;
   }
-  std::unique_ptr<libdeflate_decompressor, DecompressorDeleter> d(libdeflate_alloc_decompressor());
+  thread_local std::unique_ptr<libdeflate_decompressor, DecompressorDeleter> d(libdeflate_alloc_decompressor());
   require(d != nullptr, "kvtc: libdeflate could not allocate a decompressor");
   size_t actual = 0;
   libdeflate_result r = libdeflate_deflate_decompress(d.get(), s.data, s.stored_len, out.data(), out.size(), &actual);

@@ -2,11 +2,13 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "container.h"
+#include "parallel.h"
 #include "kvtc/codec.h"
 #include "kvtc/features.h"
 #include "kvtc/quant.h"
@@ -82,48 +84,48 @@ Header parse_header(const std::string& js, const std::string& origin) {
   return h;
 }
 
-class BitReader {
- public:
-  BitReader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
-  uint32_t get(uint32_t bits) {
-    uint32_t v = 0;
-    for (uint32_t i = 0; i < bits; ++i, ++pos_) v |= uint32_t((p_[pos_ >> 3] >> (pos_ & 7)) & 1) << i;
-    return v;
-  }
-  void align() { pos_ = (pos_ + 7) & ~size_t(7); }
-  size_t byte() const { return pos_ >> 3; }
-
- private:
-  const uint8_t* p_;
-  size_t n_, pos_ = 0;
-};
 
 }  // namespace
 
 // Unpacks one chunk into d[n_tok][r_used] (dropped components 0).
 static void unpack_chunk(const std::vector<uint8_t>& buf, const std::vector<BlockAlloc>& alloc, uint32_t n_tok, uint32_t r_used, float* d) {
   std::fill(d, d + size_t(n_tok) * r_used, 0.0f);
+  // E4M3 decodes through a 256-entry table (the same function's values).
+  static const std::array<float, 256> e4m3 = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[size_t(i)] = e4m3_to_f32(uint8_t(i));
+    return t;
+  }();
   size_t off = 0;
-  std::vector<uint8_t> codes;
-  std::vector<float> vals;
+  std::vector<float> lo(n_tok), st(n_tok);
   for (const BlockAlloc& b : alloc) {
     if (b.type == QType::kNone) continue;
     const uint32_t np = qtype_param_bits(b.type) / 16;
     std::vector<uint16_t> params(size_t(n_tok) * 2, 0);
     for (uint32_t k = 0; k < np; ++k, off += 2 * size_t(n_tok))  // low-byte plane, then high-byte plane
       for (uint32_t t = 0; t < n_tok; ++t) params[size_t(t) * 2 + k] = uint16_t(buf[off + t] | buf[off + n_tok + t] << 8);
-    const uint32_t cb = qtype_code_bits(b.type);
-    const size_t code_bytes = (size_t(n_tok) * b.size * cb + 7) / 8;
-    BitReader br(buf.data() + off, code_bytes);
-    codes.resize(size_t(n_tok) * b.size);
-    vals.resize(b.size);
-    for (uint32_t i = 0; i < b.size; ++i)  // component-major: one component's codes for all tokens
-      for (uint32_t t = 0; t < n_tok; ++t) codes[size_t(t) * b.size + i] = uint8_t(br.get(cb));
     for (uint32_t t = 0; t < n_tok; ++t) {
-      dequantize_block(b.type, &codes[size_t(t) * b.size], b.size, &params[size_t(t) * 2], vals.data());
-      std::memcpy(d + size_t(t) * r_used + b.start, vals.data(), b.size * 4);
+      lo[t] = f16_to_f32(params[size_t(t) * 2]);
+      st[t] = f16_to_f32(params[size_t(t) * 2 + 1]);
     }
-    off += code_bytes;
+    // Codes LSB-first, contiguous, component-major: code j = i * n_tok + t
+    // at bit j * cb (cb = 2, 4 or 8: never across a byte).
+    const uint32_t cb = qtype_code_bits(b.type);
+    const uint8_t mask = uint8_t((1u << cb) - 1);
+    const uint8_t* in = buf.data() + off;
+    size_t j = 0;
+    for (uint32_t i = 0; i < b.size; ++i) {
+      float* col = d + b.start + i;
+      if (b.type == QType::kFp8) {
+        for (uint32_t t = 0; t < n_tok; ++t, ++j) col[size_t(t) * r_used] = e4m3[in[j]] * lo[t];
+      } else {
+        for (uint32_t t = 0; t < n_tok; ++t, ++j) {
+          const size_t bit = j * cb;
+          col[size_t(t) * r_used] = lo[t] + float((in[bit >> 3] >> (bit & 7)) & mask) * st[t];
+        }
+      }
+    }
+    off += (size_t(n_tok) * b.size * cb + 7) / 8;
   }
 }
 
@@ -146,7 +148,7 @@ static void derive_token_counts(const Parsed& P, Header& H, const std::string& o
   }
 }
 
-KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin) {
+KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin, const DecompressOptions& opt) {
   Parsed P = parse(bytes, origin);
   Header H = parse_header(P.header_json, origin);
   require(H.calibration_id == cal.id, origin + ": encoded with calibration " + H.calibration_id.substr(0, 16) + "…, but the calibration given is " +
@@ -203,9 +205,11 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     }
   }
   for (uint8_t x : tok_seen) require(x, origin + ": token ids are incomplete (truncated file?)");
-  // RoPE parameters per block, parsed at the first coded key chunk.
+  // RoPE parameters per block (keys of coded chunks only).
   std::vector<std::optional<RopeParams>> rope(H.blocks.size());
-  std::vector<float> feat, d;
+  // Validate every K/V section and its coverage serially; decode the coded
+  // chunks in parallel afterwards (they write disjoint token ranges).
+  std::vector<const Section*> jobs;
   for (const Section& s : P.sections) {
     if (s.kind != kRaw && s.kind != kChunk) continue;
     const std::string where = origin + ": " + section_name(s.kind) + " section (block " + std::to_string(s.block) + ", tokens " +
@@ -214,8 +218,6 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     KvBlock& kb = c.blocks[s.block];
     const BlockHeader& bh = H.blocks[s.block];
     require(s.t0 < s.t1 && s.t1 <= bh.n_tokens, where + ": bad token range");
-    const KvKind kind = KvKind(s.kv);
-    std::vector<uint16_t>& dst = s.kv == 0 ? kb.k : kb.v;
     auto& cover = seen[s.block][s.kv];
     for (uint32_t t = s.t0; t < s.t1; ++t) {
       require(!cover[t], where + ": token " + std::to_string(t) + " decoded twice");
@@ -225,31 +227,59 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     if (s.kind == kRaw) {
       const uint64_t want = uint64_t(n) * kb.n_layer() * kb.n_head_kv * kb.head_dim * 2;
       require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
-      std::vector<uint8_t> pl = payload(s, origin);
-      size_t off = 0;
-      for (uint32_t l = 0; l < kb.n_layer(); ++l)
-        for (uint32_t h = 0; h < kb.n_head_kv; ++h) {
-          std::memcpy(&dst[kb.index(l, h, s.t0, 0)], pl.data() + off, size_t(n) * kb.head_dim * 2);
-          off += size_t(n) * kb.head_dim * 2;
-        }
-      continue;
+    } else {
+      require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
+      require(s.raw_len == packed_bytes(bh.alloc[s.kv], n), where + ": payload size does not match the allocation");
+      if (s.kv == 0 && H.keys_derope && !rope[s.block]) rope[s.block] = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
     }
-    require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
-    require(s.raw_len == packed_bytes(bh.alloc[s.kv], n), where + ": payload size does not match the allocation");
-    std::vector<uint8_t> pl = payload(s, origin);
+    jobs.push_back(&s);
+  }
+  detail::StageClock clk;
+  detail::StageClock* ck = opt.stats ? &clk : nullptr;
+  const int threads = detail::resolve_threads(opt.threads, jobs.size());
+  detail::parallel_for(jobs.size(), threads, [&](size_t i) {
+    using detail::StageTimer;
+    const Section& s = *jobs[i];
+    KvBlock& kb = c.blocks[s.block];
+    const BlockHeader& bh = H.blocks[s.block];
+    const KvKind kind = KvKind(s.kv);
+    const uint32_t n = s.t1 - s.t0;
+    std::vector<uint8_t> pl;
+    {
+      StageTimer st(ck, detail::kEntropy);
+      pl = payload(s, origin);
+      if (s.kind == kRaw) {
+        std::vector<uint16_t>& dst = s.kv == 0 ? kb.k : kb.v;
+        size_t off = 0;
+        for (uint32_t l = 0; l < kb.n_layer(); ++l)
+          for (uint32_t h = 0; h < kb.n_head_kv; ++h) {
+            std::memcpy(&dst[kb.index(l, h, s.t0, 0)], pl.data() + off, size_t(n) * kb.head_dim * 2);
+            off += size_t(n) * kb.head_dim * 2;
+          }
+        return;
+      }
+    }
     const Transform& T = cal.blocks[s.block][s.kv];
     const uint32_t ru = bh.r_used[s.kv];
-    d.resize(size_t(n) * std::max(ru, 1u));
-    unpack_chunk(pl, bh.alloc[s.kv], n, ru, d.data());
-    feat.resize(size_t(n) * T.p);
-    for (uint32_t t = 0; t < n; ++t) std::memcpy(&feat[size_t(t) * T.p], T.mu.data(), size_t(T.p) * 4);
-    if (ru > 0)  // X = D B[:ru] + mu
+    std::vector<float> d(size_t(n) * std::max(ru, 1u)), feat(size_t(n) * T.p);
+    {
+      StageTimer st(ck, detail::kQuant);
+      unpack_chunk(pl, bh.alloc[s.kv], n, ru, d.data());
+    }
+    {
+      StageTimer st(ck, detail::kCenter);
+      for (uint32_t t = 0; t < n; ++t) std::memcpy(&feat[size_t(t) * T.p], T.mu.data(), size_t(T.p) * 4);
+    }
+    if (ru > 0) {  // X = D B[:ru] + mu
+      StageTimer st(ck, detail::kProject);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f,
                   feat.data(), int(T.p));
+    }
+    StageTimer st(ck, detail::kGather);
     const bool rerope = kind == KvKind::kKey && H.keys_derope;
-    if (rerope && !rope[s.block]) rope[s.block] = rope_params_from_meta(H.capture_meta, s.block == 1, kb.head_dim, origin);
     scatter_features(feat.data(), kind, rerope ? &*rope[s.block] : nullptr, s.t0, s.t1, kb);
-  }
+  });
+  clk.export_to(opt.stats, threads);
   for (size_t b = 0; b < H.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
       for (uint32_t t = 0; t < H.blocks[b].n_tokens; ++t)

@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "container.h"
+#include "parallel.h"
 #include "kvtc/codec.h"
 #include "kvtc/features.h"
 #include "kvtc/quant.h"
@@ -16,21 +18,6 @@ namespace kvtc {
 namespace {
 
 using namespace container;
-
-class BitWriter {
- public:
-  explicit BitWriter(std::vector<uint8_t>& o) : o_(o) {}
-  void put(uint32_t v, uint32_t bits) {
-    for (uint32_t i = 0; i < bits; ++i, ++pos_) {
-      if ((pos_ & 7) == 0) o_.push_back(0);
-      o_.back() |= uint8_t(((v >> i) & 1) << (pos_ & 7));
-    }
-  }
-
- private:
-  std::vector<uint8_t>& o_;
-  size_t pos_ = 0;
-};
 
 uint32_t r_used(const Allocation& a) {
   return a.blocks.empty() ? 0 : a.blocks.back().start + a.blocks.back().size;
@@ -92,21 +79,34 @@ std::vector<uint8_t> raw_bytes(const KvBlock& kb, int kv, uint32_t t0, uint32_t 
 
 // Projects, quantizes and packs tokens [t0, t1) of one block and kind.
 std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const Transform& T, const Allocation& A, const RopeParams* rope, uint32_t t0,
-                                  uint32_t t1) {
+                                  uint32_t t1, detail::StageClock* clk) {
+  using detail::StageTimer;
   const uint32_t n = t1 - t0, ru = r_used(A);
   std::vector<float> feat(size_t(n) * T.p), d(size_t(n) * std::max(ru, 1u));
-  gather_features(kb, KvKind(kv), rope, t0, t1, feat.data());
-  for (uint32_t t = 0; t < n; ++t)
-    for (uint32_t f = 0; f < T.p; ++f) feat[size_t(t) * T.p + f] -= T.mu[f];
-  if (ru > 0)  // D = (X - mu) B[:ru]'
+  {
+    StageTimer st(clk, detail::kGather);
+    gather_features(kb, KvKind(kv), rope, t0, t1, feat.data());
+  }
+  {
+    StageTimer st(clk, detail::kCenter);
+    for (uint32_t t = 0; t < n; ++t) {
+      float* row = &feat[size_t(t) * T.p];
+      for (uint32_t f = 0; f < T.p; ++f) row[f] -= T.mu[f];
+    }
+  }
+  if (ru > 0) {  // D = (X - mu) B[:ru]'
+    StageTimer st(clk, detail::kProject);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru), int(T.p), 1.0f, feat.data(), int(T.p), T.basis.data(), int(T.p), 0.0f,
                 d.data(), int(ru));
-  std::vector<uint8_t> packed;
-  packed.reserve(packed_bytes(A.blocks, n));
+  }
+  StageTimer st(clk, detail::kQuant);
+  std::vector<uint8_t> packed(packed_bytes(A.blocks, n), 0);
+  size_t off = 0;
   std::vector<uint16_t> params(size_t(n) * 2);
+  std::vector<uint8_t> all_codes;
   for (const BlockAlloc& blk : A.blocks) {
     if (blk.type == QType::kNone) continue;
-    std::vector<uint8_t> all_codes(size_t(n) * blk.size);
+    all_codes.resize(size_t(n) * blk.size);
     for (uint32_t t = 0; t < n; ++t)
       quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
     // Byte layout for DEFLATE (docs/format.md; measured in bench/results/ratio.md):
@@ -115,43 +115,68 @@ std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const Transform& T,
     // component's codes for all tokens share a distribution).
     const uint32_t np = qtype_param_bits(blk.type) / 16;
     for (uint32_t k = 0; k < np; ++k) {
-      for (uint32_t t = 0; t < n; ++t) packed.push_back(uint8_t(params[size_t(t) * 2 + k]));
-      for (uint32_t t = 0; t < n; ++t) packed.push_back(uint8_t(params[size_t(t) * 2 + k] >> 8));
+      for (uint32_t t = 0; t < n; ++t) packed[off + t] = uint8_t(params[size_t(t) * 2 + k]);
+      for (uint32_t t = 0; t < n; ++t) packed[off + n + t] = uint8_t(params[size_t(t) * 2 + k] >> 8);
+      off += 2 * size_t(n);
     }
-    BitWriter bw(packed);
+    // Codes LSB-first, contiguous: code j (= component * n + token) at bit
+    // j * cb. cb is 2, 4 or 8, so a code never straddles a byte.
     const uint32_t cb = qtype_code_bits(blk.type);
+    uint8_t* o = &packed[off];
+    size_t j = 0;
     for (uint32_t i = 0; i < blk.size; ++i)
-      for (uint32_t t = 0; t < n; ++t) bw.put(all_codes[size_t(t) * blk.size + i], cb);
+      for (uint32_t t = 0; t < n; ++t, ++j) {
+        const size_t bit = j * cb;
+        o[bit >> 3] = uint8_t(o[bit >> 3] | (all_codes[size_t(t) * blk.size + i] << (bit & 7)));
+      }
+    off += (size_t(n) * blk.size * cb + 7) / 8;
   }
-  require(packed.size() == packed_bytes(A.blocks, n), "compress: internal packing size mismatch");
+  require(off == packed.size(), "compress: internal packing size mismatch");
   return packed;
 }
 
 // Body sections for new tokens [n0, n1) of every block (positions, tokens,
 // the sink if n0 == 0, coded chunks of [c0, c1)); then the tail (window).
+// Every section is made independently (in parallel), then appended in the
+// order of docs/format.md, so the bytes do not depend on the thread count.
 void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt,
                 uint32_t n0, uint32_t c0) {
+  using Job = std::function<std::vector<uint8_t>()>;
+  std::vector<Job> jobs;
+  detail::StageClock clk;
+  detail::StageClock* ck = opt.stats ? &clk : nullptr;
+  auto section = [&, ck](uint32_t kind, uint32_t b, uint32_t kv, uint32_t t0, uint32_t t1, std::function<std::vector<uint8_t>()> payload) {
+    jobs.push_back([=, &opt]() {
+      std::vector<uint8_t> pl = payload();
+      detail::StageTimer st(ck, detail::kEntropy);
+      std::vector<uint8_t> o;
+      write_section(o, kind, b, kv, t0, t1, pl, opt.deflate_level);
+      return o;
+    });
+  };
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
-    write_section(out, kPositions, uint32_t(b), 0, n0, kb.n_tokens(), i32_bytes(kb.pos.data() + n0, kb.n_tokens() - n0), opt.deflate_level);
+    section(kPositions, uint32_t(b), 0, n0, kb.n_tokens(), [&kb, n0] { return i32_bytes(kb.pos.data() + n0, kb.n_tokens() - n0); });
     if (b == 0 && !c.tokens.empty()) {
       require(c.tokens.size() == kb.n_tokens(), "compress: tokens and positions differ in length");
-      write_section(out, kTokens, 0, 0, n0, kb.n_tokens(), i32_bytes(c.tokens.data() + n0, kb.n_tokens() - n0), opt.deflate_level);
+      section(kTokens, 0, 0, n0, kb.n_tokens(), [&c, &kb, n0] { return i32_bytes(c.tokens.data() + n0, kb.n_tokens() - n0); });
     }
   }
+  // Keys are de-RoPEd unless the calibration was fitted on them as stored
+  // (the no-RoPE-removal ablation, meta keys_rope = "kept").
+  const bool derope = calibration_keys_derope(cal);
+  std::vector<RopeParams> rope(c.blocks.size());
+  for (size_t b = 0; derope && b < c.blocks.size(); ++b) rope[b] = rope_params_from_meta(c.meta, b == 1, c.blocks[b].head_dim, "compress");
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
     const Layout L = layout(kb.n_tokens(), opt);
     for (int kv = 0; kv < 2; ++kv) {
-      if (n0 == 0 && L.s_end > 0) write_section(out, kRaw, uint32_t(b), uint32_t(kv), 0, L.s_end, raw_bytes(kb, kv, 0, L.s_end), opt.deflate_level);
-      // Keys are de-RoPEd unless the calibration was fitted on them as
-      // stored (the no-RoPE-removal ablation, meta keys_rope = "kept").
-      const bool derope = kv == 0 && calibration_keys_derope(cal);
-      RopeParams rope;
-      if (derope) rope = rope_params_from_meta(c.meta, b == 1, kb.head_dim, "compress");
+      if (n0 == 0 && L.s_end > 0) section(kRaw, uint32_t(b), uint32_t(kv), 0, L.s_end, [&kb, kv, L] { return raw_bytes(kb, kv, 0, L.s_end); });
+      const RopeParams* rp = kv == 0 && derope ? &rope[b] : nullptr;
+      const Transform* T = &cal.blocks[b][kv];
+      const Allocation* A = &alloc[b][kv];
       for (auto [t0, t1] : chunks(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
-        write_section(out, kChunk, uint32_t(b), uint32_t(kv), t0, t1,
-                      encode_chunk(kb, kv, cal.blocks[b][kv], alloc[b][kv], derope ? &rope : nullptr, t0, t1), opt.deflate_level);
+        section(kChunk, uint32_t(b), uint32_t(kv), t0, t1, [&kb, kv, T, A, rp, t0 = t0, t1 = t1, ck] { return encode_chunk(kb, kv, *T, *A, rp, t0, t1, ck); });
     }
   }
   for (size_t b = 0; b < c.blocks.size(); ++b) {
@@ -159,8 +184,16 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
     const Layout L = layout(kb.n_tokens(), opt);
     if (L.w_begin < kb.n_tokens())
       for (int kv = 0; kv < 2; ++kv)
-        write_section(out, kRaw, uint32_t(b), uint32_t(kv), L.w_begin, kb.n_tokens(), raw_bytes(kb, kv, L.w_begin, kb.n_tokens()), opt.deflate_level);
+        section(kRaw, uint32_t(b), uint32_t(kv), L.w_begin, kb.n_tokens(), [&kb, kv, L] { return raw_bytes(kb, kv, L.w_begin, kb.n_tokens()); });
   }
+  std::vector<std::vector<uint8_t>> made(jobs.size());
+  const int threads = detail::resolve_threads(opt.threads, jobs.size());
+  detail::parallel_for(jobs.size(), threads, [&](size_t i) { made[i] = jobs[i](); });
+  size_t total = out.size();
+  for (const auto& m : made) total += m.size();
+  out.reserve(total);
+  for (const auto& m : made) out.insert(out.end(), m.begin(), m.end());
+  clk.export_to(opt.stats, threads);
 }
 
 }  // namespace

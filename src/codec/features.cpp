@@ -1,5 +1,6 @@
 #include "kvtc/features.h"
 
+#include <cstring>
 #include <vector>
 
 #include "kvtc/util.h"
@@ -10,14 +11,14 @@ void gather_features(const KvBlock& b, KvKind kind, const RopeParams* rope, uint
   const uint32_t p = feature_dim(b), D = b.head_dim, n = t1 - t0;
   const std::vector<uint16_t>& src = kind == KvKind::kKey ? b.k : b.v;
   std::vector<float> tmp(size_t(n) * D);
+  RopeTable rt;
+  if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, /*inverse=*/true);
   for (uint32_t l = 0; l < b.n_layer(); ++l)
     for (uint32_t h = 0; h < b.n_head_kv; ++h) {
-      const uint16_t* s = &src[b.index(l, h, t0, 0)];
-      for (size_t i = 0; i < size_t(n) * D; ++i) tmp[i] = f16_to_f32(s[i]);
-      if (kind == KvKind::kKey && rope) rope_rotate(tmp.data(), b.pos.data() + t0, n, *rope, /*inverse=*/true);
+      f16_to_f32_n(&src[b.index(l, h, t0, 0)], tmp.data(), size_t(n) * D);
+      rope_apply(tmp.data(), rt);
       const size_t f0 = (size_t(l) * b.n_head_kv + h) * D;
-      for (uint32_t t = 0; t < n; ++t)
-        for (uint32_t d = 0; d < D; ++d) out[size_t(t) * p + f0 + d] = tmp[size_t(t) * D + d];
+      for (uint32_t t = 0; t < n; ++t) std::memcpy(&out[size_t(t) * p + f0], &tmp[size_t(t) * D], D * sizeof(float));
     }
 }
 
@@ -25,14 +26,14 @@ void scatter_features(float* in, KvKind kind, const RopeParams* rope, uint32_t t
   const uint32_t p = feature_dim(b), D = b.head_dim, n = t1 - t0;
   std::vector<uint16_t>& dst = kind == KvKind::kKey ? b.k : b.v;
   std::vector<float> tmp(size_t(n) * D);
+  RopeTable rt;
+  if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, /*inverse=*/false);
   for (uint32_t l = 0; l < b.n_layer(); ++l)
     for (uint32_t h = 0; h < b.n_head_kv; ++h) {
       const size_t f0 = (size_t(l) * b.n_head_kv + h) * D;
-      for (uint32_t t = 0; t < n; ++t)
-        for (uint32_t d = 0; d < D; ++d) tmp[size_t(t) * D + d] = in[size_t(t) * p + f0 + d];
-      if (kind == KvKind::kKey && rope) rope_rotate(tmp.data(), b.pos.data() + t0, n, *rope, /*inverse=*/false);
-      uint16_t* o = &dst[b.index(l, h, t0, 0)];
-      for (size_t i = 0; i < size_t(n) * D; ++i) o[i] = f32_to_f16(tmp[i]);
+      for (uint32_t t = 0; t < n; ++t) std::memcpy(&tmp[size_t(t) * D], &in[size_t(t) * p + f0], D * sizeof(float));
+      rope_apply(tmp.data(), rt);
+      f32_to_f16_n(tmp.data(), &dst[b.index(l, h, t0, 0)], size_t(n) * D);
     }
 }
 

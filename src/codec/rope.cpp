@@ -61,34 +61,52 @@ RopeParams rope_params_from_meta(const std::map<std::string, std::string>& meta,
   return p;
 }
 
-void rope_rotate(float* x, const int32_t* pos, size_t n_tok, const RopeParams& p, bool inverse) {
-  if (p.layout == RopeParams::Layout::kNone || p.n_rot == 0) return;
-  const uint32_t half = p.n_rot / 2;
+RopeTable rope_table(const int32_t* pos, size_t n_tok, const RopeParams& p, bool inverse) {
+  RopeTable t;
+  t.layout = p.layout;
+  t.head_dim = p.head_dim;
+  t.n_tok = n_tok;
+  if (p.layout == RopeParams::Layout::kNone || p.n_rot == 0) return t;
+  t.half = p.n_rot / 2;
   // ggml computes theta_i = pos * theta_scale^i by repeated f32
   // multiplication, divides by the frequency factor, multiplies by
   // freq_scale, then takes cosf/sinf. We reproduce the f32 angle exactly
   // and take cos/sin in double: the forward rotation then differs from
   // ggml's by at most an ulp of the result.
   const float theta_scale = std::pow(p.freq_base, -2.0f / float(p.n_rot));
-  std::vector<double> c(half), s(half);
-  for (size_t t = 0; t < n_tok; ++t) {
-    float theta = float(pos[t]);
-    for (uint32_t i = 0; i < half; ++i) {
+  t.c.resize(n_tok * t.half);
+  t.s.resize(n_tok * t.half);
+  for (size_t k = 0; k < n_tok; ++k) {
+    float theta = float(pos[k]);
+    for (uint32_t i = 0; i < t.half; ++i) {
       const float ff = p.freq_factors.empty() ? 1.0f : p.freq_factors[i];
       const float th = p.freq_scale * (theta / ff);
-      c[i] = std::cos(double(th));
-      s[i] = inverse ? -std::sin(double(th)) : std::sin(double(th));
+      t.c[k * t.half + i] = std::cos(double(th));
+      t.s[k * t.half + i] = inverse ? -std::sin(double(th)) : std::sin(double(th));
       theta *= theta_scale;
     }
-    float* row = x + t * p.head_dim;
-    for (uint32_t i = 0; i < half; ++i) {
-      const uint32_t a = p.layout == RopeParams::Layout::kNorm ? 2 * i : i;
-      const uint32_t b = p.layout == RopeParams::Layout::kNorm ? 2 * i + 1 : i + half;
+  }
+  return t;
+}
+
+void rope_apply(float* x, const RopeTable& t) {
+  if (t.half == 0) return;
+  const bool norm = t.layout == RopeParams::Layout::kNorm;
+  for (size_t k = 0; k < t.n_tok; ++k) {
+    float* row = x + k * t.head_dim;
+    const double* c = &t.c[k * t.half];
+    const double* s = &t.s[k * t.half];
+    for (uint32_t i = 0; i < t.half; ++i) {
+      const uint32_t a = norm ? 2 * i : i, b = norm ? 2 * i + 1 : i + t.half;
       const double x0 = row[a], x1 = row[b];
       row[a] = float(x0 * c[i] - x1 * s[i]);
       row[b] = float(x0 * s[i] + x1 * c[i]);
     }
   }
+}
+
+void rope_rotate(float* x, const int32_t* pos, size_t n_tok, const RopeParams& p, bool inverse) {
+  rope_apply(x, rope_table(pos, n_tok, p, inverse));
 }
 
 }  // namespace kvtc

@@ -1,5 +1,9 @@
 #include "kvtc/util.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -249,6 +253,47 @@ uint16_t f32_to_f16(float f) {
   uint32_t rem = ax & 0x1fff;
   if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;
   return uint16_t(sign | h);
+}
+
+}  // namespace kvtc
+
+namespace kvtc {
+
+namespace {
+
+#if defined(__x86_64__)
+// F16C converts 8 values per instruction; VCVTPS2PH with imm 0 rounds to
+// nearest even, as f32_to_f16 does (checked in tests/test_util.cpp).
+__attribute__((target("avx,f16c"))) void f16_to_f32_f16c(const uint16_t* in, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < n; ++i) out[i] = f16_to_f32(in[i]);
+}
+__attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* in, uint16_t* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = f32_to_f16(in[i]);
+}
+#endif
+
+}  // namespace
+
+void f16_to_f32_n(const uint16_t* in, float* out, size_t n) {
+#if defined(__x86_64__)
+  static const bool f16c = cpu_features().f16c && cpu_features().avx;
+  if (f16c) return f16_to_f32_f16c(in, out, n);
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(in[i]);
+}
+
+void f32_to_f16_n(const float* in, uint16_t* out, size_t n) {
+#if defined(__x86_64__)
+  static const bool f16c = cpu_features().f16c && cpu_features().avx;
+  if (f16c) return f32_to_f16_f16c(in, out, n);
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = f32_to_f16(in[i]);
 }
 
 }  // namespace kvtc

@@ -213,14 +213,17 @@ Model::~Model() {
 }
 
 std::vector<int32_t> Model::tokenize(const std::string& text) const {
+  return tokenize(text, llama_vocab_get_add_bos(llama_model_get_vocab(model_)), false);
+}
+
+std::vector<int32_t> Model::tokenize(const std::string& text, bool add_bos, bool parse_special) const {
   const llama_vocab* v = llama_model_get_vocab(model_);
-  bool add_bos = llama_vocab_get_add_bos(v);
   require(text.size() < size_t(INT32_MAX) / 2, "tokenize: text too large");
   std::vector<llama_token> out(text.size() + 8);
-  int n = llama_tokenize(v, text.data(), int32_t(text.size()), out.data(), int32_t(out.size()), add_bos, false);
+  int n = llama_tokenize(v, text.data(), int32_t(text.size()), out.data(), int32_t(out.size()), add_bos, parse_special);
   if (n < 0) {
     out.resize(size_t(-n));
-    n = llama_tokenize(v, text.data(), int32_t(text.size()), out.data(), int32_t(out.size()), add_bos, false);
+    n = llama_tokenize(v, text.data(), int32_t(text.size()), out.data(), int32_t(out.size()), add_bos, parse_special);
   }
   require(n >= 0, "tokenize: llama.cpp failed to tokenize the text");
   out.resize(size_t(n));

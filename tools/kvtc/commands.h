@@ -26,6 +26,8 @@ Action add_decompress(CLI::App& app);
 Action add_inspect(CLI::App& app);
 Action add_append(CLI::App& app);
 Action add_eval(CLI::App& app);
+Action add_bench(CLI::App& app);
+Action add_session(CLI::App& app);
 Action add_analyze(CLI::App& app);
 
 // Milliseconds since t0 (steady clock), for the timings the commands print.

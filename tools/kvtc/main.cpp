@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
   reg(add_inspect);
   reg(add_append);
   reg(add_eval);
+  reg(add_bench);
+  reg(add_session);
   reg(add_analyze);
   try {
     app.parse(argc, argv);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Codec speed, restore vs recompute (kvtc bench), with the command, commit
+# and machine on top. Usage: bench/speed.sh NAME [kvtc bench options…]
+# Writes bench/results/NAME.md and NAME.json.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/.." && pwd)
+name=$1
+shift
+kvtc="$top/build/kvtc"
+res="$top/bench/results"
+mkdir -p "$res"
+"$kvtc" bench "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+commit=$(git -C "$top" rev-parse --short HEAD)
+[ -z "$(git -C "$top" status --porcelain --untracked-files=no)" ] || commit="$commit (with uncommitted changes)"
+cpu=$("$kvtc" info --json | python3 -c 'import json,sys; j=json.load(sys.stdin)["cpu"]; print(j["brand"] + " (" + " ".join(j.get("features", [])) + ")")')
+{
+  echo "# kvtc speed: $name"
+  echo
+  echo "- command: \`bench/speed.sh $name $*\`"
+  echo "- commit: $commit"
+  echo "- machine: $cpu, $(nproc) threads, $(uname -sr)"
+  echo "- model: SmolLM2-135M-Instruct Q4_1 (30 layers x 3 KV heads x 64 dims; 23,040 bytes of f16 K+V per token); llama.cpp built x86-64-v3 (AVX2/FMA/F16C), not -march=native"
+  echo "- columns: compress/decompress = wall ms, fastest of --repeat runs; GB/s = raw f16 K+V bytes per second; stages = thread-ms summed over"
+  echo "  threads (gather = f16->f32 + (de-)RoPE + layout, center, proj = GEMM, quant = quantize+pack or unpack+dequantize, entropy = DEFLATE"
+  echo "  + raw sections); proj GFLOP/s = projection flops / its thread-time x threads; peak +MB = VmHWM growth over the codec calls;"
+  echo "  restore = decompress + llama.cpp state load; recompute = llama.cpp prefill of the same tokens; (tiled) = past the model's"
+  echo "  8K trained context, the real 8K capture repeated: codec time only"
+  cat "$res/$name.body.part"
+} >"$res/$name.md.part"
+mv "$res/$name.md.part" "$res/$name.md"
+mv "$res/$name.json.part" "$res/$name.json"
+rm -f "$res/$name.body.part"
+echo "wrote $res/$name.md"

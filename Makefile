@@ -82,13 +82,13 @@ analyze: build $(CORPUS) $(CALIB) $(QUICK_CALIB) $(SIZE_CALIBS) $(DOMAIN_CALIBS)
 # Quality after compress -> restore -> continue, every method on the same
 # prompts (docs/eval.md) -> bench/results/quality.md + quality.json. Needs
 # the full calibration, a 64K one and a 64K one fitted without RoPE removal
-# (the ablation pair). ~90 min on 2 cores; QUALITY_SAMPLES per context.
+# (the ablation pair). ~75 min on 2 cores; QUALITY_SAMPLES per context.
 ROPE_CALIB := .deps/calib/smollm2-64k-rope.safetensors
 $(ROPE_CALIB): | build $(CORPUS)
 	@mkdir -p .deps/calib
 	$(BUILD)/kvtc calibrate --tokens 64000 --keep-rope -o $@ --json > $(@:.safetensors=.json)
 QUALITY_CONTEXTS ?= 2048 4096
-QUALITY_SAMPLES ?= 8 4
+QUALITY_SAMPLES ?= 6 2
 QUALITY_METHODS ?= vanilla kvtc-8x kvtc-16x kvtc-32x kvtc-64x kvtc-16x@c64k kvtc-16x@rope kvtc-16x-all \
   fp8 kivi-4 kivi-2 q8_0 q4_0 streaming-8x svd-16x zstd deflate
 bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
@@ -100,7 +100,7 @@ bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
 # Codec speed with restore vs recompute -> bench/results/speed.md + .json
 # (kvtc bench; contexts past 8K are the real 8K capture tiled). ~6 min.
 bench-speed: $(CALIB)
-	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --levels 1 3 6 9 12 --repeat 3
+	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --levels 1 6 12 --repeat 2
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60

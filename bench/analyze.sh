@@ -5,15 +5,16 @@
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 kvtc="$top/build/kvtc"
+# shellcheck source=bench/lib.sh
+. "$top/bench/lib.sh"
 out="$top/bench/results/analyze"
 mkdir -p "$out"
 body="$out/README.body.part"
 trap 'rm -f "$body" "$out/README.md.part"' EXIT
 start=$(date +%s)
 "$kvtc" analyze "$@" -o "$out" --out-md "$body" >/dev/null
-commit=$(git -C "$top" rev-parse --short HEAD)
-[ -z "$(git -C "$top" status --porcelain --untracked-files=no)" ] || commit="$commit (with uncommitted changes)"
-cpu=$("$kvtc" info --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cpu"]["brand"])')
+commit=$(result_commit)
+cpu=$(result_cpu)
 model=$(python3 -c 'import json,os,sys; print(os.path.basename(json.load(open(sys.argv[1]))["model"]))' "$out/analyze.json")
 {
   echo "# kvtc analyze: the paper's evidence on $model"

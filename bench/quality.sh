@@ -7,12 +7,13 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 name=$1
 shift
 kvtc="$top/build/kvtc"
+# shellcheck source=bench/lib.sh
+. "$top/bench/lib.sh"
 res="$top/bench/results"
 mkdir -p "$res"
 "$kvtc" eval "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
-commit=$(git -C "$top" rev-parse --short HEAD)
-[ -z "$(git -C "$top" status --porcelain --untracked-files=no)" ] || commit="$commit (with uncommitted changes)"
-cpu=$("$kvtc" info --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["cpu"]["brand"])')
+commit=$(result_commit)
+cpu=$(result_cpu)
 {
   echo "# kvtc quality: $name"
   echo

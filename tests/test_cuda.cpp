@@ -42,8 +42,8 @@ namespace {
 // ---------------------------------------------------------------- fixtures
 
 std::map<std::string, std::string> meta_for(const std::string& rope_type, uint32_t n_rot, bool factors = false) {
-  std::map<std::string, std::string> m = {{"model_sha256", "test-model"}, {"rope_type", rope_type},         {"n_rot", std::to_string(n_rot)},
-                                          {"rope_freq_base", "10000"},     {"rope_freq_scale", "1"},         {"rope_scaling_type", "none"},
+  std::map<std::string, std::string> m = {{"model_sha256", "test-model"},  {"rope_type", rope_type},      {"n_rot", std::to_string(n_rot)},
+                                          {"rope_freq_base", "10000"},     {"rope_freq_scale", "1"},      {"rope_scaling_type", "none"},
                                           {"rope_freq_base_swa", "10000"}, {"rope_freq_scale_swa", "0.5"}};
   if (factors) {
     std::string f = "[";
@@ -146,7 +146,7 @@ Allocation make_alloc(uint32_t p) {
   a.nominal_ratio = 4;
   // Every type, block sizes that do not divide the token counts, a dropped
   // run in the middle, and components past the last block dropped.
-  const std::vector<BlockAlloc> all = {{0, 1, QType::kFp8},  {1, 3, QType::kFp8},   {4, 5, QType::kInt4},  {9, 7, QType::kInt2},
+  const std::vector<BlockAlloc> all = {{0, 1, QType::kFp8},   {1, 3, QType::kFp8},    {4, 5, QType::kInt4},  {9, 7, QType::kInt2},
                                        {16, 4, QType::kNone}, {20, 12, QType::kInt4}, {32, 16, QType::kInt2}};
   for (const BlockAlloc& b : all)
     if (b.start + b.size <= p) a.blocks.push_back(b);
@@ -190,12 +190,12 @@ uint32_t f16_ulps(uint16_t a, uint16_t b) {
   return uint32_t(std::abs(int(a & 0x7fff) - int(b & 0x7fff)));
 }
 
-#define REQUIRE_GPU()                                      \
-  do {                                                     \
-    std::string why_;                                      \
-    if (!kvtc_cuda_available(&why_)) {                     \
-      GTEST_SKIP() << "no GPU: " << why_;                  \
-    }                                                      \
+#define REQUIRE_GPU()                     \
+  do {                                    \
+    std::string why_;                     \
+    if (!kvtc_cuda_available(&why_)) {    \
+      GTEST_SKIP() << "no GPU: " << why_; \
+    }                                     \
   } while (0)
 
 template <typename T>
@@ -229,7 +229,7 @@ std::vector<float> tricky_coefficients(uint32_t n, uint32_t r, uint32_t seed) {
         case 1: x = -0.0f; break;
         case 2: x = std::ldexp(1.0f, -140); break;  // f32 subnormal
         case 3: x = 448.0f * 1.03f; break;
-        case 4: x = float(j % 4) * 0.25f; break;    // exact grid values (ties after scaling)
+        case 4: x = float(j % 4) * 0.25f; break;  // exact grid values (ties after scaling)
         default: break;
       }
       if (t % 17 == 5) x = 1.5f;  // a whole token of equal values: zero step
@@ -282,7 +282,7 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
 TEST(CudaHost, ChunkTokensFittingNvcompLimit) {
   // SmolLM2's 16x allocation of the 160K calibration: 5,744 bits per token.
   Allocation a;
-  a.blocks = {{0, 16, QType::kFp8}, {16, 16, QType::kInt4}, {32, 16, QType::kInt4}, {48, 16, QType::kInt4}, {64, 64, QType::kInt4},
+  a.blocks = {{0, 16, QType::kFp8},    {16, 16, QType::kInt4},  {32, 16, QType::kInt4},   {48, 16, QType::kInt4},   {64, 64, QType::kInt4},
               {128, 64, QType::kInt4}, {192, 64, QType::kInt4}, {256, 256, QType::kInt4}, {512, 256, QType::kInt4}, {768, 256, QType::kInt4}};
   for (uint32_t s = 1024; s < 1536; s += 64) a.blocks.push_back({s, 64, QType::kInt2});
   AllocationSet set{{a, a}};
@@ -290,7 +290,7 @@ TEST(CudaHost, ChunkTokensFittingNvcompLimit) {
   EXPECT_EQ(n % 16, 0u);
   EXPECT_LE(cuda::packed_chunk_bytes(a.blocks, n), cuda::kNvcompMaxChunkBytes);
   EXPECT_GT(cuda::packed_chunk_bytes(a.blocks, n + 16), cuda::kNvcompMaxChunkBytes);
-  EXPECT_EQ(n, 80u);  // 718 bytes per token
+  EXPECT_EQ(n, 80u);                                                                // 718 bytes per token
   EXPECT_EQ(cuda::chunk_tokens_fitting(set, 64, cuda::kNvcompMaxChunkBytes), 64u);  // the caller's limit wins
   Allocation big;
   big.blocks = {{0, 5000, QType::kFp8}};
@@ -478,7 +478,8 @@ TEST(CudaKernels, GatherDeRopeAndScatterReRopeMatchTheCpu) {
       rd.theta_scale = std::pow(rp.freq_base, -2.0f / float(rp.n_rot));
       rd.freq_scale = rp.freq_scale;
       rd.freq_factors = rp.freq_factors.empty() ? nullptr : static_cast<float*>(d_ff.get());
-      cuda::launch_rope_table(static_cast<int32_t*>(d_pos.get()), n, rd, true, static_cast<double*>(d_c.get()), static_cast<double*>(d_s.get()), nullptr);
+      cuda::launch_rope_table(static_cast<int32_t*>(d_pos.get()), n, rd, true, static_cast<double*>(d_c.get()), static_cast<double*>(d_s.get()),
+                              nullptr);
       cuda::launch_gather(static_cast<uint16_t*>(d_k.get()), lh, kb.n_tokens(), kb.head_dim, t0, n, static_cast<double*>(d_c.get()),
                           static_cast<double*>(d_s.get()), rd, static_cast<float*>(d_mu.get()), d_x.get(), cuda::ElemType::kF32, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -504,9 +505,11 @@ TEST(CudaKernels, GatherDeRopeAndScatterReRopeMatchTheCpu) {
       for (uint32_t t = 0; t < n; ++t) row_tok[t] = int32_t(t0 + t);
       // The GPU gets the centred rows and adds mu itself (fused, as in decoding).
       CudaBuffer d_rows = to_device(want), d_tok = to_device(row_tok), d_out = to_device(kb.k);
-      cuda::launch_rope_table(static_cast<int32_t*>(d_pos.get()), n, rd, false, static_cast<double*>(d_c.get()), static_cast<double*>(d_s.get()), nullptr);
-      cuda::launch_scatter(static_cast<float*>(d_rows.get()), static_cast<float*>(d_mu.get()), n, static_cast<int32_t*>(d_tok.get()), static_cast<double*>(d_c.get()),
-                           static_cast<double*>(d_s.get()), rd, static_cast<uint16_t*>(d_out.get()), lh, kb.n_tokens(), kb.head_dim, nullptr);
+      cuda::launch_rope_table(static_cast<int32_t*>(d_pos.get()), n, rd, false, static_cast<double*>(d_c.get()), static_cast<double*>(d_s.get()),
+                              nullptr);
+      cuda::launch_scatter(static_cast<float*>(d_rows.get()), static_cast<float*>(d_mu.get()), n, static_cast<int32_t*>(d_tok.get()),
+                           static_cast<double*>(d_c.get()), static_cast<double*>(d_s.get()), rd, static_cast<uint16_t*>(d_out.get()), lh,
+                           kb.n_tokens(), kb.head_dim, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<uint16_t> gk = to_host<uint16_t>(d_out, kb.numel());
       uint32_t worst16 = 0;
@@ -582,8 +585,8 @@ TEST(CudaKernels, ProjectionWithinBound) {
   const size_t ldd = cuda::round_up(n, 16);
   CudaBuffer d_x = to_device(x), d_b = to_device(T.basis), d_dt(size_t(ru) * ldd * 4);
   CudaBuffer d_xh(x.size() * 2), d_bh(T.basis.size() * 2);
-  for (auto [mode, bound] : std::vector<std::pair<CudaGemm, double>>{{CudaGemm::kF32, 4e-6}, {CudaGemm::kTf32, 4e-3}, {CudaGemm::kBf16, 3e-2},
-                                                                      {CudaGemm::kF16, 4e-3}}) {
+  for (auto [mode, bound] :
+       std::vector<std::pair<CudaGemm, double>>{{CudaGemm::kF32, 4e-6}, {CudaGemm::kTf32, 4e-3}, {CudaGemm::kBf16, 3e-2}, {CudaGemm::kF16, 4e-3}}) {
     const cuda::ElemType et = mode == CudaGemm::kBf16 ? cuda::ElemType::kBf16 : mode == CudaGemm::kF16 ? cuda::ElemType::kF16 : cuda::ElemType::kF32;
     const void* xp = d_x.get();
     const void* bp = d_b.get();

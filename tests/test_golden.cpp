@@ -10,11 +10,11 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "../src/codec/container.h"
 #include "../tools/fuzz/fuzz_common.h"
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
 #include "kvtc/util.h"
-#include "../src/codec/container.h"
 
 using namespace kvtc;
 namespace fs = std::filesystem;

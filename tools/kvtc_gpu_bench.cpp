@@ -50,22 +50,22 @@ constexpr uint32_t kLayers = 30, kHeads = 3, kDim = 64, kP = kLayers * kHeads * 
 // SmolLM2-135M, 160K-token calibration (.deps/calib/smollm2-160k): PCA
 // variance at sampled component indices.
 const std::vector<std::pair<double, double>> kSpecK = {
-    {0, 683.2},    {1, 438.3},    {2, 364.6},    {3, 229.4},    {4, 199.9},    {6, 151.9},     {8, 129.2},     {12, 80.92},
-    {16, 59.98},   {24, 42.7},    {32, 32.74},   {48, 22.73},   {64, 16.6},    {96, 9.576},    {128, 6.399},   {192, 3.71},
-    {256, 2.519},  {384, 1.466},  {512, 0.9784}, {768, 0.5341}, {1024, 0.3322}, {1536, 0.1572}, {2048, 0.08466}, {2560, 0.04833},
+    {0, 683.2},      {1, 438.3},      {2, 364.6},       {3, 229.4},       {4, 199.9},       {6, 151.9},        {8, 129.2},       {12, 80.92},
+    {16, 59.98},     {24, 42.7},      {32, 32.74},      {48, 22.73},      {64, 16.6},       {96, 9.576},       {128, 6.399},     {192, 3.71},
+    {256, 2.519},    {384, 1.466},    {512, 0.9784},    {768, 0.5341},    {1024, 0.3322},   {1536, 0.1572},    {2048, 0.08466},  {2560, 0.04833},
     {3072, 0.02837}, {3584, 0.01664}, {4096, 0.009524}, {4608, 0.005082}, {5120, 0.002273}, {5500, 0.0008035}, {5759, 7.122e-06}};
 const std::vector<std::pair<double, double>> kSpecV = {
-    {0, 155.5},    {1, 112.2},    {2, 89.39},    {3, 79.17},    {4, 77.69},    {6, 59.05},     {8, 52.43},     {12, 43.33},
-    {16, 37.84},   {24, 30.99},   {32, 26.59},   {48, 20.76},   {64, 16.79},   {96, 11.18},    {128, 8.281},   {192, 5.17},
-    {256, 3.519},  {384, 1.993},  {512, 1.289},  {768, 0.666},  {1024, 0.403}, {1536, 0.1882}, {2048, 0.1035}, {2560, 0.06178},
+    {0, 155.5},      {1, 112.2},      {2, 89.39},      {3, 79.17},       {4, 77.69},       {6, 59.05},       {8, 52.43},       {12, 43.33},
+    {16, 37.84},     {24, 30.99},     {32, 26.59},     {48, 20.76},      {64, 16.79},      {96, 11.18},      {128, 8.281},     {192, 5.17},
+    {256, 3.519},    {384, 1.993},    {512, 1.289},    {768, 0.666},     {1024, 0.403},    {1536, 0.1882},   {2048, 0.1035},   {2560, 0.06178},
     {3072, 0.03823}, {3584, 0.02386}, {4096, 0.01467}, {4608, 0.008527}, {5120, 0.004362}, {5500, 0.001693}, {5759, 5.966e-06}};
 
 // The calibration's DP tables ([start, size, type]); K and V share them at 16x.
-const std::vector<BlockAlloc> kAlloc16 = {
-    {0, 16, QType::kFp8},     {16, 16, QType::kInt4},   {32, 16, QType::kInt4},   {48, 16, QType::kInt4},   {64, 64, QType::kInt4},
-    {128, 64, QType::kInt4},  {192, 64, QType::kInt4},  {256, 256, QType::kInt4}, {512, 256, QType::kInt4}, {768, 256, QType::kInt4},
-    {1024, 64, QType::kInt2}, {1088, 64, QType::kInt2}, {1152, 64, QType::kInt2}, {1216, 64, QType::kInt2}, {1280, 64, QType::kInt2},
-    {1344, 64, QType::kInt2}, {1408, 64, QType::kInt2}, {1472, 64, QType::kInt2}};
+const std::vector<BlockAlloc> kAlloc16 = {{0, 16, QType::kFp8},     {16, 16, QType::kInt4},   {32, 16, QType::kInt4},   {48, 16, QType::kInt4},
+                                          {64, 64, QType::kInt4},   {128, 64, QType::kInt4},  {192, 64, QType::kInt4},  {256, 256, QType::kInt4},
+                                          {512, 256, QType::kInt4}, {768, 256, QType::kInt4}, {1024, 64, QType::kInt2}, {1088, 64, QType::kInt2},
+                                          {1152, 64, QType::kInt2}, {1216, 64, QType::kInt2}, {1280, 64, QType::kInt2}, {1344, 64, QType::kInt2},
+                                          {1408, 64, QType::kInt2}, {1472, 64, QType::kInt2}};
 std::vector<BlockAlloc> alloc8() {  // K's 8x table
   std::vector<BlockAlloc> a = {{0, 64, QType::kFp8}, {64, 64, QType::kFp8}};
   for (uint32_t s = 128; s < 512; s += 64) a.push_back({s, 64, QType::kInt4});
@@ -166,7 +166,9 @@ std::vector<std::string> parse_names(const char* s) {
   return v;
 }
 
-uint32_t r_used_of(const Allocation& a) { return a.blocks.empty() ? 0 : a.blocks.back().start + a.blocks.back().size; }
+uint32_t r_used_of(const Allocation& a) {
+  return a.blocks.empty() ? 0 : a.blocks.back().start + a.blocks.back().size;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -197,18 +199,31 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--tokens") tokens = parse_list(next());
-    else if (a == "--batch") batches = parse_list(next());
-    else if (a == "--gemm") gemms = parse_names(next());
-    else if (a == "--ratio") ratio = std::atoi(next());
-    else if (a == "--level") level = std::atoi(next());
-    else if (a == "--algo") algo = std::atoi(next());
-    else if (a == "--reps") reps = std::max(1, std::atoi(next()));
-    else if (a == "--check") check_cpu = true;
-    else if (a == "--json") json_out = next();
-    else if (a == "--md") md_out = next();
+    if (a == "--tokens")
+      tokens = parse_list(next());
+    else if (a == "--batch")
+      batches = parse_list(next());
+    else if (a == "--gemm")
+      gemms = parse_names(next());
+    else if (a == "--ratio")
+      ratio = std::atoi(next());
+    else if (a == "--level")
+      level = std::atoi(next());
+    else if (a == "--algo")
+      algo = std::atoi(next());
+    else if (a == "--reps")
+      reps = std::max(1, std::atoi(next()));
+    else if (a == "--check")
+      check_cpu = true;
+    else if (a == "--json")
+      json_out = next();
+    else if (a == "--md")
+      md_out = next();
     else {
-      std::fprintf(stderr, "usage: %s [--tokens 8192,32768] [--batch 1,8] [--gemm f32,tf32,bf16] [--ratio 16|8] [--level 6] [--algo -1] [--reps 5] [--check] [--json F] [--md F]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--tokens 8192,32768] [--batch 1,8] [--gemm f32,tf32,bf16] [--ratio 16|8] [--level 6] [--algo -1] [--reps 5] [--check] "
+                   "[--json F] [--md F]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -302,7 +317,8 @@ int main(int argc, char** argv) {
           const double e_best = *std::min_element(enc_ms.begin(), enc_ms.end()), d_best = *std::min_element(dec_ms.begin(), dec_ms.end());
           const double tflops = best_te.project_ms > 0 ? flops / (best_te.project_ms * 1e-3) / 1e12 : 0;
           char line[1024];
-          std::snprintf(line, sizeof line, "| %llu | %llu | %.1f | %dx | %s | %s | %.2f | %.2fx | %.1f | %.1f | %.1f | %.1f | %s | %s | %.0f | %.3g | %.3g |\n",
+          std::snprintf(line, sizeof line,
+                        "| %llu | %llu | %.1f | %dx | %s | %s | %.2f | %.2fx | %.1f | %.1f | %.1f | %.1f | %s | %s | %.0f | %.3g | %.3g |\n",
                         (unsigned long long)B, (unsigned long long)T, raw / 1e6, ratio, gname.c_str(), best_te.entropy_backend.c_str(), comp / 1e6,
                         raw / comp, e_best, d_best, raw / (e_best * 1e-3) / 1e9, raw / (d_best * 1e-3) / 1e9, stages(best_te).c_str(),
                         stages(best_td).c_str(), tflops, err.k, err.v);
@@ -344,8 +360,8 @@ int main(int argc, char** argv) {
         const ReconError e2 = reconstruction_error(host, cuda_download(gpu_dec[0]), opt.sink, opt.window);
         std::fprintf(stderr, "[gpu-bench] check (%s): GPU->CPU rel. err K %.4g V %.4g (%zu bytes); CPU->GPU K %.4g V %.4g (%zu bytes)\n",
                      gname.c_str(), e1.k, e1.v, out[0].size(), e2.k, e2.v, cpu_bytes.size());
-        R["check"] = {{"gpu_to_cpu_err_k", e1.k}, {"gpu_to_cpu_err_v", e1.v}, {"cpu_to_gpu_err_k", e2.k}, {"cpu_to_gpu_err_v", e2.v},
-                      {"gpu_bytes", out[0].size()}, {"cpu_bytes", cpu_bytes.size()}};
+        R["check"] = {{"gpu_to_cpu_err_k", e1.k}, {"gpu_to_cpu_err_v", e1.v},   {"cpu_to_gpu_err_k", e2.k},
+                      {"cpu_to_gpu_err_v", e2.v}, {"gpu_bytes", out[0].size()}, {"cpu_bytes", cpu_bytes.size()}};
       }
     }
     if (!json_out.empty()) {
@@ -354,7 +370,9 @@ int main(int argc, char** argv) {
     }
     if (!md_out.empty()) {
       std::ofstream f(md_out);
-      f << "Device: " << dev << "\n\n" << R["data"].get<std::string>() << "; nominal " << ratio << "x, DEFLATE level " << level << ".\n\n" << md.str();
+      f << "Device: " << dev << "\n\n"
+        << R["data"].get<std::string>() << "; nominal " << ratio << "x, DEFLATE level " << level << ".\n\n"
+        << md.str();
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvtc_gpu_bench: %s\n", e.what());

@@ -1,14 +1,14 @@
 // kvtc device build only: a plain OpenMP cblas_sgemm (see fallback/cblas.h).
-#include "fallback/cblas.h"
-
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
+#include "fallback/cblas.h"
+
 extern "C" void cblas_sgemm(const enum CBLAS_ORDER order, const enum CBLAS_TRANSPOSE ta, const enum CBLAS_TRANSPOSE tb, const blasint m,
-                            const blasint n, const blasint k, const float alpha, const float* a, const blasint lda, const float* b,
-                            const blasint ldb, const float beta, float* c, const blasint ldc) {
+                            const blasint n, const blasint k, const float alpha, const float* a, const blasint lda, const float* b, const blasint ldb,
+                            const float beta, float* c, const blasint ldc) {
   if (order != CblasRowMajor) {
     std::fprintf(stderr, "cblas_sgemm fallback: row-major only\n");
     std::abort();

@@ -68,14 +68,14 @@ struct CudaOptions {
 // Wall time of each stage in milliseconds (GPU stages from CUDA events on
 // the codec's stream; host stages from the host clock).
 struct CudaStageTimes {
-  double gather_ms = 0;    // cache layout <-> feature rows, (de-)RoPE, and the centring fused into them
-  double center_ms = 0;    // standalone centring passes (0: both directions fuse it into gather / scatter)
-  double project_ms = 0;   // cuBLAS GEMM
-  double quant_ms = 0;     // quantize + pack / unpack + dequantize
-  double entropy_ms = 0;   // nvCOMP (or host libdeflate) both ways
-  double transfer_ms = 0;  // host <-> device copies of containers and section layout
-  double host_ms = 0;      // parsing, checksums, headers, assembling containers
-  double total_ms = 0;     // the whole call
+  double gather_ms = 0;         // cache layout <-> feature rows, (de-)RoPE, and the centring fused into them
+  double center_ms = 0;         // standalone centring passes (0: both directions fuse it into gather / scatter)
+  double project_ms = 0;        // cuBLAS GEMM
+  double quant_ms = 0;          // quantize + pack / unpack + dequantize
+  double entropy_ms = 0;        // nvCOMP (or host libdeflate) both ways
+  double transfer_ms = 0;       // host <-> device copies of containers and section layout
+  double host_ms = 0;           // parsing, checksums, headers, assembling containers
+  double total_ms = 0;          // the whole call
   std::string entropy_backend;  // "nvcomp", "libdeflate-host", "stored", or a mix
 };
 

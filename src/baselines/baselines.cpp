@@ -138,7 +138,9 @@ KvCapture streaming_evict(const KvCapture& c, double ratio, uint32_t sink, uint6
 
 namespace {
 
-float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }
+float f16_round(float x) {
+  return f16_to_f32(f32_to_f16(x));
+}
 
 // Rank-r approximation of row-major X [n x m] in place, centred on its
 // column mean; factors rounded to f16 as they would be stored.
@@ -157,8 +159,8 @@ void lowrank_inplace(float* X, uint32_t n, uint32_t m, uint32_t r) {
     std::vector<double> gd(g.begin(), g.end()), w(m), z(size_t(m) * r);
     std::vector<lapack_int> isuppz(2 * size_t(m));
     lapack_int found = 0;
-    const lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', lapack_int(m), gd.data(), lapack_int(m), 0.0, 0.0,
-                                           lapack_int(m - r + 1), lapack_int(m), 0.0, &found, w.data(), z.data(), lapack_int(r), isuppz.data());
+    const lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', lapack_int(m), gd.data(), lapack_int(m), 0.0, 0.0, lapack_int(m - r + 1),
+                                           lapack_int(m), 0.0, &found, w.data(), z.data(), lapack_int(r), isuppz.data());
     require(info == 0 && found == lapack_int(r), "svd baseline: LAPACK dsyevr failed (info " + std::to_string(info) + ")");
     std::vector<float> B(size_t(r) * m), A(size_t(n) * r);  // B = V_r^T [r x m], A = X V_r [n x r]
     for (uint32_t i = 0; i < r; ++i)

@@ -134,8 +134,7 @@ std::vector<Doc> calib_docs(const std::string& corpus, const std::vector<std::st
   }
   std::vector<Doc> docs;
   for (const auto& d : m.at("documents"))
-    if (d.at("split") == "calib" &&
-        (kinds.empty() || std::find(kinds.begin(), kinds.end(), d.at("kind").get<std::string>()) != kinds.end()))
+    if (d.at("split") == "calib" && (kinds.empty() || std::find(kinds.begin(), kinds.end(), d.at("kind").get<std::string>()) != kinds.end()))
       docs.push_back({corpus + "/" + d.at("file").get<std::string>(), d.at("id").get<std::string>(), d.at("kind").get<std::string>(),
                       d.at("tokens").get<uint64_t>()});
   require(!docs.empty(), path + ": no calibration documents" + (kinds.empty() ? std::string() : " of the kinds asked for"));

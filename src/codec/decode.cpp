@@ -8,11 +8,11 @@
 #include <optional>
 
 #include "container.h"
-#include "parallel.h"
 #include "kvtc/codec.h"
 #include "kvtc/features.h"
 #include "kvtc/quant.h"
 #include "kvtc/util.h"
+#include "parallel.h"
 
 namespace kvtc {
 
@@ -84,7 +84,6 @@ Header parse_header(const std::string& js, const std::string& origin) {
   return h;
 }
 
-
 }  // namespace
 
 // Unpacks one chunk into d[n_tok][r_used] (dropped components 0).
@@ -154,8 +153,8 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
   require(H.calibration_id == cal.id, origin + ": encoded with calibration " + H.calibration_id.substr(0, 16) + "…, but the calibration given is " +
                                           cal.id.substr(0, 16) + "… (wrong calibration file)");
   require(H.blocks.size() == cal.blocks.size(), origin + ": block count differs from the calibration's");
-  require(H.keys_derope == calibration_keys_derope(cal), origin + ": header keys_rope says " + (H.keys_derope ? "removed" : "kept") +
-                                                             ", the calibration's meta keys_rope the opposite");
+  require(H.keys_derope == calibration_keys_derope(cal),
+          origin + ": header keys_rope says " + (H.keys_derope ? "removed" : "kept") + ", the calibration's meta keys_rope the opposite");
   for (const Section& s : P.sections)
     require(s.block < H.blocks.size(), origin + ": " + section_name(s.kind) + " section: block " + std::to_string(s.block) + " does not exist");
   derive_token_counts(P, H, origin);

@@ -7,11 +7,11 @@
 #include <nlohmann/json.hpp>
 
 #include "container.h"
-#include "parallel.h"
 #include "kvtc/codec.h"
 #include "kvtc/features.h"
 #include "kvtc/quant.h"
 #include "kvtc/util.h"
+#include "parallel.h"
 
 namespace kvtc {
 
@@ -176,7 +176,8 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
       const Transform* T = &cal.blocks[b][kv];
       const Allocation* A = &alloc[b][kv];
       for (auto [t0, t1] : chunks(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
-        section(kChunk, uint32_t(b), uint32_t(kv), t0, t1, [&kb, kv, T, A, rp, t0 = t0, t1 = t1, ck] { return encode_chunk(kb, kv, *T, *A, rp, t0, t1, ck); });
+        section(kChunk, uint32_t(b), uint32_t(kv), t0, t1,
+                [&kb, kv, T, A, rp, t0 = t0, t1 = t1, ck] { return encode_chunk(kb, kv, *T, *A, rp, t0, t1, ck); });
     }
   }
   for (size_t b = 0; b < c.blocks.size(); ++b) {

@@ -28,8 +28,14 @@ void launch(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st, 
 
 }  // namespace
 
-void launch_center_fill(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st) { launch<0>(x, mu, n, p, st, "center_fill"); }
-void launch_center_sub(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st) { launch<1>(x, mu, n, p, st, "center_sub"); }
-void launch_center_add(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st) { launch<2>(x, mu, n, p, st, "center_add"); }
+void launch_center_fill(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st) {
+  launch<0>(x, mu, n, p, st, "center_fill");
+}
+void launch_center_sub(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st) {
+  launch<1>(x, mu, n, p, st, "center_sub");
+}
+void launch_center_add(float* x, const float* mu, uint32_t n, uint32_t p, cudaStream_t st) {
+  launch<2>(x, mu, n, p, st, "center_add");
+}
 
 }  // namespace kvtc::cuda

@@ -9,7 +9,9 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }
 
-void check_launch(const char* what) { check(cudaGetLastError(), what); }
+void check_launch(const char* what) {
+  check(cudaGetLastError(), what);
+}
 
 namespace {
 __global__ void probe_kernel(int* out) {

@@ -19,7 +19,9 @@ void check_launch(const char* what);
 // architecture).
 cudaError_t probe_device();
 
-inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+inline size_t round_up(size_t x, size_t a) {
+  return (x + a - 1) / a * a;
+}
 
 // Blocks for a grid-stride loop over n items with `threads` per block.
 inline unsigned grid_blocks(size_t n, unsigned threads, unsigned max_blocks = 1u << 16) {
@@ -30,6 +32,8 @@ inline unsigned grid_blocks(size_t n, unsigned threads, unsigned max_blocks = 1u
 
 // Element type of feature rows / coefficient planes fed to the GEMM.
 enum class ElemType : int { kF32 = 0, kBf16 = 1, kF16 = 2 };
-inline size_t elem_bytes(ElemType t) { return t == ElemType::kF32 ? 4 : 2; }
+inline size_t elem_bytes(ElemType t) {
+  return t == ElemType::kF32 ? 4 : 2;
+}
 
 }  // namespace kvtc::cuda

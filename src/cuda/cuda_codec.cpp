@@ -10,6 +10,8 @@
 // assembles them in a staging buffer, one copy brings it to pinned host
 // memory, and the host writes headers and checksums (in parallel) and hands
 // out the containers. Decode mirrors it.
+#include "kvtc/cuda_codec.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,7 +29,6 @@
 #include "common.cuh"
 #include "entropy.cuh"
 #include "host_plan.h"
-#include "kvtc/cuda_codec.h"
 #include "kvtc/error.h"
 #include "kvtc/features.h"
 #include "kvtc/quant.h"
@@ -48,7 +49,9 @@ using namespace container;
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-double ms_since(clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); }
+double ms_since(clock_type::time_point t) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - t).count();
+}
 
 // Grow-only device / pinned host buffers.
 struct DevBuf {
@@ -262,8 +265,9 @@ bool kvtc_cuda_available(std::string* why) {
   }
   e = cuda::probe_device();
   if (e != cudaSuccess) {
-    if (why) *why = std::string("this build's kernels cannot run on device 0 (") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e) +
-                    "; built for CMAKE_CUDA_ARCHITECTURES " KVTC_CUDA_ARCHS ")";
+    if (why)
+      *why = std::string("this build's kernels cannot run on device 0 (") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e) +
+             "; built for CMAKE_CUDA_ARCHITECTURES " KVTC_CUDA_ARCHS ")";
     cudaGetLastError();
     return false;
   }
@@ -271,7 +275,9 @@ bool kvtc_cuda_available(std::string* why) {
   return true;
 }
 
-bool kvtc_cuda_has_nvcomp() { return cuda::nvc::built(); }
+bool kvtc_cuda_has_nvcomp() {
+  return cuda::nvc::built();
+}
 
 std::string kvtc_cuda_describe() {
   std::string why;
@@ -416,8 +422,12 @@ CudaCodec::~CudaCodec() {
   }
 }
 
-const CudaOptions& CudaCodec::options() const { return impl_->opt; }
-const Calibration& CudaCodec::calibration() const { return impl_->cal; }
+const CudaOptions& CudaCodec::options() const {
+  return impl_->opt;
+}
+const Calibration& CudaCodec::calibration() const {
+  return impl_->cal;
+}
 
 // ------------------------------------------------------------ compress
 
@@ -435,8 +445,8 @@ void CudaCodec::compress(const std::vector<const CudaKvCapture*>& caps, const Al
     require(c->kv.size() == c->host.blocks.size(), "compress: device K/V missing for some blocks");
     for (size_t b = 0; b < c->kv.size(); ++b)
       for (int kv = 0; kv < 2; ++kv)
-        require(c->kv[b][kv].get() && c->kv[b][kv].bytes() >= c->host.blocks[b].numel() * 2, "compress: device K/V of block " + std::to_string(b) +
-                                                                                                   " smaller than its shape");
+        require(c->kv[b][kv].get() && c->kv[b][kv].bytes() >= c->host.blocks[b].numel() * 2,
+                "compress: device K/V of block " + std::to_string(b) + " smaller than its shape");
   }
   const bool derope = calibration_keys_derope(I.cal);
   const int level = opt.deflate_level;
@@ -634,8 +644,8 @@ void CudaCodec::compress(const std::vector<const CudaKvCapture*>& caps, const Al
     const QSeg* sg = reinterpret_cast<const QSeg*>(M + segs_off) + j.seg0;
     cuda::launch_quant_params(I.dt.as<float>(), jl, sg, uint32_t(j.nseg), I.arena.as<uint8_t>(), I.st);
     // Tiles index segments globally; the kernel reads segs[tile.seg], so pass the global table.
-    cuda::launch_quant_codes(I.dt.as<float>(), jl, reinterpret_cast<const QSeg*>(M + segs_off), reinterpret_cast<const QTile*>(M + tiles_off) + j.tile0,
-                             uint32_t(j.ntile), I.arena.as<uint8_t>(), I.st);
+    cuda::launch_quant_codes(I.dt.as<float>(), jl, reinterpret_cast<const QSeg*>(M + segs_off),
+                             reinterpret_cast<const QTile*>(M + tiles_off) + j.tile0, uint32_t(j.ntile), I.arena.as<uint8_t>(), I.st);
     tl.end();
   }
   if (!nv_list.empty()) {
@@ -992,7 +1002,8 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<const std::ve
     if (j.rope) {
       auto it = factors_off.find({j.cap, j.b});
       rd = rope_dev(*plans[j.cap].rope[j.b], it == factors_off.end() ? nullptr : reinterpret_cast<const float*>(M + it->second));
-      cuda::launch_rope_table(reinterpret_cast<const int32_t*>(M + j.pos_off), j.n_rows, rd, false, I.rope_c.as<double>(), I.rope_s.as<double>(), I.st);
+      cuda::launch_rope_table(reinterpret_cast<const int32_t*>(M + j.pos_off), j.n_rows, rd, false, I.rope_c.as<double>(), I.rope_s.as<double>(),
+                              I.st);
       c = I.rope_c.as<double>();
       s = I.rope_s.as<double>();
     }

@@ -83,7 +83,7 @@ __device__ inline uint8_t f2e4m3(float x) {
   const float a = fabsf(x);
   if (!(a == a)) return 0;
   if (a >= 464.0f) return sign | 0x7e;
-  if (a < 0.015625f) {                             // 2^-6
+  if (a < 0.015625f) {                            // 2^-6
     const float m = rintf(__fmul_rn(a, 512.0f));  // exact product, ties to even
     return sign | uint8_t(m);
   }

@@ -55,7 +55,9 @@ nvcompBatchedDeflateCompressOpts_t copts(int algo) {
 }
 }  // namespace
 
-bool built() { return true; }
+bool built() {
+  return true;
+}
 
 std::string version() {
   nvcompProperties_t p{};
@@ -107,20 +109,42 @@ void decompress(const void* const* in_ptrs, const size_t* in_sizes, const size_t
            "decompress");
 }
 
-std::string status_string(int status) { return nvcompGetStatusString(nvcompStatus_t(status)); }
+std::string status_string(int status) {
+  return nvcompGetStatusString(nvcompStatus_t(status));
+}
 
 #else  // no nvCOMP
 
-[[noreturn]] static void none() { throw Error("kvtc was built without nvCOMP (KVTC_NVCOMP off)"); }
-bool built() { return false; }
-std::string version() { return "none"; }
-size_t alignment() { return 16; }
-size_t compress_temp_bytes(size_t, size_t, size_t, int) { none(); }
-size_t compress_max_output(size_t, int) { none(); }
-void compress(const void* const*, const size_t*, size_t, size_t, void*, size_t, void* const*, size_t*, int*, int, cudaStream_t) { none(); }
-size_t decompress_temp_bytes(size_t, size_t, size_t) { none(); }
-void decompress(const void* const*, const size_t*, const size_t*, size_t*, size_t, void*, size_t, void* const*, int*, cudaStream_t) { none(); }
-std::string status_string(int status) { return std::to_string(status); }
+[[noreturn]] static void none() {
+  throw Error("kvtc was built without nvCOMP (KVTC_NVCOMP off)");
+}
+bool built() {
+  return false;
+}
+std::string version() {
+  return "none";
+}
+size_t alignment() {
+  return 16;
+}
+size_t compress_temp_bytes(size_t, size_t, size_t, int) {
+  none();
+}
+size_t compress_max_output(size_t, int) {
+  none();
+}
+void compress(const void* const*, const size_t*, size_t, size_t, void*, size_t, void* const*, size_t*, int*, int, cudaStream_t) {
+  none();
+}
+size_t decompress_temp_bytes(size_t, size_t, size_t) {
+  none();
+}
+void decompress(const void* const*, const size_t*, const size_t*, size_t*, size_t, void*, size_t, void* const*, int*, cudaStream_t) {
+  none();
+}
+std::string status_string(int status) {
+  return std::to_string(status);
+}
 
 #endif
 

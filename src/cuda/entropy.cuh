@@ -24,9 +24,9 @@ void launch_batched_copy(const CopyOp* ops, uint32_t n_ops, cudaStream_t st);
 
 namespace nvc {
 
-bool built();              // the library was built with nvCOMP
-std::string version();     // "6.0.0" or "none"
-size_t alignment();        // slot alignment that satisfies nvCOMP's input, output and temp requirements (>= 16)
+bool built();           // the library was built with nvCOMP
+std::string version();  // "6.0.0" or "none"
+size_t alignment();     // slot alignment that satisfies nvCOMP's input, output and temp requirements (>= 16)
 // Compression (chunks of at most 65536 bytes).
 size_t compress_temp_bytes(size_t n_chunks, size_t max_chunk, size_t total, int algo);
 size_t compress_max_output(size_t max_chunk, int algo);

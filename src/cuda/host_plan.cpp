@@ -90,7 +90,8 @@ std::vector<uint8_t> pack_reference(const float* d, uint32_t n, uint32_t ld, con
   for (const BlockAlloc& blk : alloc) {
     if (blk.type == QType::kNone) continue;
     codes.resize(size_t(n) * blk.size);
-    for (uint32_t t = 0; t < n; ++t) quantize_block(blk.type, d + size_t(t) * ld + blk.start, blk.size, &codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
+    for (uint32_t t = 0; t < n; ++t)
+      quantize_block(blk.type, d + size_t(t) * ld + blk.start, blk.size, &codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
     const uint32_t np = qtype_param_bits(blk.type) / 16;
     for (uint32_t k = 0; k < np; ++k) {
       for (uint32_t t = 0; t < n; ++t) packed[off + t] = uint8_t(params[size_t(t) * 2 + k]);
@@ -130,8 +131,7 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
   require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
           "compress: chunk_tokens must be a multiple of 16 in 16..65536");
   require(opt.deflate_level >= 0 && opt.deflate_level <= 12, "compress: deflate level must be 0..12");
-  if (!c.tokens.empty())
-    require(c.tokens.size() == c.blocks[0].n_tokens(), "compress: tokens and positions differ in length");
+  if (!c.tokens.empty()) require(c.tokens.size() == c.blocks[0].n_tokens(), "compress: tokens and positions differ in length");
 }
 
 std::string encode_header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
@@ -291,8 +291,7 @@ DecodeHeader parse_header(const std::string& js, const std::string& origin) {
         for (const json& a : b.at("alloc").at(kv)) {
           const int ty = a.at(2).get<int>();
           BlockAlloc ba{a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(ty)};
-          require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && ty < kNumQTypes,
-                  "allocation blocks must tile a prefix");
+          require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && ty < kNumQTypes, "allocation blocks must tile a prefix");
           next = ba.start + ba.size;
           x.alloc[kv].push_back(ba);
         }
@@ -318,8 +317,8 @@ DecodePlan plan_decode(const uint8_t* bytes, size_t size, const Calibration& cal
   require(H.calibration_id == cal.id, origin + ": encoded with calibration " + H.calibration_id.substr(0, 16) + "…, but the calibration given is " +
                                           cal.id.substr(0, 16) + "… (wrong calibration file)");
   require(H.blocks.size() == cal.blocks.size(), origin + ": block count differs from the calibration's");
-  require(H.keys_derope == calibration_keys_derope(cal), origin + ": header keys_rope says " + (H.keys_derope ? "removed" : "kept") +
-                                                             ", the calibration's meta keys_rope the opposite");
+  require(H.keys_derope == calibration_keys_derope(cal),
+          origin + ": header keys_rope says " + (H.keys_derope ? "removed" : "kept") + ", the calibration's meta keys_rope the opposite");
   for (const Section& s : P.sections)
     require(s.block < H.blocks.size(), origin + ": " + section_name(s.kind) + " section: block " + std::to_string(s.block) + " does not exist");
   // Token counts from the positions sections, which must tile [0, n).

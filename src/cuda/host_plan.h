@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "../codec/container.h"
-#include "qseg.h"
 #include "kvtc/alloc.h"
 #include "kvtc/calibration.h"
 #include "kvtc/codec.h"
 #include "kvtc/kv_capture.h"
 #include "kvtc/rope.h"
+#include "qseg.h"
 
 namespace kvtc::cuda {
 
@@ -90,7 +90,7 @@ struct DecodeHeader {
 // sections of the right sizes. Positions and token ids are decoded here.
 struct DecodePlan {
   DecodeHeader H;
-  KvCapture host;                              // meta, tokens, per block layers/geometry/pos; k and v empty
+  KvCapture host;                               // meta, tokens, per block layers/geometry/pos; k and v empty
   std::vector<container::Section> kv_sections;  // raw and chunk sections, validated, file order
   std::vector<std::optional<RopeParams>> rope;  // per block, when keys of that block are coded and de-RoPEd
 };

@@ -10,8 +10,12 @@ namespace {
 
 constexpr uint32_t kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3;
 
-__device__ __forceinline__ uint32_t code_bits(uint32_t t) { return t == kInt2 ? 2 : t == kInt4 ? 4 : t == kFp8 ? 8 : 0; }
-__device__ __forceinline__ uint32_t n_params(uint32_t t) { return t == kFp8 ? 1 : (t == kInt2 || t == kInt4) ? 2 : 0; }
+__device__ __forceinline__ uint32_t code_bits(uint32_t t) {
+  return t == kInt2 ? 2 : t == kInt4 ? 4 : t == kFp8 ? 8 : 0;
+}
+__device__ __forceinline__ uint32_t n_params(uint32_t t) {
+  return t == kFp8 ? 1 : (t == kInt2 || t == kInt4) ? 2 : 0;
+}
 
 // kvtc::e4m3_to_f32 (exact operations: powers of two and m/8).
 __device__ __forceinline__ float e4m3_value(uint8_t v) {

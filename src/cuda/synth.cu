@@ -65,8 +65,8 @@ void launch_gaussian(float* dt, size_t ld, uint32_t ru, uint32_t n, const float*
   check_launch("gaussian");
 }
 
-void launch_sq_err(const uint16_t* a, const uint16_t* b, uint32_t lh, uint32_t n_tokens, uint32_t head_dim, uint32_t t_lo, uint32_t t_hi,
-                   double* acc, cudaStream_t st) {
+void launch_sq_err(const uint16_t* a, const uint16_t* b, uint32_t lh, uint32_t n_tokens, uint32_t head_dim, uint32_t t_lo, uint32_t t_hi, double* acc,
+                   cudaStream_t st) {
   if (t_hi <= t_lo) return;
   const size_t total = size_t(lh) * (t_hi - t_lo) * head_dim;
   sq_err_kernel<<<grid_blocks(total, 256, 4096), 256, 0, st>>>(a, b, lh, n_tokens, head_dim, t_lo, t_hi, acc);

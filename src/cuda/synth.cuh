@@ -14,7 +14,7 @@ void launch_gaussian(float* dt, size_t ld, uint32_t ru, uint32_t n, const float*
 
 // acc[0] += sum (a - b)^2, acc[1] += sum a^2 over tokens [t_lo, t_hi) of
 // f16 caches [lh][n_tokens][head_dim] (acc: 2 doubles on the device).
-void launch_sq_err(const uint16_t* a, const uint16_t* b, uint32_t lh, uint32_t n_tokens, uint32_t head_dim, uint32_t t_lo, uint32_t t_hi,
-                   double* acc, cudaStream_t st);
+void launch_sq_err(const uint16_t* a, const uint16_t* b, uint32_t lh, uint32_t n_tokens, uint32_t head_dim, uint32_t t_lo, uint32_t t_hi, double* acc,
+                   cudaStream_t st);
 
 }  // namespace kvtc::cuda

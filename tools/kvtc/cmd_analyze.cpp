@@ -67,7 +67,9 @@ struct Cap {
   KvCapture c;
 };
 
-double seconds_since(std::chrono::steady_clock::time_point t0) { return ms_since(t0) / 1000.0; }
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return ms_since(t0) / 1000.0;
+}
 
 void log(std::chrono::steady_clock::time_point t0, const char* fmt, const std::string& a = "") {
   std::fprintf(stderr, "[analyze %6.1f s] ", seconds_since(t0));
@@ -360,7 +362,8 @@ HeadSim head_similarity(std::vector<float>& X, uint32_t T, uint32_t T_fit, uint3
       for (uint32_t b = 0; b < hd; ++b) M[size_t(a) * hd + b] = Gx[size_t(i * hd + a) * p + j * hd + b];
     const int info = LAPACKE_dgesdd(LAPACK_ROW_MAJOR, 'A', int(hd), int(hd), M.data(), int(hd), S.data(), U.data(), int(hd), VT.data(), int(hd));
     require(info == 0, "analyze: SVD did not converge for heads " + std::to_string(i) + ", " + std::to_string(j));
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(hd), int(hd), int(hd), 1.0, U.data(), int(hd), VT.data(), int(hd), 0.0, R.data(), int(hd));
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(hd), int(hd), int(hd), 1.0, U.data(), int(hd), VT.data(), int(hd), 0.0, R.data(),
+                int(hd));
     double dot = 0;
     for (uint32_t a = 0; a < hd; ++a)
       for (uint32_t b = 0; b < hd; ++b) dot += R[size_t(a) * hd + b] * Gz[size_t(i * hd + a) * p + j * hd + b];
@@ -460,8 +463,8 @@ std::vector<std::string> head_labels(uint32_t n_layer, uint32_t n_head_kv, uint3
 void plot_procrustes(const std::string& path, const HeadSim& ks, const HeadSim& vs, uint32_t n_layer, uint32_t n_head_kv, uint32_t tokens) {
   const int pw = 720, ph = 530;
   plot::Canvas c(2 * pw, 2 * ph + 50);
-  c.text(pw, 12, "Head-pair cosine similarity (" + std::to_string(tokens) + " tokens), before and after orthogonal Procrustes alignment", plot::kBlack, 2,
-         plot::Align::kCenter);
+  c.text(pw, 12, "Head-pair cosine similarity (" + std::to_string(tokens) + " tokens), before and after orthogonal Procrustes alignment",
+         plot::kBlack, 2, plot::Align::kCenter);
   double lo = 0;
   for (const HeadSim* s : {&ks, &vs})
     for (const auto* m : {&s->before, &s->after})
@@ -472,7 +475,10 @@ void plot_procrustes(const std::string& path, const HeadSim& ks, const HeadSim& 
     const HeadSim* s;
     bool after;
     std::string title;
-  } panels[4] = {{&ks, false, "keys (RoPE removed), before"}, {&ks, true, "keys (RoPE removed), after"}, {&vs, false, "values, before"}, {&vs, true, "values, after"}};
+  } panels[4] = {{&ks, false, "keys (RoPE removed), before"},
+                 {&ks, true, "keys (RoPE removed), after"},
+                 {&vs, false, "values, before"},
+                 {&vs, true, "values, after"}};
   for (int i = 0; i < 4; ++i) {
     plot::Heatmap h;
     h.title = panels[i].title;
@@ -495,9 +501,13 @@ void plot_lines(const std::string& path, const plot::LinePlot& p, int w = 900, i
 
 // ---- the command ----------------------------------------------------------------
 
-bool wants(const AnalyzeArgs& a, const std::string& what) { return std::find(a.what.begin(), a.what.end(), what) != a.what.end(); }
+bool wants(const AnalyzeArgs& a, const std::string& what) {
+  return std::find(a.what.begin(), a.what.end(), what) != a.what.end();
+}
 
-std::string basename_of(const std::string& p) { return std::filesystem::path(p).filename().string(); }
+std::string basename_of(const std::string& p) {
+  return std::filesystem::path(p).filename().string();
+}
 
 int run_analyze(const AnalyzeArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -607,12 +617,14 @@ int run_analyze(const AnalyzeArgs& a) {
     plot_procrustes(out + "procrustes.png", sims[0], sims[1], b0.n_layer(), b0.n_head_kv, T);
     res["procrustes"] = pj;
     md << "\n### Head-pair similarity (Figure 3)\n\nMean cosine similarity over all pairs of different (layer, KV head), " << T
-       << " tokens, centred, before and after orthogonal Procrustes alignment (held out: R fitted on half of the tokens, measured on the other half):\n\n| | before | after | after, held out | same layer before / after | across layers before / after |\n|---|---|---|---|---|---|\n";
+       << " tokens, centred, before and after orthogonal Procrustes alignment (held out: R fitted on half of the tokens, measured on the other "
+          "half):\n\n| | before | after | after, held out | same layer before / after | across layers before / after |\n|---|---|---|---|---|---|\n";
     for (const char* k : {"keys", "values"}) {
       const auto& s = pj[k];
       md << "| " << k << " | " << fmt("%.4f", s["mean_offdiag_before"].get<double>()) << " | " << fmt("%.4f", s["mean_offdiag_after"].get<double>())
-         << " | " << fmt("%.4f", s["mean_offdiag_after_heldout"].get<double>()) << " | " << fmt("%.4f", s.value("mean_same_layer_before", 0.0)) << " / " << fmt("%.4f", s.value("mean_same_layer_after", 0.0)) << " | "
-         << fmt("%.4f", s["mean_cross_layer_before"].get<double>()) << " / " << fmt("%.4f", s["mean_cross_layer_after"].get<double>()) << " |\n";
+         << " | " << fmt("%.4f", s["mean_offdiag_after_heldout"].get<double>()) << " | " << fmt("%.4f", s.value("mean_same_layer_before", 0.0))
+         << " / " << fmt("%.4f", s.value("mean_same_layer_after", 0.0)) << " | " << fmt("%.4f", s["mean_cross_layer_before"].get<double>()) << " / "
+         << fmt("%.4f", s["mean_cross_layer_after"].get<double>()) << " |\n";
     }
     md << "\n![head similarity](procrustes.png)\n";
   }
@@ -659,8 +671,10 @@ int run_analyze(const AnalyzeArgs& a) {
     lp.log_x = true;
     lp.log_y = true;  // keys and values differ by ~5x
     plot::Series sk{"keys", {}, {}, plot::series_color(0)}, sv{"values", {}, {}, plot::series_color(1)};
-    md << "\n### Error against calibration tokens (Figure 6)\n\nRelative squared error at " << rk << "x on " << ctx_caps.size() << " evaluation captures of "
-       << a.context << " tokens:\n\n| calibration | tokens | documents (tokens each at most) | keys | values | ratio (coded tokens) |\n|---|---|---|---|---|---|\n";
+    md << "\n### Error against calibration tokens (Figure 6)\n\nRelative squared error at " << rk << "x on " << ctx_caps.size()
+       << " evaluation captures of " << a.context
+       << " tokens:\n\n| calibration | tokens | documents (tokens each at most) | keys | values | ratio (coded tokens) "
+          "|\n|---|---|---|---|---|---|\n";
     for (const Pt& pt : pts) {
       cj["points"].push_back(pt.j);
       sk.x.push_back(pt.tokens), sk.y.push_back(pt.k);
@@ -721,8 +735,9 @@ int run_analyze(const AnalyzeArgs& a) {
       plot_lines(out + "position.png", lp);
       pj["image"] = "position.png";
       res["position"] = pj;
-      md << "\n### Error against token position\n\n" << pos_caps.size() << " evaluation captures of " << n << " tokens, " << basename_of(a.calib) << ", "
-         << rk << "x, " << a.bucket << "-token buckets (sink and window are stored raw and left out):\n\n| | overall | bucket min | bucket max |\n|---|---|---|---|\n"
+      md << "\n### Error against token position\n\n"
+         << pos_caps.size() << " evaluation captures of " << n << " tokens, " << basename_of(a.calib) << ", " << rk << "x, " << a.bucket
+         << "-token buckets (sink and window are stored raw and left out):\n\n| | overall | bucket min | bucket max |\n|---|---|---|---|\n"
          << "| keys | " << fmt("%.4f", total.k()) << " | " << fmt("%.4f", kmin) << " | " << fmt("%.4f", kmax) << " |\n"
          << "| values | " << fmt("%.4f", total.v()) << " | " << fmt("%.4f", vmin) << " | " << fmt("%.4f", vmax) << " |\n"
          << "\n![error vs position](position.png)\n";
@@ -732,7 +747,8 @@ int run_analyze(const AnalyzeArgs& a) {
       bj["calibration"] = basename_of(a.calib);
       bj["ratio"] = a.ratio;
       bj["blocks"] = nlohmann::json::array();
-      md << "\n### Bits per component (" << basename_of(a.calib) << ", " << rk << "x)\n\n| block | kind | bits/token (budget) | components coded | fp8 | int4 | int2 |\n|---|---|---|---|---|---|---|\n";
+      md << "\n### Bits per component (" << basename_of(a.calib) << ", " << rk
+         << "x)\n\n| block | kind | bits/token (budget) | components coded | fp8 | int4 | int2 |\n|---|---|---|---|---|---|---|\n";
       for (size_t b = 0; b < al.size(); ++b)
         for (int kv = 0; kv < 2; ++kv) {
           const Allocation& A = al[b][kv];
@@ -754,7 +770,8 @@ int run_analyze(const AnalyzeArgs& a) {
             if (!runs.empty() && runs.back()["type"] == qtype_name(ba.type) && runs.back()["to"].get<uint32_t>() == ba.start)
               runs.back()["to"] = ba.start + ba.size;
             else
-              runs.push_back({{"from", ba.start}, {"to", ba.start + ba.size}, {"type", qtype_name(ba.type)}, {"bits_per_component", qtype_code_bits(ba.type)}});
+              runs.push_back(
+                  {{"from", ba.start}, {"to", ba.start + ba.size}, {"type", qtype_name(ba.type)}, {"bits_per_component", qtype_code_bits(ba.type)}});
           }
           j["components"] = cal.blocks[b][kv].r;
           j["components_coded"] = coded;
@@ -762,8 +779,8 @@ int run_analyze(const AnalyzeArgs& a) {
           j["runs"] = runs;
           bj["blocks"].push_back(j);
           auto cnt = [&](const char* t) { return per_type.count(t) ? per_type.at(t) : 0u; };
-          md << "| " << b << " | " << (kv == 0 ? "keys" : "values") << " | " << A.bits << " (" << A.budget_bits << ") | " << coded << " | " << cnt("fp8")
-             << " | " << cnt("int4") << " | " << cnt("int2") << " |\n";
+          md << "| " << b << " | " << (kv == 0 ? "keys" : "values") << " | " << A.bits << " (" << A.budget_bits << ") | " << coded << " | "
+             << cnt("fp8") << " | " << cnt("int4") << " | " << cnt("int2") << " |\n";
         }
       res["bits_per_component"] = bj;
     }
@@ -807,7 +824,8 @@ int run_analyze(const AnalyzeArgs& a) {
     }
     const int pw = 640, ph = 150 + 60 * int(rows.size());
     plot::Canvas c(2 * pw, ph + 40);
-    c.text(pw, 12, "Relative squared error at " + rk + "x: calibration kind (rows) x evaluation kind (columns)", plot::kBlack, 2, plot::Align::kCenter);
+    c.text(pw, 12, "Relative squared error at " + rk + "x: calibration kind (rows) x evaluation kind (columns)", plot::kBlack, 2,
+           plot::Align::kCenter);
     for (int kv = 0; kv < 2; ++kv) {
       plot::Heatmap h;
       h.title = kv == 0 ? "keys" : "values";
@@ -824,8 +842,9 @@ int run_analyze(const AnalyzeArgs& a) {
     c.save_png(out + "domain.png");
     dj["image"] = "domain.png";
     res["domain"] = dj;
-    md << "\n### Cross-domain calibration\n\nRelative squared error at " << rk << "x, calibration kind (rows) on evaluation captures of each kind (columns; "
-       << a.samples << " x " << a.context << " tokens each):\n\n| calibration |";
+    md << "\n### Cross-domain calibration\n\nRelative squared error at " << rk
+       << "x, calibration kind (rows) on evaluation captures of each kind (columns; " << a.samples << " x " << a.context
+       << " tokens each):\n\n| calibration |";
     for (const auto& k : kKinds) md << " K " << k << " |";
     for (const auto& k : kKinds) md << " V " << k << " |";
     md << "\n|---|";
@@ -862,16 +881,21 @@ Action add_analyze(CLI::App& app) {
   auto a = std::make_shared<AnalyzeArgs>();
   a->model = default_model();
   a->corpus = default_corpus();
-  CLI::App* sub = app.add_subcommand("analyze", "The paper's evidence on a model: head similarity, error vs calibration size, position and domain; PNG + JSON");
+  CLI::App* sub =
+      app.add_subcommand("analyze", "The paper's evidence on a model: head similarity, error vs calibration size, position and domain; PNG + JSON");
   sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--what", a->what, "Analyses: procrustes, calib-size, position, bits, domain")->delimiter(',')->capture_default_str();
   sub->add_option("--calib", a->calib, "Calibration for position and bits")->capture_default_str();
   sub->add_option("--calib-sizes", a->calib_sizes, "Calibration files for calib-size, one point each");
   sub->add_option("--domain-calibs", a->domain_calibs, "NAME=FILE calibrations for domain, one row each (e.g. prose=cal-prose.safetensors)");
-  sub->add_option("--context", a->context, "Tokens per evaluation capture (procrustes, calib-size, domain)")->capture_default_str()->check(CLI::Range(16, 1 << 20));
+  sub->add_option("--context", a->context, "Tokens per evaluation capture (procrustes, calib-size, domain)")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 1 << 20));
   sub->add_option("--samples", a->samples, "Evaluation documents per corpus kind")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--position-context", a->position_context, "Tokens per capture for position")->capture_default_str()->check(CLI::Range(16, 1 << 20));
+  sub->add_option("--position-context", a->position_context, "Tokens per capture for position")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 1 << 20));
   sub->add_option("--position-samples", a->position_samples, "Documents per kind for position")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--bucket", a->bucket, "Tokens per position bucket")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--procrustes-tokens", a->procrustes_tokens, "Tokens for the head similarity (an equal share of each capture)")

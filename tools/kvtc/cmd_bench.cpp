@@ -166,8 +166,8 @@ int run_bench(const BenchArgs& a) {
   base["gemm_codec_shape_gflops"] = gemm_gflops(256, 1024, int(T0.p), true, a.repeat);
   base["memcpy_gbs"] = memcpy_gbs(size_t(256) << 20, a.repeat);
   R["baselines"] = base;
-  std::fprintf(stderr, "[bench] GEMM %.0f GFLOP/s (2048^3), %.0f GFLOP/s (256 x 1024 x %u), memcpy %.1f GB/s\n", base["gemm_peak_gflops"].get<double>(),
-               base["gemm_codec_shape_gflops"].get<double>(), T0.p, base["memcpy_gbs"].get<double>());
+  std::fprintf(stderr, "[bench] GEMM %.0f GFLOP/s (2048^3), %.0f GFLOP/s (256 x 1024 x %u), memcpy %.1f GB/s\n",
+               base["gemm_peak_gflops"].get<double>(), base["gemm_codec_shape_gflops"].get<double>(), T0.p, base["memcpy_gbs"].get<double>());
 
   const uint32_t n_train = model->info().n_ctx_train;
   std::vector<uint32_t> contexts = a.contexts;
@@ -257,7 +257,7 @@ int run_bench(const BenchArgs& a) {
       X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
       X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
       auto stages = [](const CodecStageTimes& t) {
-        return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms}, {"project_ms", t.project_ms},
+        return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
                                       {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
       };
       X["encode_stages"] = stages(enc_st);
@@ -287,8 +287,8 @@ int run_bench(const BenchArgs& a) {
         X["speedup_vs_recompute"] = C["recompute_ms"].get<double>() / (dec_ms + load_ms);
       }
       C["ratios"].push_back(X);
-      std::fprintf(stderr, "[bench] %u tokens, %gx: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio, X["ratio"].get<double>(), enc_ms,
-                   dec_ms, std::chrono::duration<double>(clock_type::now() - t_start).count());
+      std::fprintf(stderr, "[bench] %u tokens, %gx: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio, X["ratio"].get<double>(),
+                   enc_ms, dec_ms, std::chrono::duration<double>(clock_type::now() - t_start).count());
     }
     // The per-context figures asked for: restore at 16x (else the first ratio).
     for (const auto& X : C["ratios"])
@@ -309,18 +309,24 @@ int run_bench(const BenchArgs& a) {
       DecompressOptions dopt;
       dopt.threads = threads;
       const double dec = best_ms(a.repeat, [&] { (void)kvtc_decompress(bytes, cal, "bench", dopt); });
-      R["level_sweep"].push_back({{"level", level}, {"tokens", cap.blocks[0].n_tokens()}, {"ratio", double(kv_bytes(cap)) / double(bytes.size())},
-                                  {"compress_ms", enc}, {"decompress_ms", dec}});
+      R["level_sweep"].push_back({{"level", level},
+                                  {"tokens", cap.blocks[0].n_tokens()},
+                                  {"ratio", double(kv_bytes(cap)) / double(bytes.size())},
+                                  {"compress_ms", enc},
+                                  {"decompress_ms", dec}});
     }
   }
   R["seconds"] = std::chrono::duration<double>(clock_type::now() - t_start).count();
 
   std::ostringstream md;
   char b[512];
-  std::snprintf(b, sizeof b, "\nGEMM peak %.0f GFLOP/s (OpenBLAS sgemm 2048^3, %d threads); at the codec's shape (256 x 1024 x %u) %.0f GFLOP/s; memcpy %.1f GB/s.\n\n",
-                base["gemm_peak_gflops"].get<double>(), threads, T0.p, base["gemm_codec_shape_gflops"].get<double>(), base["memcpy_gbs"].get<double>());
+  std::snprintf(
+      b, sizeof b,
+      "\nGEMM peak %.0f GFLOP/s (OpenBLAS sgemm 2048^3, %d threads); at the codec's shape (256 x 1024 x %u) %.0f GFLOP/s; memcpy %.1f GB/s.\n\n",
+      base["gemm_peak_gflops"].get<double>(), threads, T0.p, base["gemm_codec_shape_gflops"].get<double>(), base["memcpy_gbs"].get<double>());
   md << b;
-  md << "| tokens | raw MB | nominal | comp. MB | ratio | compress ms | decompress ms | enc GB/s | dec GB/s | enc stages gather/center/proj/quant/entropy ms | "
+  md << "| tokens | raw MB | nominal | comp. MB | ratio | compress ms | decompress ms | enc GB/s | dec GB/s | enc stages "
+        "gather/center/proj/quant/entropy ms | "
         "dec stages ms | proj GFLOP/s | threads | peak +MB | restore ms | recompute ms | speed-up |\n";
   md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& C : R["contexts"]) {
@@ -346,8 +352,8 @@ int run_bench(const BenchArgs& a) {
                     C["tokens"].get<uint32_t>(), C["raw_mb"].get<double>(), X["nominal_ratio"].get<double>(), X["compressed_mb"].get<double>(),
                     X["ratio"].get<double>(), X["compress_ms"].get<double>(), X["decompress_ms"].get<double>(), X["encode_gbs"].get<double>(),
                     X["decode_gbs"].get<double>(), st(X["encode_stages"]).c_str(), st(X["decode_stages"]).c_str(),
-                    X["project_gflops_encode"].get<double>(), X["encode_stages"]["threads"].get<int>(), X["peak_extra_mb"].get<double>(), rest.c_str(),
-                    rec.c_str(), sp.c_str());
+                    X["project_gflops_encode"].get<double>(), X["encode_stages"]["threads"].get<int>(), X["peak_extra_mb"].get<double>(),
+                    rest.c_str(), rec.c_str(), sp.c_str());
       md << b;
     }
   }
@@ -357,12 +363,13 @@ int run_bench(const BenchArgs& a) {
     std::string rec = C["recompute_ms"].is_null() ? "(tiled)" : std::to_string(int(C["recompute_ms"].get<double>()));
     std::string rr = C.contains("raw_restore_ms") ? std::to_string(int(C["raw_restore_ms"].get<double>())) : "—";
     std::snprintf(b, sizeof b, "| %u | %s | %s | %.3fx / %.0f | %.3fx / %.0f |\n", C["tokens"].get<uint32_t>(), rec.c_str(), rr.c_str(),
-                  C["lossless"]["zstd-3"]["ratio"].get<double>(), C["lossless"]["zstd-3"]["ms"].get<double>(), C["lossless"]["deflate-6"]["ratio"].get<double>(),
-                  C["lossless"]["deflate-6"]["ms"].get<double>());
+                  C["lossless"]["zstd-3"]["ratio"].get<double>(), C["lossless"]["zstd-3"]["ms"].get<double>(),
+                  C["lossless"]["deflate-6"]["ratio"].get<double>(), C["lossless"]["deflate-6"]["ms"].get<double>());
     md << b;
   }
   if (R.contains("level_sweep")) {
-    md << "\nDEFLATE level (16x, " << R["level_sweep"][0]["tokens"].get<uint32_t>() << " tokens):\n\n| level | ratio | compress ms | decompress ms |\n|---|---|---|---|\n";
+    md << "\nDEFLATE level (16x, " << R["level_sweep"][0]["tokens"].get<uint32_t>()
+       << " tokens):\n\n| level | ratio | compress ms | decompress ms |\n|---|---|---|---|\n";
     for (const auto& L : R["level_sweep"]) {
       std::snprintf(b, sizeof b, "| %d | %.2fx | %.0f | %.0f |\n", L["level"].get<int>(), L["ratio"].get<double>(), L["compress_ms"].get<double>(),
                     L["decompress_ms"].get<double>());

@@ -231,8 +231,7 @@ std::vector<Prompt> text_prompts(const Model& m, const std::vector<EvalDoc>& all
 }
 
 // Haystacks: prose and docs of the evaluation split, cycled.
-std::vector<Prompt> task_prompts(const Model& m, const std::vector<EvalDoc>& all, const std::string& task, uint32_t ctx, uint32_t n,
-                                 uint64_t seed) {
+std::vector<Prompt> task_prompts(const Model& m, const std::vector<EvalDoc>& all, const std::string& task, uint32_t ctx, uint32_t n, uint64_t seed) {
   std::vector<EvalDoc> docs;
   for (const auto& d : all)
     if ((d.kind == "prose" || d.kind == "docs") && d.tokens >= ctx) docs.push_back(d);
@@ -282,7 +281,8 @@ int run_eval(const EvalArgs& a) {
   }
   for (const Method& m : methods)
     if (m.kind == "kvtc" || m.kind == "svd")
-      require(calib_files.count(m.calib), "eval: method " + m.name + " needs " + (m.calib.empty() ? "--calib" : "--calib-extra " + m.calib + "=FILE"));
+      require(calib_files.count(m.calib),
+              "eval: method " + m.name + " needs " + (m.calib.empty() ? "--calib" : "--calib-extra " + m.calib + "=FILE"));
   auto model = Model::load(a.model);
   const size_t nv = model->info().n_vocab;
   std::map<std::string, Calibration> cals;
@@ -294,8 +294,11 @@ int run_eval(const EvalArgs& a) {
   result["calibration"] = a.calib;
   if (cals.count("")) result["calibration_id"] = cals.at("").id;
   for (const auto& [k, f] : calib_files)
-    if (!k.empty()) result["calibration_extra"][k] = {{"file", f}, {"id", cals.at(k).id}, {"calib_tokens", cals.at(k).meta["calib_tokens"]},
-                                                      {"keys_rope", calibration_keys_derope(cals.at(k)) ? "removed" : "kept"}};
+    if (!k.empty())
+      result["calibration_extra"][k] = {{"file", f},
+                                        {"id", cals.at(k).id},
+                                        {"calib_tokens", cals.at(k).meta["calib_tokens"]},
+                                        {"keys_rope", calibration_keys_derope(cals.at(k)) ? "removed" : "kept"}};
   result["seed"] = a.seed;
   result["samples"] = a.samples;
   result["continuation_tokens"] = a.cont;
@@ -376,8 +379,8 @@ int run_eval(const EvalArgs& a) {
           run->decode(seq, int32_t(n) - 1, &logits);
           if (m.kind == "vanilla") {
             ref_logits = logits;
-            vanilla_exact = vanilla_exact && logits.size() == direct.size() &&
-                            std::memcmp(logits.data(), direct.data(), logits.size() * sizeof(float)) == 0;
+            vanilla_exact =
+                vanilla_exact && logits.size() == direct.size() && std::memcmp(logits.data(), direct.data(), logits.size() * sizeof(float)) == 0;
           }
           double nll = 0, kl = 0;
           for (size_t i = 0; i < P.cont.size(); ++i) {
@@ -402,12 +405,13 @@ int run_eval(const EvalArgs& a) {
           }
         } else {
           run->decode({P.tokens.back()}, int32_t(n) - 1);
-          std::string out;
-          for (int32_t t : run->greedy(int(P.gen.gen_tokens))) out += model->token_text(t);
+          const std::string out = text_of(*model, run->greedy(int(P.gen.gen_tokens)));
           // Scores in percent, as RULER reports them.
           sc[m.name][P.task].x.push_back(100.0 * score_generation(P.gen, out));
-          if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) { std::string t; for (int32_t x : P.tokens) t += model->token_text(x); std::fprintf(stderr, "%s\n", t.c_str()); }
-          if (a.verbose_tasks) std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name.c_str(), P.id.c_str(), out.c_str(), 100.0 * score_generation(P.gen, out), P.gen.answers.front().c_str());
+          if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) std::fprintf(stderr, "%s\n", text_of(*model, P.tokens).c_str());
+          if (a.verbose_tasks)
+            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name.c_str(), P.id.c_str(), out.c_str(),
+                         100.0 * score_generation(P.gen, out), P.gen.answers.front().c_str());
         }
       }
       std::fprintf(stderr, "[eval] context %u, prompt %zu/%zu (%s, %s) done, %.0f s\n", ctx, pi + 1, prompts.size(), P.task.c_str(), P.id.c_str(),
@@ -451,7 +455,8 @@ int run_eval(const EvalArgs& a) {
   }
   std::ostringstream md;
   for (const auto& cj : result["contexts"]) {
-    md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>() << " samples per task\n\n| method | ratio (whole cache) |";
+    md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>()
+       << " samples per task\n\n| method | ratio (whole cache) |";
     for (const auto& t : a.tasks) md << " " << t << " |";
     md << "\n|---|---|";
     for (size_t i = 0; i < a.tasks.size(); ++i) md << "---|";
@@ -509,7 +514,10 @@ Action add_eval(CLI::App& app) {
   sub->add_option("--calib-extra", a->calib_extra, "More calibrations as NAME=FILE, used by kvtc-<R>x@NAME (ablations)");
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval)")->capture_default_str();
-  sub->add_option("--methods", a->methods, "Methods (vanilla first, the reference): vanilla, kvtc-<R>x[-joint][-all][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate")->capture_default_str();
+  sub->add_option("--methods", a->methods,
+                  "Methods (vanilla first, the reference): vanilla, kvtc-<R>x[-joint][-all][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, "
+                  "svd-<R>x, zstd, deflate")
+      ->capture_default_str();
   sub->add_option("--context", a->contexts, "Context lengths in tokens")->capture_default_str();
   sub->add_option("--samples", a->samples, "Samples per task: one count, or one per --context")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--continuation", a->cont, "Teacher-forced tokens scored after the context")->capture_default_str()->check(CLI::Range(2, 4096));

@@ -26,12 +26,6 @@ struct RestoreArgs {
   uint32_t n_ctx = 0;
 };
 
-std::string text_of(const Model& m, const std::vector<int32_t>& toks) {
-  std::string s;
-  for (int32_t t : toks) s += m.token_text(t);
-  return s;
-}
-
 int run_restore(const RestoreArgs& a) {
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();

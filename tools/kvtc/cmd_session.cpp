@@ -44,12 +44,6 @@ std::vector<int32_t> reply_tokens(Session& s, const Model& m, uint32_t n) {
   return out;
 }
 
-std::string text_of(const Model& m, const std::vector<int32_t>& t) {
-  std::string s;
-  for (int32_t x : t) s += m.token_text(x);
-  return s;
-}
-
 int run_session(const SessionArgs& a) {
   using clk = std::chrono::steady_clock;
   auto model = Model::load(a.model);
@@ -159,8 +153,10 @@ int run_session(const SessionArgs& a) {
     J["turns"].push_back(T);
   }
   J["replies_matching"] = matched_turns;
-  if (a.json) std::printf("%s\n", J.dump(2).c_str());
-  else std::printf("replies matching: %d of %u turns\n", matched_turns, a.turns);
+  if (a.json)
+    std::printf("%s\n", J.dump(2).c_str());
+  else
+    std::printf("replies matching: %d of %u turns\n", matched_turns, a.turns);
   return 0;
 }
 

@@ -6,10 +6,20 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <vector>
+
+#include "kvtc/llama_session.h"
 
 namespace kvtc::cli {
 
 using Action = std::function<int()>;
+
+// The text of a token sequence: the pieces of each token, concatenated.
+inline std::string text_of(const Model& m, const std::vector<int32_t>& tokens) {
+  std::string s;
+  for (int32_t t : tokens) s += m.token_text(t);
+  return s;
+}
 
 // Default model: $KVTC_MODEL, else the SmolLM2 GGUF the bootstrap extracted.
 std::string default_model();

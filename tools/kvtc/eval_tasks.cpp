@@ -12,7 +12,9 @@ namespace {
 
 // Portable draws (std::uniform_int_distribution differs between standard
 // libraries, and the prompts must not).
-uint64_t draw(std::mt19937_64& rng, uint64_t n) { return rng() % n; }
+uint64_t draw(std::mt19937_64& rng, uint64_t n) {
+  return rng() % n;
+}
 
 std::string digits(std::mt19937_64& rng, int n) {
   std::string s(1, char('1' + draw(rng, 9)));
@@ -67,8 +69,9 @@ TaskPrompt make_task_prompt(const Model& m, const std::string& task, const std::
     static const double kDepths[] = {0.1, 0.3, 0.5, 0.7, 0.9};
     const double d = kDepths[index % 5];
     const std::string key = digits(rng, 7);
-    head = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. "
-           "I will quiz you about the important information there.\n\n";
+    head =
+        "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important information there.\n\n";
     stmts = {"The pass key is " + key + ". Remember it. " + key + " is the pass key."};
     depth = {d};
     tail = "\n\nWhat is the pass key? The pass key is";
@@ -106,7 +109,8 @@ TaskPrompt make_task_prompt(const Model& m, const std::string& task, const std::
     auto val = [](std::mt19937_64& r) { return digits(r, 6); };
     const std::string probe = "\"" + key(rng) + "\": \"" + val(rng) + "\", ";
     const size_t per = m.tokenize(probe).size();
-    const size_t fixed = m.tokenize(head + "}\n\nKey: \"" + key(rng) + "\"\nThe value associated with the specified key is: \"" + key(rng) + "\": \"").size();
+    const size_t fixed =
+        m.tokenize(head + "}\n\nKey: \"" + key(rng) + "\"\nThe value associated with the specified key is: \"" + key(rng) + "\": \"").size();
     size_t n = ctx > fixed + 2 * per ? (ctx - fixed) / per : 1;
     while (true) {
       kv.clear();
@@ -121,7 +125,8 @@ TaskPrompt make_task_prompt(const Model& m, const std::string& task, const std::
       for (size_t i = 0; i < n; ++i) body += "\"" + kv[i].first + "\": \"" + kv[i].second + "\"" + (i + 1 < n ? ", " : "");
       // The answer line restates the key as in the object ("key": "), the
       // cue a small model needs to copy the value.
-      const std::string text = head + body + "}\n\nKey: \"" + kv[ask].first + "\"\nThe value associated with the specified key is: \"" + kv[ask].first + "\": \"";
+      const std::string text =
+          head + body + "}\n\nKey: \"" + kv[ask].first + "\"\nThe value associated with the specified key is: \"" + kv[ask].first + "\": \"";
       p.tokens = m.tokenize(text);
       if (p.tokens.size() <= ctx || n <= 1) {
         p.answers = {kv[ask].second};

@@ -21,10 +21,10 @@
 namespace kvtc::cli {
 
 struct TaskPrompt {
-  std::string task, id;                 // id names the sample (seed, depth, filler document)
-  std::vector<int32_t> tokens;          // the whole prompt, BOS included when the model adds one
-  std::vector<std::string> answers;     // strings the generation must contain
-  uint32_t gen_tokens = 0;              // greedy tokens to generate
+  std::string task, id;              // id names the sample (seed, depth, filler document)
+  std::vector<int32_t> tokens;       // the whole prompt, BOS included when the model adds one
+  std::vector<std::string> answers;  // strings the generation must contain
+  uint32_t gen_tokens = 0;           // greedy tokens to generate
 };
 
 // filler: real text (long enough for `ctx` tokens); index picks depth and

@@ -158,15 +158,15 @@ double nice_step(double range, int target) {
 }  // namespace
 
 Rgb series_color(size_t i) {
-  static const Rgb pal[] = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40}, {148, 103, 189},
+  static const Rgb pal[] = {{31, 119, 180}, {255, 127, 14},  {44, 160, 44},   {214, 39, 40},  {148, 103, 189},
                             {140, 86, 75},  {227, 119, 194}, {127, 127, 127}, {188, 189, 34}, {23, 190, 207}};
   return pal[i % (sizeof pal / sizeof pal[0])];
 }
 
 Rgb viridis(double t) {
   // Samples of matplotlib's viridis at t = 0, 1/8, ..., 1.
-  static const double cm[9][3] = {{68, 1, 84},    {71, 44, 122},  {59, 81, 139},   {44, 113, 142}, {33, 144, 141},
-                                  {39, 173, 129}, {92, 200, 99},  {170, 220, 50},  {253, 231, 37}};
+  static const double cm[9][3] = {{68, 1, 84},    {71, 44, 122}, {59, 81, 139},  {44, 113, 142}, {33, 144, 141},
+                                  {39, 173, 129}, {92, 200, 99}, {170, 220, 50}, {253, 231, 37}};
   if (!(t >= 0)) t = 0;  // also NaN
   if (t > 1) t = 1;
   const double f = t * 8;
@@ -231,7 +231,9 @@ void Canvas::line(int x0, int y0, int x1, int y1, Rgb c, int thickness) {
   }
 }
 
-int Canvas::text_width(const std::string& s, int scale) { return s.empty() ? 0 : (int(s.size()) * 6 - 1) * scale; }
+int Canvas::text_width(const std::string& s, int scale) {
+  return s.empty() ? 0 : (int(s.size()) * 6 - 1) * scale;
+}
 
 void Canvas::text(int x, int y, const std::string& s, Rgb c, int scale, Align align) {
   const int w = text_width(s, scale);
@@ -455,7 +457,8 @@ void draw_line_plot(Canvas& c, const Rect& r, const LinePlot& p) {
         }
       }
       size_t best = SIZE_MAX;
-      for (LinePlot::Legend l : {LinePlot::Legend::kTopRight, LinePlot::Legend::kTopLeft, LinePlot::Legend::kBottomRight, LinePlot::Legend::kBottomLeft}) {
+      for (LinePlot::Legend l :
+           {LinePlot::Legend::kTopRight, LinePlot::Legend::kTopLeft, LinePlot::Legend::kBottomRight, LinePlot::Legend::kBottomLeft}) {
         const auto [x0, y0] = box(l);
         size_t n = 0;
         for (const auto& [x, y] : pts) n += x >= x0 - 6 && x < x0 + bw + 6 && y >= y0 - 6 && y < y0 + bh + 6;

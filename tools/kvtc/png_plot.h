@@ -82,7 +82,7 @@ void draw_line_plot(Canvas& c, const Rect& r, const LinePlot& p);
 struct Heatmap {
   std::string title;
   int rows = 0, cols = 0;
-  std::vector<double> values;  // [rows][cols]; NaN drawn grey
+  std::vector<double> values;                 // [rows][cols]; NaN drawn grey
   double vmin = 0.0 / 0.0, vmax = 0.0 / 0.0;  // NaN: from the data
   // Labels per row / column; empty strings are skipped (label every k-th).
   std::vector<std::string> row_labels, col_labels;

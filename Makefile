@@ -100,7 +100,7 @@ bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
 # Codec speed with restore vs recompute -> bench/results/speed.md + .json
 # (kvtc bench; contexts past 8K are the real 8K capture tiled). ~6 min.
 bench-speed: $(CALIB)
-	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --levels 1 6 12 --repeat 2
+	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --precision auto f32 --levels 1 6 12 --repeat 2
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60

@@ -25,12 +25,12 @@ stamp_set() { printf '%s' "$2" >"$deps/stamps/$1"; }
 # ---------------------------------------------------------------- Debian
 # Chosen deliberately (see README "Dependencies"): compression and hashing
 # libraries the codec will use, JSON and CLI parsing, BLAS/LAPACK for the
-# calibration's eigensolver, GoogleTest; text packages for the corpus.
+# calibration's eigensolver, oneDNN for the bf16 projection, GoogleTest; text packages for the corpus.
 apt_pkgs=(
   build-essential cmake pkg-config python3
   libdeflate-dev libzstd-dev libxxhash-dev libssl-dev
   nlohmann-json3-dev libcli11-dev
-  libopenblas-dev liblapacke-dev
+  libopenblas-dev liblapacke-dev libdnnl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   bible-kjv bible-kjv-text jargon-text debian-reference-en python3.11-doc
   libpython3.11-stdlib maxima-doc

@@ -12,8 +12,8 @@ SMOL = os.environ["KVTC_MODEL_SMOL"]
 GEMMA = os.environ["KVTC_MODEL_GEMMA"]
 
 
-def run(*args, check=None):
-    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=900)
+def run(*args, check=None, env=None):
+    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=900, env=env)
     if check is not None:
         assert p.returncode == check, f"kvtc {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p

@@ -90,6 +90,41 @@ class Codec(unittest.TestCase):
         self.assertEqual(r["tokens"], 700)
         self.assertTrue(r["generated"])
 
+    def test_projection_precisions(self):
+        """f32 and bf16 projections on the real capture: either decodes
+        either's container, and bf16 costs next to nothing in error (it
+        rounds the GEMM's inputs to 8 significant bits; the quantization at
+        16x is ~100x coarser). bf16 needs AVX512-BF16 or AMX: asked for
+        where oneDNN lacks them it is refused, and auto falls back to f32."""
+        err = {}
+        for enc in ("f32", "bf16", "auto"):
+            out = self.path(f"p_{enc}.kvtc")
+            p = run("compress", self.cap, "--calib", self.cal, "-r", "16", "-o", out, "--json", "--precision", enc)
+            if enc == "bf16" and p.returncode != 0:
+                self.assertIn("AVX512-BF16", p.stderr)  # this CPU has no bf16 kernel: a clean refusal
+                continue
+            self.assertEqual(p.returncode, 0, p.stderr)
+            s = json.loads(p.stdout)
+            self.assertIn(s["projection"], ("f32", "bf16") if enc == "auto" else (enc,))
+            for dec in ("f32", "auto"):
+                d = json.loads(run("decompress", out, "--calib", self.cal, "--reference", self.cap, "--precision", dec, "--json", check=0).stdout)
+                err[enc, d["projection"]] = (d["rel_error_k"], d["rel_error_v"])
+        base = err["f32", "f32"]
+        for key, (k, v) in err.items():
+            self.assertLess(k, base[0] * 1.05 + 1e-4, key)
+            self.assertLess(v, base[1] * 1.05 + 1e-4, key)
+        # A CPU without AVX512-BF16 (oneDNN capped at AVX2): bf16 refused with
+        # the reason, auto is f32.
+        env = dict(os.environ, DNNL_MAX_CPU_ISA="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
+        self.assertFails(run("compress", self.cap, "--calib", self.cal, "-o", self.path("p_no.kvtc"), "--precision", "bf16", env=env),
+                         "precision bf16", "AVX512-BF16")
+        self.assertFalse(os.path.exists(self.path("p_no.kvtc")))
+        s = json.loads(run("compress", self.cap, "--calib", self.cal, "-o", self.path("p_avx2.kvtc"), "--json", env=env, check=0).stdout)
+        self.assertEqual(s["projection"], "f32")
+        p = run("compress", self.cap, "--calib", self.cal, "-o", self.path("p_bad.kvtc"), "--precision", "bf17")
+        self.assertGreater(p.returncode, 0)
+        self.assertIn("--precision: bf17 not in {auto,f32,bf16}", p.stderr)
+
     def test_sink_and_window_zero_and_levels(self):
         out = self.path("c.kvtc")
         s = self.compress(16, out, "--sink", "0", "--window", "0", "--level", "0")
@@ -131,17 +166,22 @@ class Codec(unittest.TestCase):
     def test_bench_and_session_machinery(self):
         # Machinery only: fields present and consistent, no timing asserted.
         b = json.loads(run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--repeat", "1", "--json",
-                           check=0).stdout)
+                           "--precision", "f32", "auto", check=0).stdout)
         (c,) = b["contexts"]
         self.assertEqual(c["tokens"], 300)
         self.assertGreater(c["recompute_ms"], 0)
         self.assertGreater(c["restore_ms"], 0)
-        (x,) = c["ratios"]
+        x, xa = c["ratios"]
+        self.assertEqual(x["precision"], "f32")
+        self.assertIn(xa["precision"], ("f32", "bf16"))
+        self.assertEqual(c["restore_ms"], x["restore_ms"])  # the first precision's
+        self.assertLess(xa["rel_error_v"], x["rel_error_v"] * 1.05 + 1e-4)
         self.assertGreater(x["ratio"], 1.0)
         self.assertAlmostEqual(x["restore_ms"], x["decompress_ms"] + x["state_load_ms"], places=6)
         for k in ("gather_rope_ms", "center_ms", "project_ms", "quant_pack_ms", "entropy_ms"):
             self.assertGreaterEqual(x["encode_stages"][k], 0)
-        self.assertGreater(b["baselines"]["gemm_peak_gflops"], 0)
+        self.assertGreater(b["baselines"]["gemm_peak_gflops_f32"], 0)
+        self.assertEqual("gemm_peak_gflops_bf16" in b["baselines"], not b["bf16_projection"].startswith("unavailable"))
         s = json.loads(run("session", "-m", SMOL, "--calib", self.cal, "--turns", "2", "--turn-tokens", "48", "--reply", "4",
                            "-o", self.path("turns"), "--json", check=0).stdout)
         self.assertEqual(len(s["turns"]), 2)

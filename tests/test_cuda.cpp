@@ -166,7 +166,16 @@ CompressOptions small_opts(int level) {
   o.chunk_tokens = 32;
   o.deflate_level = level;
   o.threads = 2;
+  o.precision = Precision::kF32;  // the reference the GPU is held to
   return o;
+}
+
+// The CPU decoder in f32: the reference the GPU is held to (auto would be
+// bf16 on a host with AVX512-BF16 or AMX).
+KvCapture cpu_decode(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin) {
+  DecompressOptions o;
+  o.precision = Precision::kF32;
+  return kvtc_decompress(bytes, cal, origin, o);
 }
 
 // Section payloads of a container, keyed by (kind, block, kv, t0, t1).
@@ -657,10 +666,10 @@ TEST(CudaCodecTest, ExactPayloadsWithAPermutationBasis) {
       }
     }
     EXPECT_GT(same, 4u);
-    const KvCapture a = kvtc_decompress(gpu6, cal, "gpu6");
+    const KvCapture a = cpu_decode(gpu6, cal, "gpu6");
     const KvCapture b = kvtc_decompress_cuda(gpu6, cal, "gpu6");
     const KvCapture d = kvtc_decompress_cuda(cpu6, cal, "cpu6");
-    const KvCapture e = kvtc_decompress(cpu6, cal, "cpu6");
+    const KvCapture e = cpu_decode(cpu6, cal, "cpu6");
     expect_close_f16(a, b, "GPU container: CPU vs GPU decode", 1);
     expect_close_f16(e, d, "CPU container: CPU vs GPU decode", 1);
     expect_close_f16(a, e, "GPU vs CPU container, CPU decode", 1);
@@ -681,8 +690,8 @@ TEST(CudaCodecTest, RoundTripsBothWaysWithADenseBasis) {
     const std::vector<uint8_t> gpu = kvtc_compress_cuda(c, cal, al, o, co);
     const ContainerInfo ci = kvtc_inspect(gpu, "gpu");  // checksums and layout
     EXPECT_EQ(ci.n_tokens, ci_cpu.n_tokens);
-    const KvCapture by_cpu = kvtc_decompress(gpu, cal, "gpu");  // GPU -> CPU
-    const KvCapture ref = kvtc_decompress(cpu, cal, "cpu");
+    const KvCapture by_cpu = cpu_decode(gpu, cal, "gpu");  // GPU -> CPU
+    const KvCapture ref = cpu_decode(cpu, cal, "cpu");
     const ReconError ec = reconstruction_error(c, ref, o.sink, o.window), eg = reconstruction_error(c, by_cpu, o.sink, o.window);
     std::printf("[ %-4s ] rel. error K %.4g V %.4g (CPU: K %.4g V %.4g); size %zu (CPU %zu)\n", cuda_gemm_name(g), eg.k, eg.v, ec.k, ec.v, gpu.size(),
                 cpu.size());
@@ -723,7 +732,7 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
   std::vector<CudaKvCapture> back = codec.decompress({&batch[0], &batch[1], &batch[2]}, "batch", &t);
   const KvCapture* orig[3] = {&a, &b, &c};
   for (int i = 0; i < 3; ++i) {
-    const KvCapture cpu = kvtc_decompress(batch[i], cal, "b");
+    const KvCapture cpu = cpu_decode(batch[i], cal, "b");
     expect_close_f16(cpu, cuda_download(back[i]), "batched decode", 4);
     EXPECT_EQ(cpu.tokens, orig[i]->tokens);
   }
@@ -738,7 +747,7 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
                 (kv ? a.blocks[0].v : a.blocks[0].k)[a.blocks[0].index(l, h, t, d)];
   const AppendResult ar = kvtc_append(batch[0], grown, cal, "gpu.kvtc");
   EXPECT_GT(ar.kept_bytes, 0u);
-  EXPECT_EQ(kvtc_decompress(ar.bytes, cal, "appended").blocks[0].n_tokens(), 212u);
+  EXPECT_EQ(cpu_decode(ar.bytes, cal, "appended").blocks[0].n_tokens(), 212u);
 }
 
 TEST(CudaCodecTest, ErrorsMatchTheCpuDecoder) {

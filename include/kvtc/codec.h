@@ -22,16 +22,37 @@ namespace kvtc {
 
 constexpr uint32_t kContainerVersion = 1;
 
+// Arithmetic of the projection on the PCA basis (the codec's GEMM, ~90% of
+// its time). kBF16 rounds the GEMM's inputs (centred features or
+// dequantized coefficients, and the basis) to bfloat16 and accumulates in
+// f32: ~2x faster where the CPU has AVX512-BF16 or AMX (oneDNN), at a
+// measured cost in bench/results/speed.md. kAuto picks kBF16 there and kF32
+// (OpenBLAS sgemm) elsewhere. The container does not depend on how it will
+// be decoded: either precision decodes any file.
+enum class Precision : uint8_t { kAuto, kF32, kBF16 };
+const char* precision_name(Precision p);          // "auto", "f32", "bf16"
+Precision parse_precision(const std::string& s);  // Error naming the accepted values
+// Whether this build and CPU run the bf16 projection natively (not an
+// emulation). `impl`, when given, receives oneDNN's kernel name (for
+// example "brg:avx512_core_bf16") or the reason it is not available.
+// Thread-safe; probes once.
+bool bf16_projection_available(std::string* impl = nullptr);
+// The projection's GEMM alone, for benchmarks: C[m][n] = A[m][k] B' (B is
+// [n][k], as the encoder multiplies) in `p` (resolved as the codec would),
+// on all OpenMP threads, best of `repeat`; returns GFLOP/s (2 m n k flops).
+double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
+
 // Time per codec stage, in milliseconds of thread time summed over the
 // worker threads (so they add up to threads x wall time at most). Filled
 // when a pointer is passed in the options; the caller owns it.
 struct CodecStageTimes {
-  double gather_ms = 0;   // f16 <-> f32 and (de-)RoPE, cache layout <-> feature rows
-  double center_ms = 0;   // subtracting / adding the mean
-  double project_ms = 0;  // the GEMM with the PCA basis
-  double quant_ms = 0;    // quantization and bit packing (or unpacking and dequantization)
-  double entropy_ms = 0;  // DEFLATE / inflate, checksums, raw sections
-  int threads = 1;        // worker threads used
+  double gather_ms = 0;                    // f16 <-> f32 and (de-)RoPE, cache layout <-> feature rows
+  double center_ms = 0;                    // subtracting / adding the mean (bf16: with the rounding of the GEMM input)
+  double project_ms = 0;                   // the GEMM with the PCA basis
+  double quant_ms = 0;                     // quantization and bit packing (or unpacking and dequantization)
+  double entropy_ms = 0;                   // DEFLATE / inflate, checksums, raw sections
+  int threads = 1;                         // worker threads used
+  Precision projection = Precision::kF32;  // what the projection ran in (never kAuto)
 };
 
 struct CompressOptions {
@@ -42,11 +63,15 @@ struct CompressOptions {
   // Chunks are coded in parallel on this many threads (0: all hardware
   // threads). The output does not depend on it.
   int threads = 0;
+  // The codes depend on it (bf16 rounds the projection's input): for
+  // byte-identical output across machines, ask for kF32.
+  Precision precision = Precision::kAuto;
   CodecStageTimes* stats = nullptr;  // optional, not owned
 };
 
 struct DecompressOptions {
   int threads = 0;  // 0: all hardware threads; the output does not depend on it
+  Precision precision = Precision::kAuto;
   CodecStageTimes* stats = nullptr;
 };
 

@@ -1,9 +1,9 @@
 // The .kvtc decoder: needs only the calibration's mean and basis.
-#include <cblas.h>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -13,6 +13,7 @@
 #include "kvtc/quant.h"
 #include "kvtc/util.h"
 #include "parallel.h"
+#include "project.h"
 
 namespace kvtc {
 
@@ -233,6 +234,11 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
     }
     jobs.push_back(&s);
   }
+  // The basis, rounded once per call for bf16 (~5 ms per transform).
+  const Precision prec = detail::resolve_precision(opt.precision, origin.c_str());
+  std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(H.blocks.size());
+  for (size_t b = 0; b < H.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], H.blocks[b].r_used[kv], prec);
   detail::StageClock clk;
   detail::StageClock* ck = opt.stats ? &clk : nullptr;
   const int threads = detail::resolve_threads(opt.threads, jobs.size());
@@ -258,27 +264,20 @@ KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& 
         return;
       }
     }
-    const Transform& T = cal.blocks[s.block][s.kv];
+    const detail::Projector& P = *proj[s.block][s.kv];
     const uint32_t ru = bh.r_used[s.kv];
-    std::vector<float> d(size_t(n) * std::max(ru, 1u)), feat(size_t(n) * T.p);
+    std::vector<float> d(size_t(n) * std::max(ru, 1u)), feat(size_t(n) * feature_dim(kb));
     {
       StageTimer st(ck, detail::kQuant);
       unpack_chunk(pl, bh.alloc[s.kv], n, ru, d.data());
     }
-    {
-      StageTimer st(ck, detail::kCenter);
-      for (uint32_t t = 0; t < n; ++t) std::memcpy(&feat[size_t(t) * T.p], T.mu.data(), size_t(T.p) * 4);
-    }
-    if (ru > 0) {  // X = D B[:ru] + mu
-      StageTimer st(ck, detail::kProject);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(T.p), int(ru), 1.0f, d.data(), int(ru), T.basis.data(), int(T.p), 1.0f,
-                  feat.data(), int(T.p));
-    }
+    P.decode(d.data(), n, feat.data(), ck);  // X = D B[:ru] + mu
     StageTimer st(ck, detail::kGather);
     const bool rerope = kind == KvKind::kKey && H.keys_derope;
     scatter_features(feat.data(), kind, rerope ? &*rope[s.block] : nullptr, s.t0, s.t1, kb);
   });
   clk.export_to(opt.stats, threads);
+  if (opt.stats) opt.stats->projection = prec;
   for (size_t b = 0; b < H.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
       for (uint32_t t = 0; t < H.blocks[b].n_tokens; ++t)

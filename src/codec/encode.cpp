@@ -1,9 +1,10 @@
 // The .kvtc encoder.
-#include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "container.h"
@@ -12,6 +13,7 @@
 #include "kvtc/quant.h"
 #include "kvtc/util.h"
 #include "parallel.h"
+#include "project.h"
 
 namespace kvtc {
 
@@ -78,27 +80,16 @@ std::vector<uint8_t> raw_bytes(const KvBlock& kb, int kv, uint32_t t0, uint32_t 
 }
 
 // Projects, quantizes and packs tokens [t0, t1) of one block and kind.
-std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const Transform& T, const Allocation& A, const RopeParams* rope, uint32_t t0,
+std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const detail::Projector& P, const Allocation& A, const RopeParams* rope, uint32_t t0,
                                   uint32_t t1, detail::StageClock* clk) {
   using detail::StageTimer;
-  const uint32_t n = t1 - t0, ru = r_used(A);
-  std::vector<float> feat(size_t(n) * T.p), d(size_t(n) * std::max(ru, 1u));
+  const uint32_t n = t1 - t0, ru = P.ru();
+  std::vector<float> feat(size_t(n) * feature_dim(kb)), d(size_t(n) * std::max(ru, 1u));
   {
     StageTimer st(clk, detail::kGather);
     gather_features(kb, KvKind(kv), rope, t0, t1, feat.data());
   }
-  {
-    StageTimer st(clk, detail::kCenter);
-    for (uint32_t t = 0; t < n; ++t) {
-      float* row = &feat[size_t(t) * T.p];
-      for (uint32_t f = 0; f < T.p; ++f) row[f] -= T.mu[f];
-    }
-  }
-  if (ru > 0) {  // D = (X - mu) B[:ru]'
-    StageTimer st(clk, detail::kProject);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru), int(T.p), 1.0f, feat.data(), int(T.p), T.basis.data(), int(T.p), 0.0f,
-                d.data(), int(ru));
-  }
+  P.encode(feat.data(), n, d.data(), clk);  // D = (X - mu) B[:ru]'
   StageTimer st(clk, detail::kQuant);
   std::vector<uint8_t> packed(packed_bytes(A.blocks, n), 0);
   size_t off = 0;
@@ -167,17 +158,22 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   const bool derope = calibration_keys_derope(cal);
   std::vector<RopeParams> rope(c.blocks.size());
   for (size_t b = 0; derope && b < c.blocks.size(); ++b) rope[b] = rope_params_from_meta(c.meta, b == 1, c.blocks[b].head_dim, "compress");
+  // The basis, rounded once per call for bf16 (~5 ms per transform).
+  const Precision prec = detail::resolve_precision(opt.precision, "compress");
+  std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
+  for (size_t b = 0; b < c.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv]), prec);
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
     const Layout L = layout(kb.n_tokens(), opt);
     for (int kv = 0; kv < 2; ++kv) {
       if (n0 == 0 && L.s_end > 0) section(kRaw, uint32_t(b), uint32_t(kv), 0, L.s_end, [&kb, kv, L] { return raw_bytes(kb, kv, 0, L.s_end); });
       const RopeParams* rp = kv == 0 && derope ? &rope[b] : nullptr;
-      const Transform* T = &cal.blocks[b][kv];
+      const detail::Projector* P = proj[b][kv].get();
       const Allocation* A = &alloc[b][kv];
       for (auto [t0, t1] : chunks(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
         section(kChunk, uint32_t(b), uint32_t(kv), t0, t1,
-                [&kb, kv, T, A, rp, t0 = t0, t1 = t1, ck] { return encode_chunk(kb, kv, *T, *A, rp, t0, t1, ck); });
+                [&kb, kv, P, A, rp, t0 = t0, t1 = t1, ck] { return encode_chunk(kb, kv, *P, *A, rp, t0, t1, ck); });
     }
   }
   for (size_t b = 0; b < c.blocks.size(); ++b) {
@@ -195,6 +191,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   out.reserve(total);
   for (const auto& m : made) out.insert(out.end(), m.begin(), m.end());
   clk.export_to(opt.stats, threads);
+  if (opt.stats) opt.stats->projection = prec;
 }
 
 }  // namespace

@@ -11,7 +11,6 @@
 // model's trained length are measured on the real capture tiled (positions
 // continued), at 16x only: the codec's time against length, not
 // llama.cpp's, is what they show, and recompute_ms is then null.
-#include <cblas.h>
 #include <libdeflate.h>
 #include <zstd.h>
 
@@ -43,7 +42,8 @@ struct BenchArgs {
   std::string model, calib, corpus, out_json, out_md;
   std::vector<uint32_t> contexts{1024, 2048, 4096, 8192, 16384, 32768};
   std::vector<double> ratios{8, 16, 32, 64};
-  std::vector<int> levels;  // DEFLATE level sweep (empty: none)
+  std::vector<int> levels;                      // DEFLATE level sweep (empty: none)
+  std::vector<std::string> precisions{"auto"};  // projection precisions, a row each
   int threads = 0, repeat = 3;
   bool json = false;
 };
@@ -125,18 +125,6 @@ double best_ms(int repeat, F&& f) {
   return best;
 }
 
-// GFLOP/s of single-precision GEMM through the codec's own library, at
-// the peak-friendly square shape and at the codec's shape (one 256-token
-// chunk against the basis).
-double gemm_gflops(int m, int n, int k, bool trans_b, int repeat) {
-  std::vector<float> a(size_t(m) * k, 0.5f), b(size_t(k) * n, 0.25f), c(size_t(m) * n);
-  const double ms = best_ms(repeat, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, 1.0f, a.data(), k, b.data(), trans_b ? k : n, 0.0f,
-                c.data(), n);
-  });
-  return 2.0 * m * n * k / (ms * 1e6);
-}
-
 double memcpy_gbs(size_t bytes, int repeat) {
   std::vector<uint8_t> a(bytes, 1), b(bytes);
   const double ms = best_ms(repeat, [&] { std::memcpy(b.data(), a.data(), bytes); });
@@ -159,15 +147,25 @@ int run_bench(const BenchArgs& a) {
   R["cpu"] = cpu_features().brand;
   R["cpu_features"] = cpu_feature_names(cpu_features());
   R["repeat"] = a.repeat;
-  // The machine's yardsticks, with the codec's own GEMM library.
+  std::vector<Precision> precs;
+  for (const std::string& p : a.precisions) precs.push_back(parse_precision(p));
+  std::string bf16_impl;
+  const bool bf16 = bf16_projection_available(&bf16_impl);
+  R["bf16_projection"] = bf16 ? bf16_impl : "unavailable: " + bf16_impl;
+  // The machine's yardsticks, with the codec's own GEMM libraries (OpenBLAS
+  // sgemm; oneDNN bf16 where the CPU has it), on all threads.
   const Transform& T0 = cal.blocks[0][0];
   nlohmann::ordered_json base;
-  base["gemm_peak_gflops"] = gemm_gflops(2048, 2048, 2048, false, a.repeat);
-  base["gemm_codec_shape_gflops"] = gemm_gflops(256, 1024, int(T0.p), true, a.repeat);
+  for (Precision p : {Precision::kF32, Precision::kBF16}) {
+    if (p == Precision::kBF16 && !bf16) continue;
+    const std::string k = precision_name(p);
+    base["gemm_peak_gflops_" + k] = projection_gemm_gflops(p, 2048, 2048, 2048, a.repeat);
+    base["gemm_codec_shape_gflops_" + k] = projection_gemm_gflops(p, 256, 1024, T0.p, a.repeat);
+    std::fprintf(stderr, "[bench] GEMM %s: %.0f GFLOP/s (2048^3), %.0f GFLOP/s (256 x 1024 x %u)\n", k.c_str(),
+                 base["gemm_peak_gflops_" + k].get<double>(), base["gemm_codec_shape_gflops_" + k].get<double>(), T0.p);
+  }
   base["memcpy_gbs"] = memcpy_gbs(size_t(256) << 20, a.repeat);
   R["baselines"] = base;
-  std::fprintf(stderr, "[bench] GEMM %.0f GFLOP/s (2048^3), %.0f GFLOP/s (256 x 1024 x %u), memcpy %.1f GB/s\n",
-               base["gemm_peak_gflops"].get<double>(), base["gemm_codec_shape_gflops"].get<double>(), T0.p, base["memcpy_gbs"].get<double>());
 
   const uint32_t n_train = model->info().n_ctx_train;
   std::vector<uint32_t> contexts = a.contexts;
@@ -214,85 +212,101 @@ int run_bench(const BenchArgs& a) {
       C["lossless"][std::string(name) + "-" + std::to_string(level)] = {{"ratio", double(raw) / double(n)}, {"ms", ms}};
     }
     C["ratios"] = nlohmann::json::array();
-    for (double ratio : a.ratios) {
-      // Past the trained context only 16x (or the first ratio): those rows
-      // show time against length, the ratios are covered by the real ones.
-      const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
-      if (C["tiled"].get<bool>() && ratio != only) continue;
-      AllocationSet al = allocation_set(cal, ratio);
-      CompressOptions co;
-      co.threads = threads;
-      CodecStageTimes enc_st, dec_st;
-      std::vector<uint8_t> bytes;
-      const double rss0 = vm_kb("VmRSS:");
-      reset_peak();
-      double enc_ms = 1e300, dec_ms = 1e300;
-      KvCapture dec;
-      for (int r = 0; r < std::max(1, a.repeat); ++r) {
-        CodecStageTimes st;
-        co.stats = &st;
-        auto t0 = clock_type::now();
-        bytes = kvtc_compress(cap, cal, al, co);
-        const double ms = ms_since(t0);
-        if (ms < enc_ms) enc_ms = ms, enc_st = st;
-      }
-      for (int r = 0; r < std::max(1, a.repeat); ++r) {
-        CodecStageTimes st;
-        DecompressOptions dopt;
-        dopt.threads = threads;
-        dopt.stats = &st;
-        dec = KvCapture{};  // free the previous repeat's output first: peak memory is one output
-        auto t0 = clock_type::now();
-        dec = kvtc_decompress(bytes, cal, "bench", dopt);
-        const double ms = ms_since(t0);
-        if (ms < dec_ms) dec_ms = ms, dec_st = st;
-      }
-      const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
-      nlohmann::ordered_json X;
-      X["nominal_ratio"] = ratio;
-      X["compressed_mb"] = double(bytes.size()) / 1e6;
-      X["ratio"] = double(raw) / double(bytes.size());
-      X["compress_ms"] = enc_ms;
-      X["decompress_ms"] = dec_ms;
-      X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
-      X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
-      auto stages = [](const CodecStageTimes& t) {
-        return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
-                                      {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
-      };
-      X["encode_stages"] = stages(enc_st);
-      X["decode_stages"] = stages(dec_st);
-      // Projection throughput: 2 n p r flops per coded K/V.
-      double flops = 0;
-      ContainerInfo ci = kvtc_inspect(bytes, "bench");
-      for (size_t b = 0; b < al.size(); ++b)
-        for (int kv = 0; kv < 2; ++kv) {
-          const auto& bl = al[b][kv].blocks;
-          const uint32_t ru = bl.empty() ? 0 : bl.back().start + bl.back().size;
-          flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * cal.blocks[b][kv].p * ru;
+    for (double ratio : a.ratios)
+      for (Precision prec : precs) {
+        // Past the trained context only 16x (or the first ratio): those rows
+        // show time against length, the ratios are covered by the real ones.
+        const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
+        if (C["tiled"].get<bool>() && ratio != only) continue;
+        AllocationSet al = allocation_set(cal, ratio);
+        CompressOptions co;
+        co.threads = threads;
+        co.precision = prec;
+        CodecStageTimes enc_st, dec_st;
+        std::vector<uint8_t> bytes;
+        const double rss0 = vm_kb("VmRSS:");
+        reset_peak();
+        double enc_ms = 1e300, dec_ms = 1e300;
+        KvCapture dec;
+        for (int r = 0; r < std::max(1, a.repeat); ++r) {
+          CodecStageTimes st;
+          co.stats = &st;
+          auto t0 = clock_type::now();
+          bytes = kvtc_compress(cap, cal, al, co);
+          const double ms = ms_since(t0);
+          if (ms < enc_ms) enc_ms = ms, enc_st = st;
         }
-      X["project_gflops_encode"] = enc_st.project_ms > 0 ? flops / (enc_st.project_ms * 1e6) * enc_st.threads : 0;
-      X["peak_extra_mb"] = peak_mb;
-      if (ctx <= n_train) {
-        // Restore = decompress + state load into llama.cpp; then the first
-        // logits (one token re-decoded) for time to first token.
-        const double load_ms = best_ms(1, [&] { s.restore(dec); });
-        X["state_load_ms"] = load_ms;
-        X["restore_ms"] = dec_ms + load_ms;
-        const int32_t last = cap.tokens.back();
-        s.remove_from(int32_t(ctx) - 1);
-        auto t0 = clock_type::now();
-        s.decode({last}, int32_t(ctx) - 1);
-        X["first_logits_ms"] = ms_since(t0);
-        X["speedup_vs_recompute"] = C["recompute_ms"].get<double>() / (dec_ms + load_ms);
+        for (int r = 0; r < std::max(1, a.repeat); ++r) {
+          CodecStageTimes st;
+          DecompressOptions dopt;
+          dopt.threads = threads;
+          dopt.precision = prec;
+          dopt.stats = &st;
+          dec = KvCapture{};  // free the previous repeat's output first: peak memory is one output
+          auto t0 = clock_type::now();
+          dec = kvtc_decompress(bytes, cal, "bench", dopt);
+          const double ms = ms_since(t0);
+          if (ms < dec_ms) dec_ms = ms, dec_st = st;
+        }
+        const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
+        nlohmann::ordered_json X;
+        X["nominal_ratio"] = ratio;
+        X["precision"] = precision_name(enc_st.projection);
+        X["compressed_mb"] = double(bytes.size()) / 1e6;
+        X["ratio"] = double(raw) / double(bytes.size());
+        X["compress_ms"] = enc_ms;
+        X["decompress_ms"] = dec_ms;
+        X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
+        X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
+        auto stages = [](const CodecStageTimes& t) {
+          return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
+                                        {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
+        };
+        X["encode_stages"] = stages(enc_st);
+        X["decode_stages"] = stages(dec_st);
+        // Projection throughput: 2 n p r flops per coded K/V.
+        double flops = 0;
+        ContainerInfo ci = kvtc_inspect(bytes, "bench");
+        for (size_t b = 0; b < al.size(); ++b)
+          for (int kv = 0; kv < 2; ++kv) {
+            const auto& bl = al[b][kv].blocks;
+            const uint32_t ru = bl.empty() ? 0 : bl.back().start + bl.back().size;
+            flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * cal.blocks[b][kv].p * ru;
+          }
+        X["project_gflops_encode"] = enc_st.project_ms > 0 ? flops / (enc_st.project_ms * 1e6) * enc_st.threads : 0;
+        X["project_gflops_decode"] = dec_st.project_ms > 0 ? flops / (dec_st.project_ms * 1e6) * dec_st.threads : 0;
+        X["peak_extra_mb"] = peak_mb;
+        // Accuracy, so that the precisions compare: relative squared error of
+        // the coded tokens (sink and window are exact).
+        const ReconError err = reconstruction_error(cap, dec, co.sink, co.window);
+        X["rel_error_k"] = err.k;
+        X["rel_error_v"] = err.v;
+        if (ctx <= n_train) {
+          // Restore = decompress + state load into llama.cpp; then the first
+          // logits (one token re-decoded) for time to first token.
+          const double load_ms = best_ms(1, [&] { s.restore(dec); });
+          X["state_load_ms"] = load_ms;
+          X["restore_ms"] = dec_ms + load_ms;
+          const int32_t last = cap.tokens.back();
+          s.remove_from(int32_t(ctx) - 1);
+          auto t0 = clock_type::now();
+          s.decode({last}, int32_t(ctx) - 1);
+          X["first_logits_ms"] = ms_since(t0);
+          X["speedup_vs_recompute"] = C["recompute_ms"].get<double>() / (dec_ms + load_ms);
+        }
+        C["ratios"].push_back(X);
+        std::fprintf(stderr, "[bench] %u tokens, %gx %s: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio,
+                     X["precision"].get<std::string>().c_str(), X["ratio"].get<double>(), enc_ms, dec_ms,
+                     std::chrono::duration<double>(clock_type::now() - t_start).count());
       }
-      C["ratios"].push_back(X);
-      std::fprintf(stderr, "[bench] %u tokens, %gx: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio, X["ratio"].get<double>(),
-                   enc_ms, dec_ms, std::chrono::duration<double>(clock_type::now() - t_start).count());
-    }
-    // The per-context figures asked for: restore at 16x (else the first ratio).
+    // The per-context figure asked for: restore at 16x (else the first
+    // ratio), the first precision's row. Chosen before C gains a key: an
+    // ordered_json object is a vector, so inserting moves C["ratios"].
+    nlohmann::json restore;
     for (const auto& X : C["ratios"])
-      if (X.contains("restore_ms") && (X["nominal_ratio"] == 16.0 || !C.contains("restore_ms"))) C["restore_ms"] = X["restore_ms"];
+      if (X.contains("restore_ms") && (restore.is_null() || (X["nominal_ratio"] == 16.0 && restore[1] != 16.0)))
+        restore = {X["restore_ms"], X["nominal_ratio"]};
+    if (!restore.is_null()) C["restore_ms"] = restore[0];
     R["contexts"].push_back(C);
   }
   if (!a.levels.empty()) {
@@ -303,11 +317,13 @@ int run_bench(const BenchArgs& a) {
     for (int level : a.levels) {
       CompressOptions co;
       co.threads = threads;
+      co.precision = precs.front();
       co.deflate_level = level;
       std::vector<uint8_t> bytes;
       const double enc = best_ms(a.repeat, [&] { bytes = kvtc_compress(cap, cal, al, co); });
       DecompressOptions dopt;
       dopt.threads = threads;
+      dopt.precision = precs.front();
       const double dec = best_ms(a.repeat, [&] { (void)kvtc_decompress(bytes, cal, "bench", dopt); });
       R["level_sweep"].push_back({{"level", level},
                                   {"tokens", cap.blocks[0].n_tokens()},
@@ -320,15 +336,22 @@ int run_bench(const BenchArgs& a) {
 
   std::ostringstream md;
   char b[512];
-  std::snprintf(
-      b, sizeof b,
-      "\nGEMM peak %.0f GFLOP/s (OpenBLAS sgemm 2048^3, %d threads); at the codec's shape (256 x 1024 x %u) %.0f GFLOP/s; memcpy %.1f GB/s.\n\n",
-      base["gemm_peak_gflops"].get<double>(), threads, T0.p, base["gemm_codec_shape_gflops"].get<double>(), base["memcpy_gbs"].get<double>());
+  std::snprintf(b, sizeof b, "\nGEMM peak (%d threads, 2048^3 / the codec's shape 256 x 1024 x %u): f32 %.0f / %.0f GFLOP/s (OpenBLAS sgemm)",
+                threads, T0.p, base["gemm_peak_gflops_f32"].get<double>(), base["gemm_codec_shape_gflops_f32"].get<double>());
   md << b;
-  md << "| tokens | raw MB | nominal | comp. MB | ratio | compress ms | decompress ms | enc GB/s | dec GB/s | enc stages "
+  if (base.contains("gemm_peak_gflops_bf16")) {
+    std::snprintf(b, sizeof b, ", bf16 %.0f / %.0f GFLOP/s (oneDNN %s)", base["gemm_peak_gflops_bf16"].get<double>(),
+                  base["gemm_codec_shape_gflops_bf16"].get<double>(), bf16_impl.c_str());
+    md << b;
+  } else {
+    md << ", no bf16 (" << bf16_impl << ")";
+  }
+  std::snprintf(b, sizeof b, "; memcpy %.1f GB/s.\n\n", base["memcpy_gbs"].get<double>());
+  md << b;
+  md << "| tokens | raw MB | nominal | proj | comp. MB | ratio | compress ms | decompress ms | enc GB/s | dec GB/s | enc stages "
         "gather/center/proj/quant/entropy ms | "
-        "dec stages ms | proj GFLOP/s | threads | peak +MB | restore ms | recompute ms | speed-up |\n";
-  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "dec stages ms | proj GFLOP/s enc/dec | rel. err K/V | threads | peak +MB | restore ms | recompute ms | speed-up |\n";
+  md << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& C : R["contexts"]) {
     for (const auto& X : C["ratios"]) {
       auto st = [](const nlohmann::json& s) {
@@ -348,12 +371,15 @@ int run_bench(const BenchArgs& a) {
       } else {
         rec = "(tiled)";
       }
-      std::snprintf(b, sizeof b, "| %u | %.1f | %gx | %.2f | %.2fx | %.0f | %.0f | %.2f | %.2f | %s | %s | %.0f | %d | %.0f | %s | %s | %s |\n",
-                    C["tokens"].get<uint32_t>(), C["raw_mb"].get<double>(), X["nominal_ratio"].get<double>(), X["compressed_mb"].get<double>(),
-                    X["ratio"].get<double>(), X["compress_ms"].get<double>(), X["decompress_ms"].get<double>(), X["encode_gbs"].get<double>(),
-                    X["decode_gbs"].get<double>(), st(X["encode_stages"]).c_str(), st(X["decode_stages"]).c_str(),
-                    X["project_gflops_encode"].get<double>(), X["encode_stages"]["threads"].get<int>(), X["peak_extra_mb"].get<double>(),
-                    rest.c_str(), rec.c_str(), sp.c_str());
+      std::snprintf(
+          b, sizeof b,
+          "| %u | %.1f | %gx | %s | %.2f | %.2fx | %.0f | %.0f | %.2f | %.2f | %s | %s | %.0f/%.0f | %.5f/%.5f | %d | %.0f | %s | %s | %s |\n",
+          C["tokens"].get<uint32_t>(), C["raw_mb"].get<double>(), X["nominal_ratio"].get<double>(), X["precision"].get<std::string>().c_str(),
+          X["compressed_mb"].get<double>(), X["ratio"].get<double>(), X["compress_ms"].get<double>(), X["decompress_ms"].get<double>(),
+          X["encode_gbs"].get<double>(), X["decode_gbs"].get<double>(), st(X["encode_stages"]).c_str(), st(X["decode_stages"]).c_str(),
+          X["project_gflops_encode"].get<double>(), X["project_gflops_decode"].get<double>(), X["rel_error_k"].get<double>(),
+          X["rel_error_v"].get<double>(), X["encode_stages"]["threads"].get<int>(), X["peak_extra_mb"].get<double>(), rest.c_str(), rec.c_str(),
+          sp.c_str());
       md << b;
     }
   }
@@ -406,6 +432,9 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::Range(64u, 1u << 20));
   sub->add_option("-r,--ratio", a->ratios, "Nominal ratios")->capture_default_str()->check(CLI::Range(1.0, 4096.0));
   sub->add_option("--levels", a->levels, "Also sweep these DEFLATE levels at the longest real context, 16x")->check(CLI::Range(0, 12));
+  sub->add_option("--precision", a->precisions, "Projection precisions, a row each: auto, f32, bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
   sub->add_option("--threads", a->threads, "Threads for the codec and llama.cpp (0: all)")->capture_default_str();
   sub->add_option("--repeat", a->repeat, "Runs per measurement; the fastest is reported")->capture_default_str()->check(CLI::Range(1, 100));
   sub->add_option("--out-json", a->out_json, "Write the JSON here");

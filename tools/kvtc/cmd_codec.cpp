@@ -131,6 +131,7 @@ Action add_compress(CLI::App& app) {
     std::string calib, in, out;
     double ratio = 16;
     CompressOptions opt;
+    std::string precision = "auto";
     bool json = false;
   };
   auto a = std::make_shared<A>();
@@ -142,9 +143,15 @@ Action add_compress(CLI::App& app) {
   sub->add_option("--window", a->opt.window, "Raw recent tokens")->capture_default_str();
   sub->add_option("--chunk", a->opt.chunk_tokens, "Tokens per independently decodable chunk (multiple of 16)")->capture_default_str();
   sub->add_option("--level", a->opt.deflate_level, "DEFLATE level (0 = store)")->check(CLI::Range(0, 12))->capture_default_str();
+  sub->add_option("--precision", a->precision, "Projection: auto (bf16 where the CPU has AVX512-BF16 or AMX), f32 or bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
   sub->add_option("-o,--output", a->out, "Output .kvtc file")->required();
   sub->add_flag("--json", a->json, "JSON summary");
   return [a] {
+    a->opt.precision = parse_precision(a->precision);
+    CodecStageTimes stats;
+    a->opt.stats = &stats;
     check_output_path(a->out);
     auto t0 = std::chrono::steady_clock::now();
     KvCapture c = capture_load(a->in);
@@ -173,6 +180,7 @@ Action add_compress(CLI::App& app) {
     j["ratio_before_deflate"] = ci.payload_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.payload_bytes_compressed : 0;
     j["load_ms"] = load_ms;
     j["encode_ms"] = enc_ms;
+    j["projection"] = precision_name(stats.projection);
     if (a->json)
       std::printf("%s\n", j.dump(2).c_str());
     else
@@ -189,25 +197,34 @@ Action add_decompress(CLI::App& app) {
   auto out = std::make_shared<std::string>();
   auto ref = std::make_shared<std::string>();
   auto json = std::make_shared<bool>(false);
+  auto precision = std::make_shared<std::string>("auto");
   CLI::App* sub = app.add_subcommand("decompress", "Decode a .kvtc container back into a capture (.safetensors)");
   sub->add_option("input", *in, ".kvtc file")->required();
   sub->add_option("--calib", *calib, "The calibration it was encoded with")->required();
   sub->add_option("-o,--output", *out, "Output .safetensors (optional with --reference)");
   sub->add_option("--reference", *ref, "Original capture: report the reconstruction error of K and V");
+  sub->add_option("--precision", *precision, "Projection: auto (bf16 where the CPU has AVX512-BF16 or AMX), f32 or bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
   sub->add_flag("--json", *json, "JSON summary");
-  return [in, calib, out, ref, json] {
+  return [in, calib, out, ref, json, precision] {
     require(!out->empty() || !ref->empty(), "decompress: give -o OUTPUT, --reference CAPTURE, or both");
     if (!out->empty()) check_output_path(*out);
     std::vector<uint8_t> bytes = read_file(*in);
     Calibration cal = calibration_load(*calib, /*decoder_only=*/true);
     auto t0 = std::chrono::steady_clock::now();
-    KvCapture c = kvtc_decompress(bytes, cal, *in);
+    DecompressOptions dopt;
+    dopt.precision = parse_precision(*precision);
+    CodecStageTimes stats;
+    dopt.stats = &stats;
+    KvCapture c = kvtc_decompress(bytes, cal, *in, dopt);
     const double ms = ms_since(t0);
     if (!out->empty()) capture_save(*out, c);
     nlohmann::ordered_json j;
     j["input"] = *in;
     j["tokens"] = c.blocks[0].n_tokens();
     j["decode_ms"] = ms;
+    j["projection"] = precision_name(stats.projection);
     if (!ref->empty()) {
       nlohmann::json hdr = nlohmann::json::parse(kvtc_inspect(bytes, *in).header_json);
       ReconError e = reconstruction_error(capture_load(*ref), c, hdr["sink"].get<uint32_t>(), hdr["window"].get<uint32_t>());

@@ -73,18 +73,21 @@ void log_softmax(const float* l, size_t n, std::vector<double>& out) {
 // A method name parsed: vanilla, fp8, kivi-2, kivi-4, zstd, deflate,
 // q8_0, q4_0 (llama.cpp's cache types, run natively), streaming-<R>x,
 // svd-<R>x (per-prompt low rank at the size kvtc-<R>x takes on the same
-// sample), kvtc-<R>x[-joint][-all][@NAME] (-joint: one K+V budget; -all:
-// sink and window compressed too; @NAME: the calibration given as
+// sample), kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME] (-joint: one K+V
+// budget; -all: sink and window compressed too; -f32/-bf16: the
+// projection's precision, default auto; @NAME: the calibration given as
 // --calib-extra NAME=FILE).
 struct Method {
   std::string name, kind;  // kind: vanilla fp8 kivi lossless native streaming svd kvtc
   double ratio = 0;
   int bits = 0;
   bool joint = false, all = false;
+  Precision precision = Precision::kAuto;
   std::string calib;  // "" = --calib
 };
 
-const char* kMethodHelp = "vanilla, kvtc-<R>x[-joint][-all][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate";
+const char* kMethodHelp =
+    "vanilla, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate";
 
 Method parse_method(const std::string& name) {
   Method m;
@@ -132,6 +135,10 @@ Method parse_method(const std::string& name) {
       }
       return false;
     };
+    if (strip("-bf16"))
+      m.precision = Precision::kBF16;
+    else if (strip("-f32"))
+      m.precision = Precision::kF32;
     m.all = strip("-all");
     m.joint = strip("-joint");
     m.ratio = ratio_of(rest);
@@ -150,6 +157,7 @@ uint64_t f16_bytes(const KvCapture& c) {
 
 std::vector<uint8_t> kvtc_encode(const Method& m, const KvCapture& c, const Calibration& cal) {
   CompressOptions opt;
+  opt.precision = m.precision;
   if (m.all) opt.sink = 0, opt.window = 0;
   return kvtc_compress(c, cal, allocation_set(cal, m.ratio, m.joint), opt);
 }
@@ -174,7 +182,9 @@ KvCapture apply_method(const Method& m, const KvCapture& c, const std::map<std::
   }
   std::vector<uint8_t> enc = kvtc_encode(m, c, cal);
   *bytes = enc.size();
-  return kvtc_decompress(enc, cal, m.name);
+  DecompressOptions dopt;
+  dopt.precision = m.precision;
+  return kvtc_decompress(enc, cal, m.name, dopt);
 }
 
 // A prompt of one task: text (ppl/kld/agree share it) or a retrieval task.
@@ -515,7 +525,8 @@ Action add_eval(CLI::App& app) {
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval)")->capture_default_str();
   sub->add_option("--methods", a->methods,
-                  "Methods (vanilla first, the reference): vanilla, kvtc-<R>x[-joint][-all][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, "
+                  "Methods (vanilla first, the reference): vanilla, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, "
+                  "streaming-<R>x, "
                   "svd-<R>x, zstd, deflate")
       ->capture_default_str();
   sub->add_option("--context", a->contexts, "Context lengths in tokens")->capture_default_str();

@@ -1,0 +1,42 @@
+// Internal: the codec's projection on the PCA basis, in f32 (OpenBLAS
+// sgemm) or bf16 (oneDNN's matmul on AVX512-BF16 or AMX), chosen at run
+// time. Centring is done here too: in bf16 it is fused into the pass that
+// rounds the GEMM's input (encode) or is the GEMM's bias (decode).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvtc/calibration.h"
+#include "kvtc/codec.h"
+#include "parallel.h"
+
+namespace kvtc::detail {
+
+// kAuto -> kBF16 where bf16_projection_available(), else kF32. An explicit
+// kBF16 on a CPU without a native kernel is an Error naming `who`.
+Precision resolve_precision(Precision requested, const char* who);
+
+// One transform's first `ru` basis rows, ready for either precision. Made
+// once per codec call and shared read-only by the worker threads; for bf16
+// the rows are rounded once here (ru x p bf16: 11.8 MB for 1024 x 5760).
+class Projector {
+ public:
+  Projector(const Transform& T, uint32_t ru, Precision resolved);
+
+  // D[n][ru] = (X[n][p] - mu) B[:ru]'. X is clobbered (centred in place on
+  // the f32 path). Times the centring and the GEMM into `clk`.
+  void encode(float* x, uint32_t n, float* d, StageClock* clk) const;
+  // X[n][p] = D[n][ru] B[:ru] + mu.
+  void decode(const float* d, uint32_t n, float* x, StageClock* clk) const;
+
+  uint32_t ru() const { return ru_; }
+
+ private:
+  const Transform& T_;
+  uint32_t ru_;
+  Precision prec_;
+  std::vector<uint16_t> basis_bf16_;  // [ru][p], bf16 path only
+};
+
+}  // namespace kvtc::detail

@@ -105,6 +105,13 @@ else()
 endif()
 
 # ---- benchmark -------------------------------------------------------------
+# kvtc bench --device cuda (tools/kvtc/bench_cuda.cpp) in the CLI.
+if(TARGET kvtc)
+  target_sources(kvtc PRIVATE ${_kvtc_root}/tools/kvtc/bench_cuda.cpp)
+  target_link_libraries(kvtc PRIVATE kvtc_cuda)
+  target_compile_definitions(kvtc PRIVATE KVTC_WITH_CUDA=1)
+endif()
+
 add_executable(kvtc_gpu_bench ${_kvtc_root}/tools/kvtc_gpu_bench.cpp)
 target_link_libraries(kvtc_gpu_bench PRIVATE kvtc_cuda kvtc_encoder)
 

@@ -182,6 +182,11 @@ class Codec(unittest.TestCase):
             self.assertGreaterEqual(x["encode_stages"][k], 0)
         self.assertGreater(b["baselines"]["gemm_peak_gflops_f32"], 0)
         self.assertEqual("gemm_peak_gflops_bf16" in b["baselines"], not b["bf16_projection"].startswith("unavailable"))
+        # The GPU benchmark refuses cleanly where no GPU (or no CUDA build) exists.
+        p = run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--device", "cuda")
+        if p.returncode != 0:
+            self.assertFails(p, "bench --device cuda")
+        self.assertFails(run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--batch", "2"), "--batch is for --device cuda")
         s = json.loads(run("session", "-m", SMOL, "--calib", self.cal, "--turns", "2", "--turn-tokens", "48", "--reply", "4",
                            "-o", self.path("turns"), "--json", check=0).stdout)
         self.assertEqual(len(s["turns"]), 2)

@@ -350,7 +350,7 @@ TEST(CudaHost, HeaderJsonAndDecodePlanMatchTheCpuContainer) {
   const CompressOptions o = small_opts(6);
   const std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, o);
   const container::Parsed P = container::parse(bytes, "test");
-  EXPECT_EQ(cuda::encode_header_json(c, cal, al, o), P.header_json);
+  EXPECT_EQ(cuda::header_json(c, cal, al, o), P.header_json);
   // File and section header writers produce what the parser reads.
   std::vector<uint8_t> hdr(container::kFileHeaderBytes + P.header_json.size());
   cuda::put_file_header(hdr.data(), P.header_json);

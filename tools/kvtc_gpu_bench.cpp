@@ -260,6 +260,7 @@ int main(int argc, char** argv) {
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cal).count(), kP);
 
     CompressOptions opt;
+    opt.precision = Precision::kF32;  // what --check's CPU reference runs in (the GPU's default GEMM is f32 too)
     opt.deflate_level = level;
     nlohmann::json R;
     R["device"] = dev;

@@ -41,8 +41,12 @@ struct Parsed {
   std::string header_json;
   std::vector<Section> sections;
 };
-// Checks magic, version, lengths and every checksum; payloads not decoded.
-Parsed parse(const std::vector<uint8_t>& bytes, const std::string& origin);
+// Checks magic, version, lengths and every checksum (the sections' on
+// `threads` threads, 0: all); payloads not decoded. Sections point into b.
+Parsed parse(const uint8_t* b, size_t size, const std::string& origin, int threads = 1);
+inline Parsed parse(const std::vector<uint8_t>& bytes, const std::string& origin, int threads = 1) {
+  return parse(bytes.data(), bytes.size(), origin, threads);
+}
 // Inflates (or copies) one section's payload to exactly raw_len bytes.
 std::vector<uint8_t> payload(const Section& s, const std::string& origin);
 

@@ -13,6 +13,7 @@
 #include "kvtc/quant.h"
 #include "kvtc/util.h"
 #include "parallel.h"
+#include "plan.h"
 #include "project.h"
 
 namespace kvtc {
@@ -22,42 +23,7 @@ namespace {
 using namespace container;
 
 uint32_t r_used(const Allocation& a) {
-  return a.blocks.empty() ? 0 : a.blocks.back().start + a.blocks.back().size;
-}
-
-void check_match(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc) {
-  require(!c.blocks.empty(), "compress: empty capture");
-  auto it = c.meta.find("model_sha256");
-  auto jt = cal.meta.find("model_sha256");
-  require(it != c.meta.end() && jt != cal.meta.end() && it->second == jt->second,
-          "compress: the capture comes from model " + (it == c.meta.end() ? std::string("?") : it->second.substr(0, 16)) +
-              "…, the calibration from " + (jt == cal.meta.end() ? std::string("?") : jt->second.substr(0, 16)) +
-              "… (wrong calibration for this model)");
-  require(c.blocks.size() == cal.blocks.size() && alloc.size() == c.blocks.size(),
-          "compress: capture, calibration and allocation disagree on the block count");
-  for (size_t b = 0; b < c.blocks.size(); ++b)
-    for (int kv = 0; kv < 2; ++kv) {
-      require(cal.blocks[b][kv].p == feature_dim(c.blocks[b]),
-              "compress: block " + std::to_string(b) + " feature count differs from the calibration's");
-      require(r_used(alloc[b][kv]) <= cal.blocks[b][kv].r, "compress: allocation uses more components than the calibration holds");
-    }
-}
-
-// Token layout of a block of n tokens: raw sink [0, s_end), coded middle
-// [s_end, w_begin), raw window [w_begin, n).
-struct Layout {
-  uint32_t s_end, w_begin;
-};
-Layout layout(uint32_t n, const CompressOptions& o) {
-  const uint32_t s_end = std::min(o.sink, n);
-  return {s_end, std::max(s_end, n > o.window ? n - o.window : 0u)};
-}
-
-// Coded ranges [t0, t1) of [c0, c1), chunk by chunk.
-std::vector<std::pair<uint32_t, uint32_t>> chunks(uint32_t c0, uint32_t c1, uint32_t chunk_tokens) {
-  std::vector<std::pair<uint32_t, uint32_t>> out;
-  for (uint32_t t = c0; t < c1; t += chunk_tokens) out.push_back({t, std::min(c1, t + chunk_tokens)});
-  return out;
+  return container::r_used(a.blocks);
 }
 
 std::vector<uint8_t> i32_bytes(const int32_t* p, size_t n) {
@@ -165,20 +131,20 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
     for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv]), prec);
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
-    const Layout L = layout(kb.n_tokens(), opt);
+    const TokenLayout L = token_layout(kb.n_tokens(), opt.sink, opt.window);
     for (int kv = 0; kv < 2; ++kv) {
       if (n0 == 0 && L.s_end > 0) section(kRaw, uint32_t(b), uint32_t(kv), 0, L.s_end, [&kb, kv, L] { return raw_bytes(kb, kv, 0, L.s_end); });
       const RopeParams* rp = kv == 0 && derope ? &rope[b] : nullptr;
       const detail::Projector* P = proj[b][kv].get();
       const Allocation* A = &alloc[b][kv];
-      for (auto [t0, t1] : chunks(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
+      for (auto [t0, t1] : chunk_ranges(std::max(c0, L.s_end), L.w_begin, opt.chunk_tokens))
         section(kChunk, uint32_t(b), uint32_t(kv), t0, t1,
                 [&kb, kv, P, A, rp, t0 = t0, t1 = t1, ck] { return encode_chunk(kb, kv, *P, *A, rp, t0, t1, ck); });
     }
   }
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
-    const Layout L = layout(kb.n_tokens(), opt);
+    const TokenLayout L = token_layout(kb.n_tokens(), opt.sink, opt.window);
     if (L.w_begin < kb.n_tokens())
       for (int kv = 0; kv < 2; ++kv)
         section(kRaw, uint32_t(b), uint32_t(kv), L.w_begin, kb.n_tokens(), [&kb, kv, L] { return raw_bytes(kb, kv, L.w_begin, kb.n_tokens()); });
@@ -202,52 +168,20 @@ uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, con
   uint64_t n = kFileHeaderBytes + kMaxHeaderBytes;  // the JSON header is bounded by the format's limit
   for (size_t b = 0; b < c.blocks.size(); ++b) {
     const KvBlock& kb = c.blocks[b];
-    const Layout L = layout(kb.n_tokens(), opt);
+    const TokenLayout L = token_layout(kb.n_tokens(), opt.sink, opt.window);
     const uint64_t row = uint64_t(kb.n_layer()) * kb.n_head_kv * kb.head_dim * 2;
     n += 2 * section_bound(size_t(kb.n_tokens()) * 4);
     for (int kv = 0; kv < 2; ++kv) {
       n += section_bound(L.s_end * row) + section_bound((kb.n_tokens() - L.w_begin) * row);
-      for (auto [t0, t1] : chunks(L.s_end, L.w_begin, opt.chunk_tokens)) n += section_bound(packed_bytes(alloc[b][kv].blocks, t1 - t0));
+      for (auto [t0, t1] : chunk_ranges(L.s_end, L.w_begin, opt.chunk_tokens)) n += section_bound(packed_bytes(alloc[b][kv].blocks, t1 - t0));
     }
   }
   return n;
 }
 
 std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
-  check_match(c, cal, alloc);
-  require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
-          "compress: chunk_tokens must be a multiple of 16 in 16..65536");
-  require(opt.deflate_level >= 0 && opt.deflate_level <= 12, "compress: deflate level must be 0..12");
-  nlohmann::ordered_json h;
-  h["format"] = "kvtc";
-  h["version"] = kContainerVersion;
-  h["calibration_id"] = cal.id;
-  h["model_sha256"] = c.meta.at("model_sha256");
-  h["sink"] = opt.sink;
-  h["window"] = opt.window;
-  h["chunk_tokens"] = opt.chunk_tokens;
-  h["deflate_level"] = opt.deflate_level;
-  h["has_tokens"] = !c.tokens.empty();
-  h["keys_rope"] = calibration_keys_derope(cal) ? "removed" : "kept";
-  h["capture_meta"] = c.meta;
-  h["blocks"] = nlohmann::json::array();
-  for (size_t b = 0; b < c.blocks.size(); ++b) {
-    const KvBlock& kb = c.blocks[b];
-    nlohmann::ordered_json jb;
-    jb["layers"] = kb.layers;
-    jb["n_head_kv"] = kb.n_head_kv;
-    jb["head_dim"] = kb.head_dim;
-    jb["nominal_ratio"] = {alloc[b][0].nominal_ratio, alloc[b][1].nominal_ratio};
-    jb["alloc"] = nlohmann::ordered_json::array();
-    for (int kv = 0; kv < 2; ++kv) {
-      nlohmann::ordered_json a = nlohmann::ordered_json::array();
-      for (const BlockAlloc& x : alloc[b][kv].blocks) a.push_back({x.start, x.size, int(x.type)});
-      jb["alloc"].push_back(a);
-    }
-    h["blocks"].push_back(jb);
-  }
-  const std::string hs = h.dump();
-  require(hs.size() <= kMaxHeaderBytes, "compress: header too large");
+  check_compress_inputs(c, cal, alloc, opt);
+  const std::string hs = header_json(c, cal, alloc, opt);
   std::vector<uint8_t> out;
   out.reserve(size_t(std::min<uint64_t>(kvtc_compress_bound(c, alloc, opt), uint64_t(1) << 32)));
   write_file_header(out, hs);
@@ -277,7 +211,7 @@ AppendResult kvtc_append(const std::vector<uint8_t>& container, const KvCapture&
       alloc[0][kv].blocks.push_back({a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(a.at(2).get<int>())});
     alloc[0][kv].nominal_ratio = h.at("blocks").at(0).at("nominal_ratio").at(kv).get<double>();
   }
-  check_match(c, cal, alloc);
+  check_compress_inputs(c, cal, alloc, opt);
   require(h.at("has_tokens").get<bool>() == !c.tokens.empty(), origin + ": the capture must carry token ids exactly when the container does");
   // Old token count and positions.
   std::vector<int32_t> old_pos;
@@ -299,7 +233,7 @@ AppendResult kvtc_append(const std::vector<uint8_t>& container, const KvCapture&
   require(std::equal(old_pos.begin(), old_pos.end(), kb.pos.begin()),
           "append: the capture's first " + std::to_string(n_old) + " positions differ from the container's");
   // The old window sections are the file's tail: everything before them stays.
-  const Layout Lo = layout(n_old, opt);
+  const TokenLayout Lo = token_layout(n_old, opt.sink, opt.window);
   size_t tail = container.size();
   if (Lo.w_begin < n_old) {
     require(P.sections.size() >= 2, origin + ": no window sections at the end");

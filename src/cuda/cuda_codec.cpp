@@ -493,7 +493,7 @@ void CudaCodec::compress(const std::vector<const CudaKvCapture*>& caps, const Al
   };
   for (uint32_t i = 0; i < caps.size(); ++i) {
     const KvCapture& c = caps[i]->host;
-    headers[i] = cuda::encode_header_json(c, I.cal, alloc, eo);
+    headers[i] = cuda::header_json(c, I.cal, alloc, eo);
     for (uint32_t b = 0; b < c.blocks.size(); ++b) {
       const KvBlock& kb = c.blocks[b];
       const cuda::TokenLayout L = cuda::token_layout(kb.n_tokens(), eo.sink, eo.window);

@@ -8,8 +8,8 @@
 // `--repeat` times (the fastest run is reported, as the others include
 // page-faults and cold caches) with per-stage times, and restored into
 // llama.cpp: restore_ms = decompress + state load. Contexts past the
-// model's trained length are measured on the real capture tiled (positions
-// continued), at 16x only: the codec's time against length, not
+// model's trained length are measured on the real capture tiled (each key
+// with its own position), at 16x only: the codec's time against length, not
 // llama.cpp's, is what they show, and recompute_ms is then null.
 #include <libdeflate.h>
 #include <zstd.h>
@@ -27,6 +27,9 @@
 #include "../../src/baselines/baselines.h"
 #include "../../src/calib/calibrate.h"
 #include "commands.h"
+#if KVTC_WITH_CUDA
+#include "bench_cuda.h"
+#endif
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
 #include "kvtc/llama_session.h"
@@ -44,6 +47,8 @@ struct BenchArgs {
   std::vector<double> ratios{8, 16, 32, 64};
   std::vector<int> levels;                      // DEFLATE level sweep (empty: none)
   std::vector<std::string> precisions{"auto"};  // projection precisions, a row each
+  std::string device = "cpu";                   // or cuda (tools/kvtc/bench_cuda.cpp)
+  int batch = 1;                                // sequences per codec call (cuda)
   int threads = 0, repeat = 3;
   bool json = false;
 };
@@ -82,7 +87,11 @@ std::vector<int32_t> bench_tokens(const Model& m, const std::string& corpus, uin
   return t;
 }
 
-// The capture repeated to n tokens, positions continued (codec timing only).
+// The capture repeated to n tokens (codec timing only). Each copied key
+// keeps its own position: keys carry RoPE at that position, and new
+// positions would make the de-RoPEd keys garbage (K error 0.3-0.5 instead of
+// the real capture's 0.007 at 16x); the codec's work does not depend on
+// the position values.
 KvCapture tile(const KvCapture& c, uint32_t n) {
   KvCapture o;
   o.meta = c.meta;
@@ -91,7 +100,7 @@ KvCapture tile(const KvCapture& c, uint32_t n) {
     x.layers = b.layers;
     x.n_head_kv = b.n_head_kv;
     x.head_dim = b.head_dim;
-    for (uint32_t t = 0; t < n; ++t) x.pos.push_back(int32_t(t));
+    for (uint32_t t = 0; t < n; ++t) x.pos.push_back(b.pos[t % b.n_tokens()]);
     x.k.resize(x.numel());
     x.v.resize(x.numel());
     for (uint32_t l = 0; l < b.n_layer(); ++l)
@@ -147,8 +156,21 @@ int run_bench(const BenchArgs& a) {
   R["cpu"] = cpu_features().brand;
   R["cpu_features"] = cpu_feature_names(cpu_features());
   R["repeat"] = a.repeat;
+  const bool cuda = a.device == "cuda";
+  require(cuda || a.device == "cpu", "bench: --device must be cpu or cuda, got '" + a.device + "'");
+  require(cuda || a.batch == 1, "bench: --batch is for --device cuda (the CPU codec takes one sequence per call)");
   std::vector<Precision> precs;
-  for (const std::string& p : a.precisions) precs.push_back(parse_precision(p));
+  if (cuda) {
+    require(a.levels.empty(), "bench: --levels sweeps the CPU's libdeflate; leave it out with --device cuda");
+#if KVTC_WITH_CUDA
+    R["device"] = cuda_bench_device(a.precisions);  // Error with the reason when no GPU is usable
+#else
+    throw Error("bench --device cuda: this kvtc was built without the GPU path (nvcc was not found at configure time; docs/gpu.md)");
+#endif
+  } else {
+    R["device"] = "cpu";
+    for (const std::string& p : a.precisions) precs.push_back(parse_precision(p));
+  }
   std::string bf16_impl;
   const bool bf16 = bf16_projection_available(&bf16_impl);
   R["bf16_projection"] = bf16 ? bf16_impl : "unavailable: " + bf16_impl;
@@ -213,7 +235,7 @@ int run_bench(const BenchArgs& a) {
     }
     C["ratios"] = nlohmann::json::array();
     for (double ratio : a.ratios)
-      for (Precision prec : precs) {
+      for (const std::string& pname : a.precisions) {
         // Past the trained context only 16x (or the first ratio): those rows
         // show time against length, the ratios are covered by the real ones.
         const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
@@ -221,50 +243,64 @@ int run_bench(const BenchArgs& a) {
         AllocationSet al = allocation_set(cal, ratio);
         CompressOptions co;
         co.threads = threads;
-        co.precision = prec;
-        CodecStageTimes enc_st, dec_st;
         std::vector<uint8_t> bytes;
         const double rss0 = vm_kb("VmRSS:");
         reset_peak();
-        double enc_ms = 1e300, dec_ms = 1e300;
         KvCapture dec;
-        for (int r = 0; r < std::max(1, a.repeat); ++r) {
-          CodecStageTimes st;
-          co.stats = &st;
-          auto t0 = clock_type::now();
-          bytes = kvtc_compress(cap, cal, al, co);
-          const double ms = ms_since(t0);
-          if (ms < enc_ms) enc_ms = ms, enc_st = st;
-        }
-        for (int r = 0; r < std::max(1, a.repeat); ++r) {
-          CodecStageTimes st;
-          DecompressOptions dopt;
-          dopt.threads = threads;
-          dopt.precision = prec;
-          dopt.stats = &st;
-          dec = KvCapture{};  // free the previous repeat's output first: peak memory is one output
-          auto t0 = clock_type::now();
-          dec = kvtc_decompress(bytes, cal, "bench", dopt);
-          const double ms = ms_since(t0);
-          if (ms < dec_ms) dec_ms = ms, dec_st = st;
-        }
-        const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
         nlohmann::ordered_json X;
         X["nominal_ratio"] = ratio;
-        X["precision"] = precision_name(enc_st.projection);
-        X["compressed_mb"] = double(bytes.size()) / 1e6;
-        X["ratio"] = double(raw) / double(bytes.size());
-        X["compress_ms"] = enc_ms;
-        X["decompress_ms"] = dec_ms;
-        X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
-        X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
-        auto stages = [](const CodecStageTimes& t) {
-          return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
-                                        {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
-        };
-        X["encode_stages"] = stages(enc_st);
-        X["decode_stages"] = stages(dec_st);
-        // Projection throughput: 2 n p r flops per coded K/V.
+        if (cuda) {
+#if KVTC_WITH_CUDA
+          X.update(cuda_bench_row(cap, cal, al, co, pname == "auto" ? "f32" : pname, a.batch, a.repeat, &dec, &bytes));
+#endif
+        } else {
+          co.precision = parse_precision(pname);
+          CodecStageTimes enc_st, dec_st;
+          double enc_ms = 1e300, dec_ms = 1e300;
+          for (int r = 0; r < std::max(1, a.repeat); ++r) {
+            CodecStageTimes st;
+            co.stats = &st;
+            auto t0 = clock_type::now();
+            bytes = kvtc_compress(cap, cal, al, co);
+            const double ms = ms_since(t0);
+            if (ms < enc_ms) enc_ms = ms, enc_st = st;
+          }
+          for (int r = 0; r < std::max(1, a.repeat); ++r) {
+            CodecStageTimes st;
+            DecompressOptions dopt;
+            dopt.threads = threads;
+            dopt.precision = co.precision;
+            dopt.stats = &st;
+            dec = KvCapture{};  // free the previous repeat's output first: peak memory is one output
+            auto t0 = clock_type::now();
+            dec = kvtc_decompress(bytes, cal, "bench", dopt);
+            const double ms = ms_since(t0);
+            if (ms < dec_ms) dec_ms = ms, dec_st = st;
+          }
+          X["precision"] = precision_name(enc_st.projection);
+          X["batch"] = 1;
+          X["compressed_mb"] = double(bytes.size()) / 1e6;
+          X["ratio"] = double(raw) / double(bytes.size());
+          X["compress_ms"] = enc_ms;
+          X["decompress_ms"] = dec_ms;
+          X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
+          X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
+          auto stages = [](const CodecStageTimes& t) {
+            return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
+                                          {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
+          };
+          X["encode_stages"] = stages(enc_st);
+          X["decode_stages"] = stages(dec_st);
+          // Accuracy, so that the precisions compare: relative squared
+          // error of the coded tokens (sink and window are exact).
+          const ReconError err = reconstruction_error(cap, dec, co.sink, co.window);
+          X["rel_error_k"] = err.k;
+          X["rel_error_v"] = err.v;
+        }
+        const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
+        const double enc_ms = X["compress_ms"].get<double>(), dec_ms = X["decompress_ms"].get<double>();
+        // Projection throughput: 2 n p r flops per coded K/V and sequence,
+        // over the stage's thread time x threads (GPU: its wall time).
         double flops = 0;
         ContainerInfo ci = kvtc_inspect(bytes, "bench");
         for (size_t b = 0; b < al.size(); ++b)
@@ -273,14 +309,13 @@ int run_bench(const BenchArgs& a) {
             const uint32_t ru = bl.empty() ? 0 : bl.back().start + bl.back().size;
             flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * cal.blocks[b][kv].p * ru;
           }
-        X["project_gflops_encode"] = enc_st.project_ms > 0 ? flops / (enc_st.project_ms * 1e6) * enc_st.threads : 0;
-        X["project_gflops_decode"] = dec_st.project_ms > 0 ? flops / (dec_st.project_ms * 1e6) * dec_st.threads : 0;
+        flops *= X["batch"].get<double>();
+        for (const char* dir : {"encode", "decode"}) {
+          const auto& st = X[std::string(dir) + "_stages"];
+          const double pm = st["project_ms"].get<double>();
+          X[std::string("project_gflops_") + dir] = pm > 0 ? flops / (pm * 1e6) * st["threads"].get<double>() : 0;
+        }
         X["peak_extra_mb"] = peak_mb;
-        // Accuracy, so that the precisions compare: relative squared error of
-        // the coded tokens (sink and window are exact).
-        const ReconError err = reconstruction_error(cap, dec, co.sink, co.window);
-        X["rel_error_k"] = err.k;
-        X["rel_error_v"] = err.v;
         if (ctx <= n_train) {
           // Restore = decompress + state load into llama.cpp; then the first
           // logits (one token re-decoded) for time to first token.
@@ -336,6 +371,11 @@ int run_bench(const BenchArgs& a) {
 
   std::ostringstream md;
   char b[512];
+  if (cuda)
+    md << "\nDevice: " << R["device"].get<std::string>() << ". Rows: the GPU codec on the cache held in GPU memory (upload not timed), " << a.batch
+       << " sequence(s) per call; containers come back to host memory and are decoded back into GPU memory; stages are GPU "
+       << "wall ms (transfer and host work in the JSON); restore = GPU decompress + download + llama.cpp state load on the CPU build; the "
+       << "host CPU's yardsticks follow.\n";
   std::snprintf(b, sizeof b, "\nGEMM peak (%d threads, 2048^3 / the codec's shape 256 x 1024 x %u): f32 %.0f / %.0f GFLOP/s (OpenBLAS sgemm)",
                 threads, T0.p, base["gemm_peak_gflops_f32"].get<double>(), base["gemm_codec_shape_gflops_f32"].get<double>());
   md << b;
@@ -371,15 +411,16 @@ int run_bench(const BenchArgs& a) {
       } else {
         rec = "(tiled)";
       }
+      // threads, or GPU x sequences per call
+      const std::string thr = cuda ? "GPU x" + std::to_string(X["batch"].get<int>()) : std::to_string(X["encode_stages"]["threads"].get<int>());
       std::snprintf(
           b, sizeof b,
-          "| %u | %.1f | %gx | %s | %.2f | %.2fx | %.0f | %.0f | %.2f | %.2f | %s | %s | %.0f/%.0f | %.5f/%.5f | %d | %.0f | %s | %s | %s |\n",
+          "| %u | %.1f | %gx | %s | %.2f | %.2fx | %.0f | %.0f | %.2f | %.2f | %s | %s | %.0f/%.0f | %.5f/%.5f | %s | %.0f | %s | %s | %s |\n",
           C["tokens"].get<uint32_t>(), C["raw_mb"].get<double>(), X["nominal_ratio"].get<double>(), X["precision"].get<std::string>().c_str(),
           X["compressed_mb"].get<double>(), X["ratio"].get<double>(), X["compress_ms"].get<double>(), X["decompress_ms"].get<double>(),
           X["encode_gbs"].get<double>(), X["decode_gbs"].get<double>(), st(X["encode_stages"]).c_str(), st(X["decode_stages"]).c_str(),
           X["project_gflops_encode"].get<double>(), X["project_gflops_decode"].get<double>(), X["rel_error_k"].get<double>(),
-          X["rel_error_v"].get<double>(), X["encode_stages"]["threads"].get<int>(), X["peak_extra_mb"].get<double>(), rest.c_str(), rec.c_str(),
-          sp.c_str());
+          X["rel_error_v"].get<double>(), thr.c_str(), X["peak_extra_mb"].get<double>(), rest.c_str(), rec.c_str(), sp.c_str());
       md << b;
     }
   }
@@ -432,9 +473,13 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::Range(64u, 1u << 20));
   sub->add_option("-r,--ratio", a->ratios, "Nominal ratios")->capture_default_str()->check(CLI::Range(1.0, 4096.0));
   sub->add_option("--levels", a->levels, "Also sweep these DEFLATE levels at the longest real context, 16x")->check(CLI::Range(0, 12));
-  sub->add_option("--precision", a->precisions, "Projection precisions, a row each: auto, f32, bf16")
+  sub->add_option("--precision", a->precisions, "Projection precisions, a row each: auto, f32, bf16 (cuda also tf32, f16; auto = f32 there)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "f32", "bf16"}));
+      ->check(CLI::IsMember({"auto", "f32", "bf16", "tf32", "f16"}));
+  sub->add_option("--device", a->device, "cpu, or cuda: the GPU codec on caches held in GPU memory (docs/gpu.md)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_option("--batch", a->batch, "Sequences per codec call (--device cuda)")->capture_default_str()->check(CLI::Range(1, 256));
   sub->add_option("--threads", a->threads, "Threads for the codec and llama.cpp (0: all)")->capture_default_str();
   sub->add_option("--repeat", a->repeat, "Runs per measurement; the fastest is reported")->capture_default_str()->check(CLI::Range(1, 100));
   sub->add_option("--out-json", a->out_json, "Write the JSON here");

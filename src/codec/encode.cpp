@@ -57,39 +57,7 @@ std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const detail::Proje
   }
   P.encode(feat.data(), n, d.data(), clk);  // D = (X - mu) B[:ru]'
   StageTimer st(clk, detail::kQuant);
-  std::vector<uint8_t> packed(packed_bytes(A.blocks, n), 0);
-  size_t off = 0;
-  std::vector<uint16_t> params(size_t(n) * 2);
-  std::vector<uint8_t> all_codes;
-  for (const BlockAlloc& blk : A.blocks) {
-    if (blk.type == QType::kNone) continue;
-    all_codes.resize(size_t(n) * blk.size);
-    for (uint32_t t = 0; t < n; ++t)
-      quantize_block(blk.type, &d[size_t(t) * ru + blk.start], blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
-    // Byte layout for DEFLATE (docs/format.md; measured in bench/results/ratio.md):
-    // parameters as a low-byte plane then a high-byte plane (the high bytes,
-    // sign and exponent, repeat a lot), codes component-major (one
-    // component's codes for all tokens share a distribution).
-    const uint32_t np = qtype_param_bits(blk.type) / 16;
-    for (uint32_t k = 0; k < np; ++k) {
-      for (uint32_t t = 0; t < n; ++t) packed[off + t] = uint8_t(params[size_t(t) * 2 + k]);
-      for (uint32_t t = 0; t < n; ++t) packed[off + n + t] = uint8_t(params[size_t(t) * 2 + k] >> 8);
-      off += 2 * size_t(n);
-    }
-    // Codes LSB-first, contiguous: code j (= component * n + token) at bit
-    // j * cb. cb is 2, 4 or 8, so a code never straddles a byte.
-    const uint32_t cb = qtype_code_bits(blk.type);
-    uint8_t* o = &packed[off];
-    size_t j = 0;
-    for (uint32_t i = 0; i < blk.size; ++i)
-      for (uint32_t t = 0; t < n; ++t, ++j) {
-        const size_t bit = j * cb;
-        o[bit >> 3] = uint8_t(o[bit >> 3] | (all_codes[size_t(t) * blk.size + i] << (bit & 7)));
-      }
-    off += (size_t(n) * blk.size * cb + 7) / 8;
-  }
-  require(off == packed.size(), "compress: internal packing size mismatch");
-  return packed;
+  return pack_chunk(d.data(), n, ru, A.blocks);
 }
 
 // Body sections for new tokens [n0, n1) of every block (positions, tokens,

@@ -51,6 +51,42 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
   if (!c.tokens.empty()) require(c.tokens.size() == c.blocks[0].n_tokens(), "compress: tokens and positions differ in length");
 }
 
+std::vector<uint8_t> pack_chunk(const float* d, uint32_t n, uint32_t ld, const std::vector<BlockAlloc>& alloc) {
+  std::vector<uint8_t> packed(packed_bytes(alloc, n), 0);
+  size_t off = 0;
+  std::vector<uint16_t> params(size_t(n) * 2);
+  std::vector<uint8_t> all_codes;
+  for (const BlockAlloc& blk : alloc) {
+    if (blk.type == QType::kNone) continue;
+    all_codes.resize(size_t(n) * blk.size);
+    for (uint32_t t = 0; t < n; ++t)
+      quantize_block(blk.type, d + size_t(t) * ld + blk.start, blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
+    // Byte layout for DEFLATE (docs/format.md; measured in bench/results/ratio.md):
+    // parameters as a low-byte plane then a high-byte plane (the high bytes,
+    // sign and exponent, repeat a lot), codes component-major (one
+    // component's codes for all tokens share a distribution).
+    const uint32_t np = qtype_param_bits(blk.type) / 16;
+    for (uint32_t k = 0; k < np; ++k) {
+      for (uint32_t t = 0; t < n; ++t) packed[off + t] = uint8_t(params[size_t(t) * 2 + k]);
+      for (uint32_t t = 0; t < n; ++t) packed[off + n + t] = uint8_t(params[size_t(t) * 2 + k] >> 8);
+      off += 2 * size_t(n);
+    }
+    // Codes LSB-first, contiguous: code j (= component * n + token) at bit
+    // j * cb. cb is 2, 4 or 8, so a code never straddles a byte.
+    const uint32_t cb = qtype_code_bits(blk.type);
+    uint8_t* o = &packed[off];
+    size_t j = 0;
+    for (uint32_t i = 0; i < blk.size; ++i)
+      for (uint32_t t = 0; t < n; ++t, ++j) {
+        const size_t bit = j * cb;
+        o[bit >> 3] = uint8_t(o[bit >> 3] | (all_codes[size_t(t) * blk.size + i] << (bit & 7)));
+      }
+    off += (size_t(n) * blk.size * cb + 7) / 8;
+  }
+  require(off == packed.size(), "compress: internal packing size mismatch");
+  return packed;
+}
+
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
   nlohmann::ordered_json h;
   h["format"] = "kvtc";

@@ -39,6 +39,10 @@ std::vector<std::pair<uint32_t, uint32_t>> chunk_ranges(uint32_t c0, uint32_t c1
 // against the calibration, allocation size, chunk_tokens, level, token ids.
 // Uses only the capture's host part (k and v may be empty).
 void check_compress_inputs(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
+// Quantizes and packs one chunk of n tokens from token-major coefficients
+// d[t * ld + component] into the byte layout of docs/format.md ("Packed
+// planes"); packed_bytes(alloc, n) bytes. The GPU kernels are held to it.
+std::vector<uint8_t> pack_chunk(const float* d, uint32_t n, uint32_t ld, const std::vector<BlockAlloc>& alloc);
 // The JSON header of docs/format.md.
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
 

@@ -132,6 +132,22 @@ class Timeline {
       if (s.b && cudaEventElapsedTime(&ms, s.a, s.b) == cudaSuccess) out[s.stage] += ms;
     }
   }
+  // The stages collected, plus what the host measured itself.
+  CudaStageTimes times(double host_entropy_ms, double host_ms, double total_ms, std::string backend) {
+    double st[kNStages] = {};
+    collect(st);
+    CudaStageTimes t;
+    t.gather_ms = st[kSGather];
+    t.center_ms = st[kSCenter];
+    t.project_ms = st[kSProject];
+    t.quant_ms = st[kSQuant];
+    t.entropy_ms = st[kSEntropy] + host_entropy_ms;
+    t.transfer_ms = st[kSTransfer];
+    t.host_ms = host_ms;
+    t.total_ms = total_ms;
+    t.entropy_backend = std::move(backend);
+    return t;
+  }
 
  private:
   struct Span {
@@ -782,20 +798,7 @@ void CudaCodec::compress(const std::vector<const CudaKvCapture*>& caps, const Al
   detail::parallel_for(caps.size(), detail::resolve_threads(threads, caps.size()),
                        [&](size_t i) { out[i].assign(I.h_stage.b(cap_off[i]), I.h_stage.b(cap_off[i + 1])); });
   host_ms += ms_since(t_host);
-  if (times) {
-    *times = CudaStageTimes{};
-    double st[kNStages] = {};
-    tl.collect(st);
-    times->gather_ms = st[kSGather];
-    times->center_ms = st[kSCenter];
-    times->project_ms = st[kSProject];
-    times->quant_ms = st[kSQuant];
-    times->entropy_ms = st[kSEntropy] + host_deflate_ms;
-    times->transfer_ms = st[kSTransfer];
-    times->host_ms = host_ms;
-    times->total_ms = ms_since(t_start);
-    times->entropy_backend = backend.empty() ? "stored" : backend;
-  }
+  if (times) *times = tl.times(host_deflate_ms, host_ms, ms_since(t_start), backend.empty() ? "stored" : backend);
 }
 
 // ------------------------------------------------------------ decompress
@@ -1024,20 +1027,7 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<const std::ve
     }
   }
   host_ms += ms_since(t_host);
-  if (times) {
-    *times = CudaStageTimes{};
-    double st[kNStages] = {};
-    tl.collect(st);
-    times->gather_ms = st[kSGather];
-    times->center_ms = st[kSCenter];
-    times->project_ms = st[kSProject];
-    times->quant_ms = st[kSQuant];
-    times->entropy_ms = st[kSEntropy] + host_inflate_ms;
-    times->transfer_ms = st[kSTransfer];
-    times->host_ms = host_ms;
-    times->total_ms = ms_since(t_start);
-    times->entropy_backend = nv_list.empty() ? (use_nv ? "stored" : "libdeflate-host") : "nvcomp";
-  }
+  if (times) *times = tl.times(host_inflate_ms, host_ms, ms_since(t_start), nv_list.empty() ? (use_nv ? "stored" : "libdeflate-host") : "nvcomp");
   return outs;
 }
 

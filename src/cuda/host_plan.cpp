@@ -55,34 +55,6 @@ void append_decode_tiles(const std::vector<QSeg>& segs, size_t first, std::vecto
   }
 }
 
-std::vector<uint8_t> pack_reference(const float* d, uint32_t n, uint32_t ld, const std::vector<BlockAlloc>& alloc) {
-  std::vector<uint8_t> packed(packed_chunk_bytes(alloc, n), 0);
-  size_t off = 0;
-  std::vector<uint16_t> params(size_t(n) * 2);
-  std::vector<uint8_t> codes;
-  for (const BlockAlloc& blk : alloc) {
-    if (blk.type == QType::kNone) continue;
-    codes.resize(size_t(n) * blk.size);
-    for (uint32_t t = 0; t < n; ++t)
-      quantize_block(blk.type, d + size_t(t) * ld + blk.start, blk.size, &codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
-    const uint32_t np = qtype_param_bits(blk.type) / 16;
-    for (uint32_t k = 0; k < np; ++k) {
-      for (uint32_t t = 0; t < n; ++t) packed[off + t] = uint8_t(params[size_t(t) * 2 + k]);
-      for (uint32_t t = 0; t < n; ++t) packed[off + n + t] = uint8_t(params[size_t(t) * 2 + k] >> 8);
-      off += 2 * size_t(n);
-    }
-    const uint32_t cb = qtype_code_bits(blk.type);
-    size_t j = 0;
-    for (uint32_t i = 0; i < blk.size; ++i)
-      for (uint32_t t = 0; t < n; ++t, ++j) {
-        const size_t bit = j * cb;
-        packed[off + (bit >> 3)] = uint8_t(packed[off + (bit >> 3)] | (codes[size_t(t) * blk.size + i] << (bit & 7)));
-      }
-    off += (size_t(n) * blk.size * cb + 7) / 8;
-  }
-  return packed;
-}
-
 // ---------------------------------------------------------------- encode
 
 static void put32(uint8_t* p, uint32_t v) {

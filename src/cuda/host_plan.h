@@ -55,10 +55,11 @@ size_t append_chunk_segments(const std::vector<BlockAlloc>& alloc, uint32_t row0
 void append_encode_tiles(const std::vector<QSeg>& segs, size_t first, std::vector<QTile>& tiles);
 void append_decode_tiles(const std::vector<QSeg>& segs, size_t first, std::vector<QTile>& tiles);
 
-// The CPU encoder's packing of one chunk, from token-major coefficients
-// d[t * ld + component] (quantize_block per token and block, then the
-// planes). Reference for the GPU kernels.
-std::vector<uint8_t> pack_reference(const float* d, uint32_t n, uint32_t ld, const std::vector<BlockAlloc>& alloc);
+// The CPU encoder's packing of one chunk (container::pack_chunk): the
+// reference for the GPU kernels.
+inline std::vector<uint8_t> pack_reference(const float* d, uint32_t n, uint32_t ld, const std::vector<BlockAlloc>& alloc) {
+  return container::pack_chunk(d, n, ld, alloc);
+}
 
 // ---- container (encode) ------------------------------------------------
 using container::check_compress_inputs;                       // kvtc_compress's checks on a capture's host part

@@ -320,8 +320,8 @@ int run_bench(const BenchArgs& a) {
           // Restore = decompress + state load into llama.cpp; then the first
           // logits (one token re-decoded) for time to first token.
           // Best of --repeat like the codec: one load varies 0.3-1.1 s at 8K
-        // (page faults of the state buffer), which hid the codec's share.
-        const double load_ms = best_ms(a.repeat, [&] { s.restore(dec); });
+          // (page faults of the state buffer), which hid the codec's share.
+          const double load_ms = best_ms(a.repeat, [&] { s.restore(dec); });
           X["state_load_ms"] = load_ms;
           X["restore_ms"] = dec_ms + load_ms;
           const int32_t last = cap.tokens.back();

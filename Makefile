@@ -11,7 +11,7 @@
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
-#                 size, position, domain) as PNG + JSON     -> bench/results/analyze/
+#                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
 JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
@@ -54,7 +54,7 @@ bench-ratio: $(CALIB)
 	python3 bench/ratio.py --calib $(CALIB)
 
 # The paper's evidence on the default model -> bench/results/analyze/
-# (PNG figures, analyze.json, README.md). Calibrations it needs are fitted
+# (analyze.json from kvtc-lab analyze, PNG figures from bench/plots.py, README.md). Calibrations it needs are fitted
 # once, only where missing: 2K/4K/8K/64K tokens for the error against
 # calibration size (beside the quick 16K of `make demo` and the full 160K),
 # and 16K of each corpus kind for the cross-domain matrix (the same settings
@@ -98,7 +98,7 @@ bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
 	  --tasks ppl kld agree niah vt kvr --methods $(QUALITY_METHODS)
 
 # Codec speed with restore vs recompute -> bench/results/speed.md + .json
-# (kvtc bench; contexts past 8K are the real 8K capture tiled). ~6 min.
+# (kvtc-lab bench; contexts past 8K are the real 8K capture tiled). ~6 min.
 bench-speed: $(CALIB)
 	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --precision auto f32 --levels 1 6 12 --repeat 2
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The paper's evidence on our model (`kvtc analyze`), with the command,
-# commit and machine on top. Usage: bench/analyze.sh [kvtc analyze options…]
-# Writes bench/results/analyze/: the PNGs, analyze.json and README.md.
+# The paper's evidence on our model (`kvtc-lab analyze`), with the command,
+# commit and machine on top. Usage: bench/analyze.sh [kvtc-lab analyze options…]
+# Writes bench/results/analyze/: analyze.json (kvtc-lab analyze), the PNGs
+# (bench/plots.py, matplotlib, from analyze.json) and README.md.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 kvtc="$top/build/kvtc"
+lab="$top/build/kvtc-lab"
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 out="$top/bench/results/analyze"
@@ -12,12 +14,13 @@ mkdir -p "$out"
 body="$out/README.body.part"
 trap 'rm -f "$body" "$out/README.md.part"' EXIT
 start=$(date +%s)
-"$kvtc" analyze "$@" -o "$out" --out-md "$body" >/dev/null
+"$lab" analyze "$@" -o "$out" --out-md "$body" >/dev/null
+python3 "$top/bench/plots.py" analyze "$out"
 commit=$(result_commit)
 cpu=$(result_cpu)
 model=$(python3 -c 'import json,os,sys; print(os.path.basename(json.load(open(sys.argv[1]))["model"]))' "$out/analyze.json")
 {
-  echo "# kvtc analyze: the paper's evidence on $model"
+  echo "# kvtc-lab analyze: the paper's evidence on $model"
   echo
   echo "- command: \`make analyze\`, i.e. \`bench/analyze.sh $*\`"
   echo "- commit: $commit"

@@ -1,5 +1,5 @@
 # Shared by the bench/*.sh wrappers: what every committed result names.
-# Source it after setting $top (repository root) and $kvtc (the binary).
+# Source it after setting $top (repository root) and $kvtc (the kvtc binary).
 
 # The commit, marked when tracked files differ from it.
 result_commit() {

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Quality after compress -> restore -> continue, with the command, commit and
-# machine on top. Usage: bench/quality.sh NAME [kvtc eval options…]
+# machine on top. Usage: bench/quality.sh NAME [kvtc-lab eval options…]
 # Writes bench/results/NAME.md and NAME.json.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 name=$1
 shift
 kvtc="$top/build/kvtc"
+lab="$top/build/kvtc-lab"
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 res="$top/bench/results"
 mkdir -p "$res"
-"$kvtc" eval "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+"$lab" eval "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
 commit=$(result_commit)
 cpu=$(result_cpu)
 {

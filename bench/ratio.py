@@ -4,9 +4,11 @@ caches, and the bits-per-component plots (the paper's Figure 6).
 
     python3 bench/ratio.py --calib CAL.safetensors [--docs-per-kind 2] [--tokens 4096]
 
-Writes bench/results/ratio.md, bench/results/ratio.json and
+Writes bench/results/ratio.md, bench/results/ratio.json (with the
+calibration's bits per component, `bits_per_component`) and
 bench/results/bits_per_component_{keys,values}.png. Only the standard
-library: the PNGs come from the tiny writer below.
+library here; the PNGs are drawn from ratio.json by bench/plots.py
+(matplotlib), which this script runs.
 """
 import argparse
 import json
@@ -15,7 +17,6 @@ import platform
 import struct
 import subprocess
 import sys
-import zlib
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATIOS = [8, 16, 32, 64]
@@ -34,84 +35,33 @@ def safetensors_meta(path):
         return json.loads(f.read(n)).get("__metadata__", {})
 
 
-# ---- a minimal PNG line plot --------------------------------------------
-COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
-FONT = {  # 3x5 digits for axis labels
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111", "4": "101101111001001",
-    "5": "111100111001111", "6": "111100111101111", "7": "111001001001001", "8": "111101111101111", "9": "111101111001111",
-    "x": "000101010101000", " ": "000000000000000",
-}
+QTYPES = {1: ("int2", 2), 2: ("int4", 4), 3: ("fp8", 8)}  # table block type -> (name, code bits); 0: dropped
 
 
-def png(path, w, h, pix):
-    raw = b"".join(b"\x00" + bytes(v for px in pix[y * w:(y + 1) * w] for v in px) for y in range(h))
-    def chunk(t, d):
-        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
-    with open(path + ".tmp", "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    os.replace(path + ".tmp", path)
+def bit_runs(table):
+    """The coded components of a DP table as runs of one type:
+    [{from, to, type, bits_per_component}] (as `kvtc-lab analyze` writes them)."""
+    runs = []
+    for start, size, typ in sorted(table["blocks"]):
+        if typ == 0:
+            continue
+        name, bits = QTYPES[typ]
+        if runs and runs[-1]["type"] == name and runs[-1]["to"] == start:
+            runs[-1]["to"] = start + size
+        else:
+            runs.append({"from": start, "to": start + size, "type": name, "bits_per_component": bits})
+    return runs
 
 
-def plot(path, series, x_max, y_max=8):
-    """series: [(label, color, [bits per component])]: steps over component index."""
-    W, H, L, B, T, R = 900, 420, 50, 40, 20, 150
-    pix = [(255, 255, 255)] * (W * H)
-
-    def put(x, y, c):
-        if 0 <= x < W and 0 <= y < H:
-            pix[y * W + x] = c
-
-    def text(x, y, s, c=(0, 0, 0)):
-        for k, ch in enumerate(s):
-            g = FONT.get(ch, FONT[" "])
-            for i in range(15):
-                if g[i] == "1":
-                    for dy in range(2):
-                        for dx in range(2):
-                            put(x + k * 8 + (i % 3) * 2 + dx, y + (i // 3) * 2 + dy, c)
-
-    pw, ph = W - L - R, H - T - B
-    for yb in range(0, y_max + 1, 2):  # grid and y labels (bits)
-        yy = T + ph - int(ph * yb / y_max)
-        for x in range(L, L + pw):
-            put(x, yy, (225, 225, 225))
-        text(L - 14, yy - 5, str(yb))
-    for xi in range(0, 6):  # x labels (component index)
-        xv = int(x_max * xi / 5)
-        xx = L + int(pw * xi / 5)
-        for y in range(T, T + ph):
-            put(xx, y, (235, 235, 235))
-        text(xx - 8, T + ph + 8, str(xv))
-    for x in range(L, L + pw):
-        put(x, T + ph, (0, 0, 0))
-    for y in range(T, T + ph):
-        put(L, y, (0, 0, 0))
-    for si, (label, color, bits) in enumerate(series):
-        prev = None
-        for xx in range(pw):
-            i = min(len(bits) - 1, int(xx * x_max / pw)) if bits else 0
-            b = bits[i] if i < len(bits) else 0
-            yy = T + ph - int(ph * b / y_max) - si  # offset so equal steps stay visible
-            if prev is not None:
-                for y in range(min(prev, yy), max(prev, yy) + 1):
-                    put(L + xx, y, color)
-            put(L + xx, yy, color)
-            put(L + xx, yy + 1, color)
-            prev = yy
-        for dx in range(20):
-            for dy in range(3):
-                put(W - R + 15 + dx, T + 20 + 22 * si + dy, color)
-        text(W - R + 40, T + 16 + 22 * si, label, color)
-    png(path, W, H, pix)
-
-
-def bits_per_component(table, r):
-    bits = [0.0] * r
-    for start, size, typ in table["blocks"]:
-        code = {0: 0, 1: 2, 2: 4, 3: 8}[typ]
-        for i in range(start, start + size):
-            bits[i] = code
-    return bits
+def bits_per_component(cal_meta):
+    """ratio.json's bits_per_component: per kind, the calibration's DP table
+    for each nominal ratio it holds, as runs (bench/plots.py bits draws them)."""
+    out = {"source": "the calibration's DP tables ({k,v}.info tables)"}
+    for kind, name in (("k", "keys"), ("v", "values")):
+        cinfo = json.loads(cal_meta[f"{kind}.info"])
+        out[name] = {"components": cinfo["r"],
+                     "ratios": {str(r): bit_runs(cinfo["tables"][str(r)]) for r in RATIOS if str(r) in cinfo["tables"]}}
+    return out
 
 
 def main():
@@ -133,6 +83,7 @@ def main():
         docs += [d for d in manifest["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= a.tokens][: a.docs_per_kind]
     info = json.loads(run(a.kvtc, "info", "--json"))
     cal_meta = safetensors_meta(a.calib)
+    bits = bits_per_component(cal_meta)
     rows = {r: {"f16_coded": 0, "stored_coded": 0, "payload_coded": 0, "f16_all": 0, "file": 0, "ek": [], "ev": [], "per_kind": {}} for r in RATIOS}
     for d in docs:
         cap = os.path.join(a.work, os.path.basename(d["file"]) + f".{a.tokens}.safetensors")
@@ -177,20 +128,15 @@ def main():
             "rel_error_v": sum(row["ev"]) / len(row["ev"]),
             "per_kind_ratio_compressed_tokens": {k: sum(v) / len(v) for k, v in row["per_kind"].items()},
         })
+    result["bits_per_component"] = bits
     with open(os.path.join(a.results, "ratio.json.tmp"), "w") as f:
         json.dump(result, f, indent=1)
     os.replace(os.path.join(a.results, "ratio.json.tmp"), os.path.join(a.results, "ratio.json"))
 
-    # Figure 6: bits per component from the calibration's tables.
-    for kind, name in (("k", "keys"), ("v", "values")):
-        cinfo = json.loads(cal_meta[f"{kind}.info"])
-        series = []
-        for i, r in enumerate(RATIOS):
-            t = cinfo["tables"].get(str(r))
-            if t:
-                series.append((f"{r}x", COLORS[i], bits_per_component(t, cinfo["r"])))
-        used = max((max((s + z for s, z, ty in cinfo["tables"][str(r)]["blocks"] if ty), default=0) for r in RATIOS if str(r) in cinfo["tables"]), default=1)
-        plot(os.path.join(a.results, f"bits_per_component_{name}.png"), series, x_max=max(64, int(used * 1.1)))
+    # Figure 6: bits per component from the calibration's tables, drawn from ratio.json.
+    p = subprocess.run([sys.executable, os.path.join(TOP, "bench", "plots.py"), "bits", os.path.join(a.results, "ratio.json"), a.results])
+    if p.returncode != 0:
+        sys.exit("bench/plots.py bits failed (see above)")
 
     L = [
         "# kvtc compression ratio on evaluation-corpus caches",

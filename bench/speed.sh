@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Codec speed, restore vs recompute (kvtc bench), with the command, commit
-# and machine on top. Usage: bench/speed.sh NAME [kvtc bench options…]
+# Codec speed, restore vs recompute (kvtc-lab bench), with the command, commit
+# and machine on top. Usage: bench/speed.sh NAME [kvtc-lab bench options…]
 # Writes bench/results/NAME.md and NAME.json.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 name=$1
 shift
 kvtc="$top/build/kvtc"
+lab="$top/build/kvtc-lab"
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 res="$top/bench/results"
 mkdir -p "$res"
-"$kvtc" bench "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+"$lab" bench "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
 commit=$(result_commit)
 cpu=$(result_cpu features)
 {

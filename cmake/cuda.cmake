@@ -1,11 +1,11 @@
 # GPU path (issue 6): CUDA kernels, cuBLAS projection, nvCOMP DEFLATE.
 #
 # Included from the top-level CMakeLists.txt (and from bench/gpu/CMakeLists.txt,
-# the reduced project the GPU machine builds); expects the targets
-# kvtc_core, kvtc_codec and kvtc_encoder to exist.
+# the reduced project the GPU machine builds); expects the target kvtc_lib
+# (the codec library) to exist.
 #
 #   KVTC_CUDA    on when nvcc is found (check_language(CUDA)); builds kvtc_cuda,
-#                tools/kvtc_gpu_bench and, with KVTC_BUILD_TESTS, the test `cuda`
+#                bench/gpu/kvtc_gpu_bench and, with KVTC_BUILD_TESTS, the test `cuda`
 #   KVTC_NVCOMP  on when nvCOMP's C library and headers are found (by default in
 #                .deps/nvcomp, where scripts/bootstrap.sh extracts the pinned
 #                nvidia-libnvcomp-cu13 wheel); off: DEFLATE stays on the host (libdeflate)
@@ -74,7 +74,10 @@ endif()
 # ---- the library ---------------------------------------------------------
 # One kernel family per .cu/.cuh pair: rope_gather (a), center (b), quant (c),
 # project (d, cuBLAS), entropy (e, nvCOMP + batched copies); synth (test data,
-# error). Host orchestration and planning are plain C++.
+# error). Host orchestration is plain C++: the codec's state (cuda_codec.cpp),
+# the encoder and decoder pipelines (cuda_encode.cpp, cuda_decode.cpp) over
+# the CPU's container rules (src/format), the kernels' segment tables
+# (host_plan.cpp), test support (testing.cpp).
 add_library(kvtc_cuda STATIC
   ${_kvtc_root}/src/cuda/common.cu
   ${_kvtc_root}/src/cuda/rope_gather.cu
@@ -84,7 +87,10 @@ add_library(kvtc_cuda STATIC
   ${_kvtc_root}/src/cuda/entropy.cu
   ${_kvtc_root}/src/cuda/synth.cu
   ${_kvtc_root}/src/cuda/host_plan.cpp
-  ${_kvtc_root}/src/cuda/cuda_codec.cpp)
+  ${_kvtc_root}/src/cuda/cuda_codec.cpp
+  ${_kvtc_root}/src/cuda/cuda_encode.cpp
+  ${_kvtc_root}/src/cuda/cuda_decode.cpp
+  ${_kvtc_root}/src/cuda/testing.cpp)
 # The directory's -Wall/-Wextra are host-compiler flags nvcc does not take:
 # give them to C++ sources, and to nvcc through -Xcompiler.
 set_property(TARGET kvtc_cuda PROPERTY COMPILE_OPTIONS "")
@@ -93,8 +99,8 @@ target_compile_options(kvtc_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall -Werror=cross-execution-space-call>)
 string(REPLACE ";" "," _kvtc_archs "${CMAKE_CUDA_ARCHITECTURES}")
 target_compile_definitions(kvtc_cuda PRIVATE KVTC_CUDA_ARCHS="${_kvtc_archs}")
-target_include_directories(kvtc_cuda PUBLIC ${_kvtc_root}/include)
-target_link_libraries(kvtc_cuda PUBLIC kvtc_codec CUDA::cudart_static CUDA::cublas PRIVATE deflate xxhash OpenMP::OpenMP_CXX)
+target_include_directories(kvtc_cuda PUBLIC ${_kvtc_root}/include PRIVATE ${_kvtc_root}/src)
+target_link_libraries(kvtc_cuda PUBLIC kvtc_lib CUDA::cudart_static CUDA::cublas PRIVATE deflate xxhash OpenMP::OpenMP_CXX)
 if(_kvtc_use_nvcomp)
   target_compile_definitions(kvtc_cuda PRIVATE KVTC_HAVE_NVCOMP=1)
   target_include_directories(kvtc_cuda SYSTEM PRIVATE ${KVTC_NVCOMP_INCLUDE_DIR})
@@ -105,22 +111,19 @@ else()
 endif()
 
 # ---- benchmark -------------------------------------------------------------
-# kvtc bench --device cuda (tools/kvtc/bench_cuda.cpp) in the CLI.
-if(TARGET kvtc)
-  target_sources(kvtc PRIVATE ${_kvtc_root}/tools/kvtc/bench_cuda.cpp)
-  target_link_libraries(kvtc PRIVATE kvtc_cuda)
-  target_compile_definitions(kvtc PRIVATE KVTC_WITH_CUDA=1)
-endif()
-
-add_executable(kvtc_gpu_bench ${_kvtc_root}/tools/kvtc_gpu_bench.cpp)
-target_link_libraries(kvtc_gpu_bench PRIVATE kvtc_cuda kvtc_encoder)
+# kvtc-lab bench --device cuda links kvtc_cuda (lab/CMakeLists.txt). The
+# device check's own benchmark on synthetic caches made on the GPU:
+add_executable(kvtc_gpu_bench ${_kvtc_root}/bench/gpu/kvtc_gpu_bench.cpp)
+target_include_directories(kvtc_gpu_bench PRIVATE ${_kvtc_root}/src)
+target_link_libraries(kvtc_gpu_bench PRIVATE kvtc_cuda)
 
 # ---- tests (registered here, not in tests/CMakeLists.txt) -----------------
 if(KVTC_BUILD_TESTS)
   find_package(GTest REQUIRED)
   enable_testing()
   add_executable(kvtc_tests_cuda ${_kvtc_root}/tests/test_cuda.cpp)
-  target_link_libraries(kvtc_tests_cuda PRIVATE kvtc_cuda kvtc_encoder GTest::gtest_main)
+  target_include_directories(kvtc_tests_cuda PRIVATE ${_kvtc_root}/src)
+  target_link_libraries(kvtc_tests_cuda PRIVATE kvtc_cuda GTest::gtest_main)
   set_target_properties(kvtc_tests_cuda PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/tests")
   add_test(NAME cuda COMMAND kvtc_tests_cuda)
 endif()

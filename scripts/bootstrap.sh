@@ -34,6 +34,7 @@ apt_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
   bible-kjv bible-kjv-text jargon-text debian-reference-en python3.11-doc
   libpython3.11-stdlib maxima-doc
+  python3-matplotlib
 )
 missing=()
 for p in "${apt_pkgs[@]}"; do

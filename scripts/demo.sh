@@ -8,6 +8,7 @@
 # exists, else a quick one (16K tokens, ~2 min, cached in .deps/calib/).
 set -euo pipefail
 kvtc=${1:-build/kvtc}
+lab=$(dirname "$kvtc")/kvtc-lab  # the multi-turn session (step 4) is research tooling
 top=$(cd "$(dirname "$0")/.." && pwd)
 out="$top/out/demo"
 mkdir -p "$out" "$top/.deps/calib"
@@ -65,7 +66,7 @@ print(f"  greedy tokens matching the recomputed run: {r['greedy_agree']} of {r['
 PY
 echo
 echo "== 4. a multi-turn chat: between turns the cache rests as .kvtc; each turn restores it, or recomputes the whole history"
-"$kvtc" session --calib "$cal" --ratio "$ratio" --turns "${KVTC_DEMO_TURNS:-4}" --turn-tokens 400 --reply 32 -o "$out/turns"
+"$lab" session --calib "$cal" --ratio "$ratio" --turns "${KVTC_DEMO_TURNS:-4}" --turn-tokens 400 --reply 32 -o "$out/turns"
 echo
 echo "Files: $out/session.safetensors (raw f16 capture), $out/session.kvtc (compressed), $out/restored.safetensors, $out/turns/turn*.kvtc."
 echo "A lossy restore continues the text but may pick other words than recomputing would (step 3 counts them)."

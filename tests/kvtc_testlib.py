@@ -1,22 +1,33 @@
-"""Shared helpers of the CLI tests: the kvtc binary, models and corpus from
-the environment ctest sets, a runner, and a standard-library safetensors
-reader (as a Python user without our tools would read our files)."""
+"""Shared helpers of the CLI tests: the kvtc and kvtc-lab binaries, models
+and corpus from the environment ctest sets, runners, and a standard-library
+safetensors reader (as a Python user without our tools would read our files)."""
 import json
 import os
 import struct
 import subprocess
 
 KVTC = os.environ["KVTC_BIN"]
+KVTC_LAB = os.environ["KVTC_LAB_BIN"]
 CORPUS = os.environ["KVTC_CORPUS"]
 SMOL = os.environ["KVTC_MODEL_SMOL"]
 GEMMA = os.environ["KVTC_MODEL_GEMMA"]
 
 
-def run(*args, check=None, env=None):
-    p = subprocess.run([KVTC, *args], capture_output=True, text=True, timeout=900, env=env)
+def _run(binary, args, check, env):
+    p = subprocess.run([binary, *args], capture_output=True, text=True, timeout=900, env=env)
     if check is not None:
-        assert p.returncode == check, f"kvtc {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+        assert p.returncode == check, f"{os.path.basename(binary)} {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p
+
+
+def run(*args, check=None, env=None):
+    """The product CLI, `kvtc`."""
+    return _run(KVTC, args, check, env)
+
+
+def run_lab(*args, check=None, env=None):
+    """The research tooling, `kvtc-lab` (eval, bench, session, analyze)."""
+    return _run(KVTC_LAB, args, check, env)
 
 
 def read_safetensors(path):

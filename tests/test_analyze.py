@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
-"""`kvtc analyze` end to end at the smallest settings: a tiny real
+"""`kvtc-lab analyze` end to end at the smallest settings: a tiny real
 calibration, one evaluation document per kind of a few hundred tokens,
-every analysis; the PNGs must be PNGs and the JSON must hold the numbers."""
+every analysis; the JSON must hold the numbers, and bench/plots.py must draw
+valid PNGs of them."""
 import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import tempfile
 import unittest
 import zlib
 
-from kvtc_testlib import SMOL, run
+from kvtc_testlib import SMOL, run, run_lab
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "plots.py")
 
 
 def png_chunks(path):
@@ -22,7 +26,9 @@ def png_chunks(path):
     assert raw[:8] == PNG_SIGNATURE, path
     i, out = 8, []
     while i < len(raw):
+        assert i + 12 <= len(raw), f"{path}: truncated chunk"
         (n,) = struct.unpack(">I", raw[i:i + 4])
+        assert i + 12 + n <= len(raw), f"{path}: truncated chunk"
         typ, data = raw[i + 4:i + 8], raw[i + 8:i + 8 + n]
         (crc,) = struct.unpack(">I", raw[i + 8 + n:i + 12 + n])
         assert zlib.crc32(typ + data) == crc, f"{path}: bad CRC in {typ}"
@@ -42,11 +48,14 @@ class Analyze(unittest.TestCase):
             "--ratios", "16", "--pca", "randomized", "-o", cls.cal, check=0)
         cls.out = os.path.join(cls.tmp, "out")
         cls.md = os.path.join(cls.tmp, "body.md")
-        cls.proc = run("analyze", "-m", SMOL, "--samples", "1", "--context", "256", "--position-context", "320",
+        cls.proc = run_lab("analyze", "-m", SMOL, "--samples", "1", "--context", "256", "--position-context", "320",
                        "--procrustes-tokens", "512", "--calib", cls.cal, "--calib-sizes", cls.cal, "--domain-calibs",
                        f"all={cls.cal}", "-o", cls.out, "--out-md", cls.md, check=0)
         with open(os.path.join(cls.out, "analyze.json")) as f:
             cls.res = json.load(f)
+        # The figures, drawn from analyze.json by matplotlib.
+        cls.plots = subprocess.run([sys.executable, PLOTS, "analyze", cls.out], capture_output=True, text=True, timeout=600)
+        assert cls.plots.returncode == 0, f"bench/plots.py analyze -> {cls.plots.returncode}\n{cls.plots.stdout}\n{cls.plots.stderr}"
 
     @classmethod
     def tearDownClass(cls):
@@ -54,12 +63,21 @@ class Analyze(unittest.TestCase):
 
     def test_pngs_are_pngs(self):
         for name in ("procrustes.png", "calib_size.png", "position.png", "domain.png"):
-            chunks = png_chunks(os.path.join(self.out, name))
-            self.assertEqual([c[0] for c in chunks], [b"IHDR", b"IDAT", b"IEND"], name)
+            path = os.path.join(self.out, name)
+            self.assertIn(path, self.plots.stdout.split("\n"), name)
+            chunks = png_chunks(path)
+            types = [c[0] for c in chunks]
+            # matplotlib adds chunks (pHYs, tEXt) and splits IDAT: only the frame is fixed.
+            self.assertEqual((types[0], types[-1]), (b"IHDR", b"IEND"), name)
+            self.assertEqual(types.count(b"IHDR"), 1, name)
+            self.assertIn(b"IDAT", types, name)
             w, h, depth, colour = struct.unpack(">IIBB", chunks[0][1][:10])
-            self.assertEqual((depth, colour), (8, 2), name)
-            pixels = zlib.decompress(chunks[1][1])
-            self.assertEqual(len(pixels), h * (1 + 3 * w), name)
+            self.assertTrue(200 <= w <= 5000 and 200 <= h <= 5000, f"{name}: {w} x {h}")
+            self.assertEqual(depth, 8, name)
+            self.assertIn(colour, (2, 6), name)  # RGB or RGBA
+            # The image data inflates to one filter byte and w pixels per row.
+            pixels = zlib.decompress(b"".join(d for t, d in chunks if t == b"IDAT"))
+            self.assertEqual(len(pixels), h * (1 + (3 if colour == 2 else 4) * w), name)
         self.assertEqual(sorted(os.listdir(self.out)), ["analyze.json", "calib_size.png", "domain.png", "position.png", "procrustes.png"])
 
     def test_json_numbers(self):
@@ -109,7 +127,7 @@ class Analyze(unittest.TestCase):
             self.assertIn(f"]({name})", md)
 
     def test_unknown_analysis_refused(self):
-        p = run("analyze", "--what", "procrustes,nonsense", "-o", os.path.join(self.tmp, "x"))
+        p = run_lab("analyze", "--what", "procrustes,nonsense", "-o", os.path.join(self.tmp, "x"))
         self.assertEqual(p.returncode, 1)
         self.assertIn("unknown analysis 'nonsense'", p.stderr)
         self.assertFalse(os.path.exists(os.path.join(self.tmp, "x")))

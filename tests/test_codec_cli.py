@@ -9,7 +9,7 @@ import shutil
 import tempfile
 import unittest
 
-from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, run
+from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, run, run_lab
 
 
 class Codec(unittest.TestCase):
@@ -37,7 +37,7 @@ class Codec(unittest.TestCase):
 
     def assertFails(self, p, *needles):
         self.assertGreater(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn("kvtc: error:", p.stderr)
+        self.assertRegex(p.stderr, r"kvtc(-lab)?: error:")
         for n in needles:
             self.assertIn(n, p.stderr)
 
@@ -165,7 +165,7 @@ class Codec(unittest.TestCase):
 
     def test_bench_and_session_machinery(self):
         # Machinery only: fields present and consistent, no timing asserted.
-        b = json.loads(run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--repeat", "1", "--json",
+        b = json.loads(run_lab("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--repeat", "1", "--json",
                            "--precision", "f32", "auto", check=0).stdout)
         (c,) = b["contexts"]
         self.assertEqual(c["tokens"], 300)
@@ -183,11 +183,11 @@ class Codec(unittest.TestCase):
         self.assertGreater(b["baselines"]["gemm_peak_gflops_f32"], 0)
         self.assertEqual("gemm_peak_gflops_bf16" in b["baselines"], not b["bf16_projection"].startswith("unavailable"))
         # The GPU benchmark refuses cleanly where no GPU (or no CUDA build) exists.
-        p = run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--device", "cuda")
+        p = run_lab("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--ratio", "16", "--device", "cuda")
         if p.returncode != 0:
             self.assertFails(p, "bench --device cuda")
-        self.assertFails(run("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--batch", "2"), "--batch is for --device cuda")
-        s = json.loads(run("session", "-m", SMOL, "--calib", self.cal, "--turns", "2", "--turn-tokens", "48", "--reply", "4",
+        self.assertFails(run_lab("bench", "-m", SMOL, "--calib", self.cal, "--context", "300", "--batch", "2"), "--batch is for --device cuda")
+        s = json.loads(run_lab("session", "-m", SMOL, "--calib", self.cal, "--turns", "2", "--turn-tokens", "48", "--reply", "4",
                            "-o", self.path("turns"), "--json", check=0).stdout)
         self.assertEqual(len(s["turns"]), 2)
         t2 = s["turns"][1]
@@ -211,7 +211,7 @@ class Codec(unittest.TestCase):
     def test_eval_machinery(self):
         # A tiny run checks the machinery, not the numbers.
         out = self.path("eval.json")
-        p = run("eval", "-m", SMOL, "--calib", self.cal, "--context", "256", "--samples", "2", "--continuation", "32", "--greedy", "8",
+        p = run_lab("eval", "-m", SMOL, "--calib", self.cal, "--context", "256", "--samples", "2", "--continuation", "32", "--greedy", "8",
                 "--methods", "vanilla", "kvtc-16x", "fp8", "kivi-2", "zstd", "--out-json", out, "--json", check=0)
         j = json.loads(p.stdout)
         with open(out) as f:
@@ -233,14 +233,14 @@ class Codec(unittest.TestCase):
         self.assertGreater(van["scores"]["ppl"], 1.0)
         self.assertGreaterEqual(kv["scores"]["kld"], 0.0)
         self.assertLessEqual(kv["scores"]["agree"], 8)
-        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "h2o", "--context", "256", "--samples", "1"), "unknown method")
-        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x@x", "--calib", self.cal, "--context", "256"), "--calib-extra x=FILE")
-        self.assertFails(run("eval", "-m", SMOL, "--methods", "fp8", "--context", "256"), "first method must be vanilla")
-        self.assertFails(run("eval", "-m", SMOL, "--tasks", "mmlu", "--context", "256"), "unknown task")
+        self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "h2o", "--context", "256", "--samples", "1"), "unknown method")
+        self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x@x", "--calib", self.cal, "--context", "256"), "--calib-extra x=FILE")
+        self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "fp8", "--context", "256"), "first method must be vanilla")
+        self.assertFails(run_lab("eval", "-m", SMOL, "--tasks", "mmlu", "--context", "256"), "unknown task")
 
     def test_eval_tasks_and_baselines(self):
         # Retrieval tasks and every other method kind, machinery only.
-        p = run("eval", "-m", SMOL, "--calib", self.cal, "--calib-extra", "rope=" + self.cal2, "--context", "320", "--samples", "1",
+        p = run_lab("eval", "-m", SMOL, "--calib", self.cal, "--calib-extra", "rope=" + self.cal2, "--context", "320", "--samples", "1",
                 "--tasks", "niah", "vt", "kvr", "--methods", "vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "streaming-8x",
                 "svd-16x", "--json", check=0)
         j = json.loads(p.stdout)
@@ -260,7 +260,7 @@ class Codec(unittest.TestCase):
             for t in ("niah", "vt", "kvr"):
                 self.assertGreaterEqual(x["scores"][t], 0)
                 self.assertLessEqual(x["scores"][t], 100)
-        self.assertFails(run("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x", "--context", "256", "--samples", "1"), "needs --calib")
+        self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x", "--context", "256", "--samples", "1"), "needs --calib")
 
     def test_must_fail_containers(self):
         good = self.path("good.kvtc")

@@ -22,18 +22,18 @@
 #include <random>
 #include <tuple>
 
-#include "../src/codec/container.h"
-#include "../src/cuda/center.cuh"
-#include "../src/cuda/host_plan.h"
-#include "../src/cuda/project.cuh"
-#include "../src/cuda/quant.cuh"
-#include "../src/cuda/rope_gather.cuh"
-#include "kvtc/codec.h"
-#include "kvtc/cuda_codec.h"
-#include "kvtc/error.h"
-#include "kvtc/features.h"
-#include "kvtc/quant.h"
-#include "kvtc/util.h"
+#include "codec/quant.h"
+#include "core/scalar.h"
+#include "cuda/center.cuh"
+#include "cuda/codec_impl.h"
+#include "cuda/host_plan.h"
+#include "cuda/project.cuh"
+#include "cuda/quant.cuh"
+#include "cuda/rope_gather.cuh"
+#include "cuda/testing.h"
+#include "format/plan.h"
+#include "kvtc/cuda.h"
+#include "kvtc/kvtc.h"
 
 using namespace kvtc;
 
@@ -41,18 +41,17 @@ namespace {
 
 // ---------------------------------------------------------------- fixtures
 
-std::map<std::string, std::string> meta_for(const std::string& rope_type, uint32_t n_rot, bool factors = false) {
-  std::map<std::string, std::string> m = {{"model_sha256", "test-model"},  {"rope_type", rope_type},      {"n_rot", std::to_string(n_rot)},
-                                          {"rope_freq_base", "10000"},     {"rope_freq_scale", "1"},      {"rope_scaling_type", "none"},
-                                          {"rope_freq_base_swa", "10000"}, {"rope_freq_scale_swa", "0.5"}};
-  if (factors) {
-    std::string f = "[";
-    for (uint32_t i = 0; i < n_rot / 2; ++i) f += (i ? "," : "") + std::to_string(1.0 + 0.25 * i);
-    m["rope_freq_factors"] = f + "]";
-  } else {
-    m["rope_freq_factors"] = "[]";
-  }
-  return m;
+// The rotation of the test caches: base 1e4 on 16-dim heads; the
+// sliding-window block (block 1) uses scale 0.5; factors 1 + 0.25 i.
+Rope rope_for(const std::string& layout, uint32_t n_rot, bool factors, bool swa) {
+  Rope r;
+  r.layout = layout == "neox" ? RopeLayout::kNeox : layout == "norm" ? RopeLayout::kNorm : RopeLayout::kNone;
+  r.n_rot = r.layout == RopeLayout::kNone ? 0 : n_rot;
+  r.freq_base = 10000.0f;
+  r.freq_scale = swa ? 0.5f : 1.0f;
+  if (factors && !swa)
+    for (uint32_t i = 0; i < n_rot / 2; ++i) r.freq_factors.push_back(float(1.0 + 0.25 * i));
+  return r;
 }
 
 // A block of n tokens with low-rank structure plus noise (so that a PCA
@@ -89,9 +88,15 @@ KvBlock make_block(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t n, ui
 
 KvCapture make_capture(uint32_t n, const std::string& rope = "norm", uint32_t seed = 1, bool two_blocks = false, bool factors = false) {
   KvCapture c;
-  c.meta = meta_for(rope, 16, factors);
+  c.model_sha256 = "test-model";
   c.blocks.push_back(make_block(2, 2, 16, n, seed));
-  if (two_blocks) c.blocks.push_back(make_block(1, 2, 16, std::min<uint32_t>(n, 40), seed + 7, int32_t(n > 40 ? n - 40 : 0)));
+  c.blocks.back().rope = rope_for(rope, 16, factors, false);
+  if (two_blocks) {
+    c.blocks.push_back(make_block(1, 2, 16, std::min<uint32_t>(n, 40), seed + 7, int32_t(n > 40 ? n - 40 : 0)));
+    c.blocks.back().layers = {2};
+    c.blocks.back().sliding_window = 40;
+    c.blocks.back().rope = rope_for(rope, 16, factors, true);
+  }
   for (uint32_t t = 0; t < n; ++t) c.tokens.push_back(int32_t(1000 + t));
   return c;
 }
@@ -133,10 +138,10 @@ Transform make_transform(uint32_t p, bool permutation, uint32_t seed) {
 
 Calibration make_calibration(const KvCapture& c, bool permutation) {
   Calibration cal;
-  cal.meta = {{"model_sha256", "test-model"}};
+  cal.geometry = c.geometry();
   cal.blocks.resize(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
-    for (int kv = 0; kv < 2; ++kv) cal.blocks[b][kv] = make_transform(feature_dim(c.blocks[b]), permutation, uint32_t(11 + b * 2 + kv));
+    for (int kv = 0; kv < 2; ++kv) cal.blocks[b][kv] = make_transform(c.blocks[b].features(), permutation, uint32_t(11 + b * 2 + kv));
   cal.id = calibration_compute_id(cal);
   return cal;
 }
@@ -155,7 +160,7 @@ Allocation make_alloc(uint32_t p) {
 
 AllocationSet make_alloc_set(const KvCapture& c) {
   AllocationSet s(c.blocks.size());
-  for (size_t b = 0; b < c.blocks.size(); ++b) s[b] = {make_alloc(feature_dim(c.blocks[b])), make_alloc(feature_dim(c.blocks[b]))};
+  for (size_t b = 0; b < c.blocks.size(); ++b) s[b] = {make_alloc(c.blocks[b].features()), make_alloc(c.blocks[b].features())};
   return s;
 }
 
@@ -175,7 +180,7 @@ CompressOptions small_opts(int level) {
 KvCapture cpu_decode(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin) {
   DecompressOptions o;
   o.precision = Precision::kF32;
-  return kvtc_decompress(bytes, cal, origin, o);
+  return decompress(bytes, cal, origin, o);
 }
 
 // Section payloads of a container, keyed by (kind, block, kv, t0, t1).
@@ -202,7 +207,7 @@ uint32_t f16_ulps(uint16_t a, uint16_t b) {
 #define REQUIRE_GPU()                     \
   do {                                    \
     std::string why_;                     \
-    if (!kvtc_cuda_available(&why_)) {    \
+    if (!cuda_available(&why_)) {         \
       GTEST_SKIP() << "no GPU: " << why_; \
     }                                     \
   } while (0)
@@ -254,7 +259,6 @@ std::vector<float> tricky_coefficients(uint32_t n, uint32_t r, uint32_t seed) {
 TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
   const Allocation a = make_alloc(64);
   for (uint32_t n : {1u, 3u, 16u, 31u, 32u, 100u, 256u}) {
-    EXPECT_EQ(cuda::packed_chunk_bytes(a.blocks, n), container::packed_bytes(a.blocks, n)) << n;
     std::vector<cuda::QSeg> segs;
     const size_t bytes = cuda::append_chunk_segments(a.blocks, 7, n, 1000, false, segs);
     EXPECT_EQ(bytes, container::packed_bytes(a.blocks, n));
@@ -297,8 +301,8 @@ TEST(CudaHost, ChunkTokensFittingNvcompLimit) {
   AllocationSet set{{a, a}};
   const uint32_t n = cuda::chunk_tokens_fitting(set, 256, cuda::kNvcompMaxChunkBytes);
   EXPECT_EQ(n % 16, 0u);
-  EXPECT_LE(cuda::packed_chunk_bytes(a.blocks, n), cuda::kNvcompMaxChunkBytes);
-  EXPECT_GT(cuda::packed_chunk_bytes(a.blocks, n + 16), cuda::kNvcompMaxChunkBytes);
+  EXPECT_LE(container::packed_bytes(a.blocks, n), cuda::kNvcompMaxChunkBytes);
+  EXPECT_GT(container::packed_bytes(a.blocks, n + 16), cuda::kNvcompMaxChunkBytes);
   EXPECT_EQ(n, 80u);                                                                // 718 bytes per token
   EXPECT_EQ(cuda::chunk_tokens_fitting(set, 64, cuda::kNvcompMaxChunkBytes), 64u);  // the caller's limit wins
   Allocation big;
@@ -316,17 +320,15 @@ TEST(CudaHost, ReferencePackerEqualsTheCpuEncoder) {
     const Calibration cal = make_calibration(c, true);
     const AllocationSet al = make_alloc_set(c);
     const CompressOptions o = small_opts(0);
-    const auto pl = payloads(kvtc_compress(c, cal, al, o));
+    const auto pl = payloads(compress(c, cal, al, o));
     const KvBlock& kb = c.blocks[0];
-    const RopeParams rp = rope_params_from_meta(c.meta, false, kb.head_dim, "test");
     size_t chunks = 0;
     for (const auto& [key, bytes] : pl) {
       auto [kind, b, kv, t0, t1] = key;
       if (kind != container::kChunk) continue;
       const Transform& T = cal.blocks[b][kv];
       const uint32_t n = t1 - t0;
-      std::vector<float> x(size_t(n) * T.p), d(size_t(n) * T.r);
-      gather_features(kb, KvKind(kv), kv == 0 ? &rp : nullptr, t0, t1, x.data());
+      std::vector<float> x = feature_rows(kb, kv == 0, true, t0, t1), d(size_t(n) * T.r);
       for (uint32_t t = 0; t < n; ++t)
         for (uint32_t f = 0; f < T.p; ++f) x[size_t(t) * T.p + f] -= T.mu[f];
       for (uint32_t t = 0; t < n; ++t)
@@ -336,63 +338,85 @@ TEST(CudaHost, ReferencePackerEqualsTheCpuEncoder) {
             if (T.basis[size_t(j) * T.p + f] != 0.0f) s = 0.0f + x[size_t(t) * T.p + f] * T.basis[size_t(j) * T.p + f];  // +0 as a GEMM sums
           d[size_t(t) * T.r + j] = s;
         }
-      EXPECT_EQ(cuda::pack_reference(d.data(), n, T.r, al[b][kv].blocks), bytes) << rope << " chunk " << t0 << ".." << t1 << " kv " << kv;
+      EXPECT_EQ(container::pack_chunk(d.data(), n, T.r, al[b][kv].blocks), bytes) << rope << " chunk " << t0 << ".." << t1 << " kv " << kv;
       ++chunks;
     }
     EXPECT_EQ(chunks, 2u * 4u);  // tokens 4..126 in chunks of 32, K and V
   }
 }
 
-TEST(CudaHost, HeaderJsonAndDecodePlanMatchTheCpuContainer) {
+TEST(CudaHost, TheSharedContainerCodeReadsWhatItWrites) {
+  // The GPU encoder writes its headers with container::put_file_header /
+  // put_section_header and plans its sections with plan_sections, the CPU
+  // encoder's own functions; the GPU decoder plans with plan_decode. Check
+  // those against a CPU container byte for byte.
   const KvCapture c = make_capture(130, "neox", 5, true, true);
   const Calibration cal = make_calibration(c, false);
   const AllocationSet al = make_alloc_set(c);
   const CompressOptions o = small_opts(6);
-  const std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, o);
-  const container::Parsed P = container::parse(bytes, "test");
-  EXPECT_EQ(cuda::header_json(c, cal, al, o), P.header_json);
-  // File and section header writers produce what the parser reads.
+  const std::vector<uint8_t> bytes = compress(c, cal, al, o);
+  const container::Parsed P = container::parse(bytes, "test", 2);
+  EXPECT_EQ(container::header_json(c, cal, al, o), P.header_json);
   std::vector<uint8_t> hdr(container::kFileHeaderBytes + P.header_json.size());
-  cuda::put_file_header(hdr.data(), P.header_json);
+  container::put_file_header(hdr.data(), P.header_json);
   EXPECT_TRUE(std::equal(hdr.begin(), hdr.end(), bytes.begin()));
-  const container::Section& s0 = P.sections[0];
-  uint8_t sh[container::kSectionHeaderBytes];
-  cuda::put_section_header(sh, s0.kind, s0.block, s0.kv, s0.t0, s0.t1, s0.raw_len, s0.stored_len, s0.xxh);
-  EXPECT_TRUE(std::equal(sh, sh + sizeof sh, s0.data - container::kSectionHeaderBytes));
-  // The decode plan: positions, tokens and K/V sections as the CPU sees them.
-  const cuda::DecodePlan D = cuda::plan_decode(bytes.data(), bytes.size(), cal, "test", 2);
+  const std::vector<container::SectionPlan> plan = container::plan_sections(c, o, 0, 0);
+  ASSERT_EQ(plan.size(), P.sections.size());
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const container::Section& s = P.sections[i];
+    EXPECT_EQ(std::tie(plan[i].kind, plan[i].block, plan[i].kv, plan[i].t0, plan[i].t1), std::tie(s.kind, s.block, s.kv, s.t0, s.t1)) << i;
+    uint8_t sh[container::kSectionHeaderBytes];
+    container::put_section_header(sh, s.kind, s.block, s.kv, s.t0, s.t1, s.raw_len, s.stored_len, s.xxh);
+    EXPECT_TRUE(std::equal(sh, sh + sizeof sh, s.data - container::kSectionHeaderBytes)) << i;
+  }
+  // The decode plan: positions, tokens, geometry and K/V sections as the CPU sees them.
+  const container::DecodePlan D = container::plan_decode(P, cal, "test");
   ASSERT_EQ(D.host.blocks.size(), 2u);
   EXPECT_EQ(D.host.blocks[0].pos, c.blocks[0].pos);
   EXPECT_EQ(D.host.blocks[1].pos, c.blocks[1].pos);
   EXPECT_EQ(D.host.tokens, c.tokens);
+  EXPECT_EQ(D.host.blocks[0].rope, c.blocks[0].rope);
+  EXPECT_EQ(D.host.blocks[1].rope, c.blocks[1].rope);
   size_t kv_secs = 0;
   for (const auto& s : P.sections) kv_secs += s.kind == container::kRaw || s.kind == container::kChunk;
   EXPECT_EQ(D.kv_sections.size(), kv_secs);
-  ASSERT_TRUE(D.rope[0].has_value());
-  EXPECT_EQ(D.rope[0]->layout, RopeParams::Layout::kNeox);
-  // Corruption and a wrong calibration are refused like the CPU decoder does.
+  // Corruption and a wrong calibration are refused.
   std::vector<uint8_t> bad = bytes;
   bad[bad.size() - 3] ^= 0x40;
   try {
-    cuda::plan_decode(bad.data(), bad.size(), cal, "bad.kvtc", 2);
+    container::plan_decode(container::parse(bad, "bad.kvtc", 2), cal, "bad.kvtc");
     FAIL() << "corruption not detected";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
   }
   Calibration other = cal;
   other.id = "0000";
-  EXPECT_THROW(cuda::plan_decode(bytes.data(), bytes.size(), other, "x", 2), Error);
+  EXPECT_THROW(container::plan_decode(P, other, "x"), Error);
 }
 
-TEST(CudaHost, AvailabilityReportsAReason) {
+TEST(CudaHost, AvailabilityAndPrecisionModes) {
   std::string why;
-  const bool ok = kvtc_cuda_available(&why);
+  const bool ok = cuda_available(&why);
   if (!ok) {
     EXPECT_FALSE(why.empty());
   }
-  EXPECT_FALSE(kvtc_cuda_describe().empty());
-  EXPECT_EQ(cuda_gemm_from_name("bf16"), CudaGemm::kBf16);
-  EXPECT_THROW(cuda_gemm_from_name("int8"), Error);
+  EXPECT_FALSE(cuda_describe().empty());
+  // Every Precision maps to a cuBLAS mode; auto is f32 (the CPU's reference).
+  EXPECT_EQ(cuda::gemm_mode(Precision::kAuto).precision, Precision::kF32);
+  EXPECT_EQ(cuda::gemm_mode(Precision::kBF16).et, cuda::ElemType::kBf16);
+  EXPECT_TRUE(cuda::gemm_mode(Precision::kTF32).tf32);
+  EXPECT_EQ(cuda::gemm_mode(Precision::kF16).et, cuda::ElemType::kF16);
+  // The CPU refuses the GPU-only modes by name.
+  const KvCapture c = make_capture(64);
+  const Calibration cal = make_calibration(c, false);
+  CompressOptions o = small_opts(6);
+  o.precision = Precision::kTF32;
+  try {
+    compress(c, cal, make_alloc_set(c), o);
+    FAIL() << "tf32 accepted on the CPU";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GPU mode"), std::string::npos) << e.what();
+  }
 }
 
 // ================================================================ GPU: kernels
@@ -424,8 +448,8 @@ TEST(CudaKernels, QuantizeAndPackByteIdentical) {
                              uint32_t(tiles.size()), static_cast<uint8_t*>(d_out.get()), nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint8_t> got = to_host<uint8_t>(d_out, off2 + b2);
-    const std::vector<uint8_t> want1 = cuda::pack_reference(d.data(), n, r, a.blocks);
-    const std::vector<uint8_t> want2 = cuda::pack_reference(d.data() + size_t(n) * r, n2, r, a.blocks);
+    const std::vector<uint8_t> want1 = container::pack_chunk(d.data(), n, r, a.blocks);
+    const std::vector<uint8_t> want2 = container::pack_chunk(d.data() + size_t(n) * r, n2, r, a.blocks);
     EXPECT_TRUE(std::equal(want1.begin(), want1.end(), got.begin())) << "chunk 1, n=" << n;
     EXPECT_TRUE(std::equal(want2.begin(), want2.end(), got.begin() + off2)) << "chunk 2, n=" << n;
 
@@ -442,7 +466,7 @@ TEST(CudaKernels, QuantizeAndPackByteIdentical) {
                         uint32_t(dtiles.size()), d_back.get(), ld, cuda::ElemType::kF32, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> back = to_host<float>(d_back, size_t(r) * ld);
-    const uint32_t ru = cuda::r_used(a.blocks);
+    const uint32_t ru = container::r_used(a.blocks);
     size_t mismatches = 0;
     for (uint32_t t = 0; t < rows; ++t)
       for (const BlockAlloc& blk : a.blocks) {
@@ -467,26 +491,20 @@ TEST(CudaKernels, GatherDeRopeAndScatterReRopeMatchTheCpu) {
       KvCapture c = make_capture(300, rope, 9, false, factors);
       KvBlock& kb = c.blocks[0];
       for (uint32_t t = 0; t < kb.n_tokens(); ++t) kb.pos[t] = int32_t(t * 37 + 5);  // long-range positions
-      const RopeParams rp = rope_params_from_meta(c.meta, false, kb.head_dim, "test");
-      const uint32_t p = feature_dim(kb), t0 = 7, t1 = 290, n = t1 - t0, lh = kb.n_layer() * kb.n_head_kv;
+      const Rope& rp = kb.rope;
+      const uint32_t p = kb.features(), t0 = 7, t1 = 290, n = t1 - t0, lh = kb.n_layer() * kb.n_head_kv;
       std::vector<float> mu(p);
       for (uint32_t f = 0; f < p; ++f) mu[f] = 0.01f * float(f % 17) - 0.05f;
       // CPU: gather (de-RoPE), centre.
-      std::vector<float> want(size_t(n) * p);
-      gather_features(kb, KvKind::kKey, &rp, t0, t1, want.data());
+      std::vector<float> want = feature_rows(kb, true, true, t0, t1);
       for (uint32_t t = 0; t < n; ++t)
         for (uint32_t f = 0; f < p; ++f) want[size_t(t) * p + f] -= mu[f];
       // GPU.
       CudaBuffer d_k = to_device(kb.k), d_mu = to_device(mu), d_x(size_t(n) * p * 4);
       std::vector<int32_t> pos(kb.pos.begin() + t0, kb.pos.begin() + t1);
       CudaBuffer d_pos = to_device(pos), d_c(size_t(n) * 8 * 8), d_s(size_t(n) * 8 * 8), d_ff = to_device(rp.freq_factors);
-      cuda::RopeDev rd;
-      rd.layout = rope == "norm" ? 1 : 2;
-      rd.n_rot = rp.n_rot;
-      rd.head_dim = rp.head_dim;
-      rd.theta_scale = std::pow(rp.freq_base, -2.0f / float(rp.n_rot));
-      rd.freq_scale = rp.freq_scale;
-      rd.freq_factors = rp.freq_factors.empty() ? nullptr : static_cast<float*>(d_ff.get());
+      const cuda::RopeDev rd = cuda::rope_dev(rp, kb.head_dim, static_cast<float*>(d_ff.get()));
+      EXPECT_EQ(rd.layout, rope == "norm" ? 1 : 2);
       cuda::launch_rope_table(static_cast<int32_t*>(d_pos.get()), n, rd, true, static_cast<double*>(d_c.get()), static_cast<double*>(d_s.get()),
                               nullptr);
       cuda::launch_gather(static_cast<uint16_t*>(d_k.get()), lh, kb.n_tokens(), kb.head_dim, t0, n, static_cast<double*>(d_c.get()),
@@ -508,8 +526,7 @@ TEST(CudaKernels, GatherDeRopeAndScatterReRopeMatchTheCpu) {
       for (uint32_t t = 0; t < n; ++t)
         for (uint32_t f = 0; f < p; ++f) rows[size_t(t) * p + f] += mu[f];
       KvBlock cpu = kb;
-      std::vector<float> scratch = rows;
-      scatter_features(scratch.data(), KvKind::kKey, &rp, t0, t1, cpu);
+      set_feature_rows(cpu, true, true, t0, t1, rows);
       std::vector<int32_t> row_tok(n);
       for (uint32_t t = 0; t < n; ++t) row_tok[t] = int32_t(t0 + t);
       // The GPU gets the centred rows and adds mu itself (fused, as in decoding).
@@ -537,9 +554,8 @@ TEST(CudaKernels, ValuesGatherAndCentringAreExact) {
   REQUIRE_GPU();
   const KvCapture c = make_capture(64, "norm", 4);
   const KvBlock& kb = c.blocks[0];
-  const uint32_t p = feature_dim(kb), n = 64, lh = kb.n_layer() * kb.n_head_kv;
-  std::vector<float> want(size_t(n) * p);
-  gather_features(kb, KvKind::kValue, nullptr, 0, n, want.data());
+  const uint32_t p = kb.features(), n = 64, lh = kb.n_layer() * kb.n_head_kv;
+  const std::vector<float> want = feature_rows(kb, false, false, 0, n);
   std::vector<float> mu(p, 0.0f);
   for (uint32_t f = 0; f < p; ++f) mu[f] = std::sin(float(f)) * 0.7f;
   CudaBuffer d_v = to_device(kb.v), d_x(size_t(n) * p * 4), d_mu = to_device(mu);
@@ -594,9 +610,9 @@ TEST(CudaKernels, ProjectionWithinBound) {
   const size_t ldd = cuda::round_up(n, 16);
   CudaBuffer d_x = to_device(x), d_b = to_device(T.basis), d_dt(size_t(ru) * ldd * 4);
   CudaBuffer d_xh(x.size() * 2), d_bh(T.basis.size() * 2);
-  for (auto [mode, bound] :
-       std::vector<std::pair<CudaGemm, double>>{{CudaGemm::kF32, 4e-6}, {CudaGemm::kTf32, 4e-3}, {CudaGemm::kBf16, 3e-2}, {CudaGemm::kF16, 4e-3}}) {
-    const cuda::ElemType et = mode == CudaGemm::kBf16 ? cuda::ElemType::kBf16 : mode == CudaGemm::kF16 ? cuda::ElemType::kF16 : cuda::ElemType::kF32;
+  for (auto [mode, bound] : std::vector<std::pair<Precision, double>>{
+           {Precision::kF32, 4e-6}, {Precision::kTF32, 4e-3}, {Precision::kBF16, 3e-2}, {Precision::kF16, 4e-3}}) {
+    const cuda::ElemType et = cuda::gemm_mode(mode).et;
     const void* xp = d_x.get();
     const void* bp = d_b.get();
     if (et != cuda::ElemType::kF32) {
@@ -605,14 +621,14 @@ TEST(CudaKernels, ProjectionWithinBound) {
       xp = d_xh.get();
       bp = d_bh.get();
     }
-    pr.encode(xp, et, mode == CudaGemm::kTf32, bp, n, p, ru, static_cast<float*>(d_dt.get()), ldd);
+    pr.encode(xp, et, cuda::gemm_mode(mode).tf32, bp, n, p, ru, static_cast<float*>(d_dt.get()), ldd);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> dt = to_host<float>(d_dt, size_t(ru) * ldd);
     double worst = 0;
     for (uint32_t t = 0; t < n; ++t)
       for (uint32_t j = 0; j < ru; ++j) worst = std::max(worst, std::fabs(dt[size_t(j) * ldd + t] - ref[size_t(t) * ru + j]) / row_norm[t]);
-    EXPECT_LE(worst, bound) << cuda_gemm_name(mode);
-    std::printf("[ projection %-4s ] max |D - D_ref| / |x| = %.3g\n", cuda_gemm_name(mode), worst);
+    EXPECT_LE(worst, bound) << precision_name(mode);
+    std::printf("[ projection %-4s ] max |D - D_ref| / |x| = %.3g\n", precision_name(mode), worst);
   }
 }
 
@@ -648,12 +664,12 @@ TEST(CudaCodecTest, ExactPayloadsWithAPermutationBasis) {
     const Calibration cal = make_calibration(c, true);
     const AllocationSet al = make_alloc_set(c);
     CompressOptions o = small_opts(0);
-    const std::vector<uint8_t> cpu = kvtc_compress(c, cal, al, o);
-    const std::vector<uint8_t> gpu = kvtc_compress_cuda(c, cal, al, o);
+    const std::vector<uint8_t> cpu = compress(c, cal, al, o);
+    const std::vector<uint8_t> gpu = compress_cuda(c, cal, al, o);
     EXPECT_EQ(gpu, cpu) << rope << ": stored containers must be byte-identical";
     o.deflate_level = 6;
-    const std::vector<uint8_t> cpu6 = kvtc_compress(c, cal, al, o);
-    const std::vector<uint8_t> gpu6 = kvtc_compress_cuda(c, cal, al, o);
+    const std::vector<uint8_t> cpu6 = compress(c, cal, al, o);
+    const std::vector<uint8_t> gpu6 = compress_cuda(c, cal, al, o);
     const auto pc = payloads(cpu6), pg = payloads(gpu6);
     // nvCOMP may lower chunk_tokens; compare payloads where the ranges agree,
     // and require every GPU chunk to equal the CPU reference packing.
@@ -667,8 +683,8 @@ TEST(CudaCodecTest, ExactPayloadsWithAPermutationBasis) {
     }
     EXPECT_GT(same, 4u);
     const KvCapture a = cpu_decode(gpu6, cal, "gpu6");
-    const KvCapture b = kvtc_decompress_cuda(gpu6, cal, "gpu6");
-    const KvCapture d = kvtc_decompress_cuda(cpu6, cal, "cpu6");
+    const KvCapture b = decompress_cuda(gpu6, cal, "gpu6");
+    const KvCapture d = decompress_cuda(cpu6, cal, "cpu6");
     const KvCapture e = cpu_decode(cpu6, cal, "cpu6");
     expect_close_f16(a, b, "GPU container: CPU vs GPU decode", 1);
     expect_close_f16(e, d, "CPU container: CPU vs GPU decode", 1);
@@ -682,27 +698,33 @@ TEST(CudaCodecTest, RoundTripsBothWaysWithADenseBasis) {
   const Calibration cal = make_calibration(c, false);
   const AllocationSet al = make_alloc_set(c);
   const CompressOptions o = small_opts(6);
-  const std::vector<uint8_t> cpu = kvtc_compress(c, cal, al, o);
-  const ContainerInfo ci_cpu = kvtc_inspect(cpu, "cpu");
-  for (CudaGemm g : {CudaGemm::kF32, CudaGemm::kTf32, CudaGemm::kBf16}) {
-    CudaOptions co;
-    co.gemm = g;
-    const std::vector<uint8_t> gpu = kvtc_compress_cuda(c, cal, al, o, co);
-    const ContainerInfo ci = kvtc_inspect(gpu, "gpu");  // checksums and layout
+  const std::vector<uint8_t> cpu = compress(c, cal, al, o);
+  const ContainerInfo ci_cpu = inspect(cpu, "cpu");
+  for (Precision g : {Precision::kF32, Precision::kTF32, Precision::kBF16}) {
+    CompressOptions og = o;
+    og.precision = g;
+    CodecStats st;
+    og.stats = &st;
+    const std::vector<uint8_t> gpu = compress_cuda(c, cal, al, og);
+    EXPECT_EQ(st.projection, g);  // the GPU honours the precision asked for
+    EXPECT_GT(st.total_ms, 0.0);
+    const ContainerInfo ci = inspect(gpu, "gpu");  // checksums and layout
     EXPECT_EQ(ci.n_tokens, ci_cpu.n_tokens);
     const KvCapture by_cpu = cpu_decode(gpu, cal, "gpu");  // GPU -> CPU
     const KvCapture ref = cpu_decode(cpu, cal, "cpu");
     const ReconError ec = reconstruction_error(c, ref, o.sink, o.window), eg = reconstruction_error(c, by_cpu, o.sink, o.window);
-    std::printf("[ %-4s ] rel. error K %.4g V %.4g (CPU: K %.4g V %.4g); size %zu (CPU %zu)\n", cuda_gemm_name(g), eg.k, eg.v, ec.k, ec.v, gpu.size(),
+    std::printf("[ %-4s ] rel. error K %.4g V %.4g (CPU: K %.4g V %.4g); size %zu (CPU %zu)\n", precision_name(g), eg.k, eg.v, ec.k, ec.v, gpu.size(),
                 cpu.size());
-    const double tol = g == CudaGemm::kF32 ? 0.02 : g == CudaGemm::kTf32 ? 0.05 : 0.25;
-    EXPECT_NEAR(eg.k, ec.k, tol * ec.k + 1e-7) << cuda_gemm_name(g);
-    EXPECT_NEAR(eg.v, ec.v, tol * ec.v + 1e-7) << cuda_gemm_name(g);
-    const KvCapture by_gpu = kvtc_decompress_cuda(cpu, cal, "cpu", co);  // CPU -> GPU
+    const double tol = g == Precision::kF32 ? 0.02 : g == Precision::kTF32 ? 0.05 : 0.25;
+    EXPECT_NEAR(eg.k, ec.k, tol * ec.k + 1e-7) << precision_name(g);
+    EXPECT_NEAR(eg.v, ec.v, tol * ec.v + 1e-7) << precision_name(g);
+    DecompressOptions dg;
+    dg.precision = g;
+    const KvCapture by_gpu = decompress_cuda(cpu, cal, "cpu", dg);  // CPU -> GPU
     const ReconError e2 = reconstruction_error(c, by_gpu, o.sink, o.window);
     EXPECT_NEAR(e2.k, ec.k, tol * ec.k + 1e-7);
     EXPECT_NEAR(e2.v, ec.v, tol * ec.v + 1e-7);
-    if (g == CudaGemm::kF32) {
+    if (g == Precision::kF32) {
       // Same container, two decoders: only GEMM summation order and RoPE ulps differ.
       expect_close_f16(ref, by_gpu, "CPU container decoded on CPU and GPU", 4);
     }
@@ -718,8 +740,10 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
   CudaCodec codec(cal);
   CudaKvCapture da = cuda_upload(a), db = cuda_upload(b), dc = cuda_upload(c);
   std::vector<std::vector<uint8_t>> batch, single;
-  CudaStageTimes t;
-  codec.compress({&da, &db, &dc}, al, o, batch, &t);
+  CodecStats t;
+  CompressOptions ot = o;
+  ot.stats = &t;
+  codec.compress({&da, &db, &dc}, al, ot, batch);
   ASSERT_EQ(batch.size(), 3u);
   EXPECT_GT(t.total_ms, 0.0);
   EXPECT_FALSE(t.entropy_backend.empty());
@@ -729,7 +753,10 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
     EXPECT_EQ(single[0], batch[i]) << i;
   }
   // Batched decode equals CPU decode of each.
-  std::vector<CudaKvCapture> back = codec.decompress({&batch[0], &batch[1], &batch[2]}, "batch", &t);
+  DecompressOptions dt;
+  dt.stats = &t;
+  std::vector<CudaKvCapture> back = codec.decompress({batch[0], batch[1], batch[2]}, "batch", dt);
+  EXPECT_GT(t.total_ms, 0.0);
   const KvCapture* orig[3] = {&a, &b, &c};
   for (int i = 0; i < 3; ++i) {
     const KvCapture cpu = cpu_decode(batch[i], cal, "b");
@@ -745,7 +772,7 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
           for (uint32_t d = 0; d < 16; ++d)
             (kv ? grown.blocks[0].v : grown.blocks[0].k)[grown.blocks[0].index(l, h, t, d)] =
                 (kv ? a.blocks[0].v : a.blocks[0].k)[a.blocks[0].index(l, h, t, d)];
-  const AppendResult ar = kvtc_append(batch[0], grown, cal, "gpu.kvtc");
+  const AppendResult ar = append(batch[0], grown, cal, "gpu.kvtc");
   EXPECT_GT(ar.kept_bytes, 0u);
   EXPECT_EQ(cpu_decode(ar.bytes, cal, "appended").blocks[0].n_tokens(), 212u);
 }
@@ -754,16 +781,16 @@ TEST(CudaCodecTest, ErrorsMatchTheCpuDecoder) {
   REQUIRE_GPU();
   const KvCapture c = make_capture(100, "norm", 51);
   const Calibration cal = make_calibration(c, false);
-  const std::vector<uint8_t> bytes = kvtc_compress(c, cal, make_alloc_set(c), small_opts(6));
+  const std::vector<uint8_t> bytes = compress(c, cal, make_alloc_set(c), small_opts(6));
   std::vector<uint8_t> bad = bytes;
   bad[bad.size() / 2] ^= 0x10;
-  EXPECT_THROW(kvtc_decompress_cuda(bad, cal, "bad"), Error);
-  EXPECT_THROW(kvtc_decompress_cuda(std::vector<uint8_t>(bytes.begin(), bytes.end() - 9), cal, "trunc"), Error);
+  EXPECT_THROW(decompress_cuda(bad, cal, "bad"), Error);
+  EXPECT_THROW(decompress_cuda(std::vector<uint8_t>(bytes.begin(), bytes.end() - 9), cal, "trunc"), Error);
   Calibration other = make_calibration(c, true);
-  EXPECT_THROW(kvtc_decompress_cuda(bytes, other, "other"), Error);
+  EXPECT_THROW(decompress_cuda(bytes, other, "other"), Error);
   KvCapture wrong = c;
-  wrong.meta["model_sha256"] = "another";
-  EXPECT_THROW(kvtc_compress_cuda(wrong, cal, make_alloc_set(c), small_opts(6)), Error);
+  wrong.model_sha256 = "another";
+  EXPECT_THROW(compress_cuda(wrong, cal, make_alloc_set(c), small_opts(6)), Error);
 }
 
 TEST(CudaCodecTest, SynthesizeAndDeviceErrorMetric) {
@@ -774,14 +801,12 @@ TEST(CudaCodecTest, SynthesizeAndDeviceErrorMetric) {
   std::vector<std::array<std::vector<float>, 2>> sigma(1);
   for (int kv = 0; kv < 2; ++kv)
     for (uint32_t j = 0; j < 64; ++j) sigma[0][kv].push_back(2.0f / std::sqrt(float(j + 1)));
-  CudaKvCapture syn = codec.synthesize(shape, sigma, 7);
+  CudaKvCapture syn = cuda::synthesize(codec, shape, sigma, 7);
   const KvCapture host = cuda_download(syn);
   // The synthetic cache follows the spectrum: projecting its de-RoPEd,
   // centred features on the basis gives variances ~ sigma^2.
   const KvBlock& kb = host.blocks[0];
-  const RopeParams rp = rope_params_from_meta(host.meta, false, kb.head_dim, "t");
-  std::vector<float> x(size_t(kb.n_tokens()) * 64);
-  gather_features(kb, KvKind::kKey, &rp, 0, kb.n_tokens(), x.data());
+  const std::vector<float> x = feature_rows(kb, true, true, 0, kb.n_tokens());
   const Transform& T = cal.blocks[0][0];
   for (uint32_t j : {0u, 10u, 40u}) {
     double s2 = 0;
@@ -796,9 +821,9 @@ TEST(CudaCodecTest, SynthesizeAndDeviceErrorMetric) {
   std::vector<std::vector<uint8_t>> out;
   const CompressOptions o = small_opts(6);
   codec.compress({&syn}, make_alloc_set(shape), o, out);
-  std::vector<CudaKvCapture> back = codec.decompress({&out[0]}, "syn");
-  const ReconError dev = codec.reconstruction_error(syn, back[0], o.sink, o.window);
-  const ReconError cpu = reconstruction_error(host, cuda_download(back[0]), o.sink, o.window);
+  const CudaKvCapture back = codec.decompress(out[0], "syn");
+  const ReconError dev = cuda_reconstruction_error(syn, back, o.sink, o.window);
+  const ReconError cpu = reconstruction_error(host, cuda_download(back), o.sink, o.window);
   EXPECT_NEAR(dev.k, cpu.k, 1e-9 + 1e-6 * cpu.k);
   EXPECT_NEAR(dev.v, cpu.v, 1e-9 + 1e-6 * cpu.v);
   EXPECT_EQ(dev.tokens, cpu.tokens);

@@ -6,8 +6,9 @@
 #include <functional>
 #include <random>
 
-#include "../src/calib/calibrate.h"
-#include "../src/calib/dp.h"
+#include "calib/dp.h"
+#include "codec/quant.h"
+#include "kvtc/calibration.h"
 
 using namespace kvtc;
 

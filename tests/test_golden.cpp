@@ -10,11 +10,9 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "../src/codec/container.h"
-#include "../tools/fuzz/fuzz_common.h"
-#include "kvtc/codec.h"
-#include "kvtc/error.h"
-#include "kvtc/util.h"
+#include "format/container.h"
+#include "fuzz/fuzz_common.h"
+#include "kvtc/kvtc.h"
 
 using namespace kvtc;
 namespace fs = std::filesystem;
@@ -31,7 +29,7 @@ void regenerate() {
   o.window = 8;
   o.chunk_tokens = 16;
   o.precision = Precision::kF32;  // reproducible on any machine
-  std::vector<uint8_t> good = kvtc_compress(c, cal, fuzz::small_alloc(), o);
+  std::vector<uint8_t> good = compress(c, cal, fuzz::small_alloc(), o);
   fs::create_directories(kDir);
   write_file_atomic(kDir + "/ok.kvtc", good);
   calibration_save(kDir + "/calibration.safetensors", cal);
@@ -43,7 +41,7 @@ void regenerate() {
   Calibration other = cal;
   other.blocks[0][0].mu[0] += 1.0f;
   other.id = calibration_compute_id(other);
-  write_file_atomic(kDir + "/fail_wrong_calibration.kvtc", kvtc_compress(c, other, fuzz::small_alloc(), o));
+  write_file_atomic(kDir + "/fail_wrong_calibration.kvtc", compress(c, other, fuzz::small_alloc(), o));
   std::vector<uint8_t> v2 = good;
   v2[4] = 2;
   write_file_atomic(kDir + "/fail_version.kvtc", v2);
@@ -51,10 +49,24 @@ void regenerate() {
 
 }  // namespace
 
+namespace {
+void check_v1_decode(const KvCapture& c);
+}  // namespace
+
 TEST(Golden, V1Decodes) {
   if (std::getenv("KVTC_REGENERATE_GOLDEN")) regenerate();
-  Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
-  KvCapture c = kvtc_decompress(read_file(kDir + "/ok.kvtc"), cal, "ok.kvtc");
+  // The calibration as written now (file format 2) and as first written
+  // (format 1, tests/golden/v1/calibration-v1.safetensors): the same id.
+  for (const char* file : {"calibration.safetensors", "calibration-v1.safetensors"}) {
+    SCOPED_TRACE(file);
+    const Calibration cal = calibration_load(kDir + "/" + file, true);
+    const KvCapture c = decompress(read_file(kDir + "/ok.kvtc"), cal, "ok.kvtc");
+    check_v1_decode(c);
+  }
+}
+
+namespace {
+void check_v1_decode(const KvCapture& c) {
   KvCapture ref = capture_load(kDir + "/original.safetensors");
   ASSERT_EQ(c.blocks[0].n_tokens(), 64u);
   EXPECT_EQ(c.tokens, ref.tokens);
@@ -67,6 +79,7 @@ TEST(Golden, V1Decodes) {
   for (uint32_t t : {0u, 1u, 56u, 63u})
     for (uint32_t d = 0; d < 8; ++d) EXPECT_EQ(c.blocks[0].k[c.blocks[0].index(1, 0, t, d)], ref.blocks[0].k[ref.blocks[0].index(1, 0, t, d)]);
 }
+}  // namespace
 
 // The encoder's output is stable: re-encoding the golden input gives the
 // golden file's sections byte for byte (the JSON header may gain fields),
@@ -84,7 +97,7 @@ TEST(Golden, ReencodeIsByteIdentical) {
     o.chunk_tokens = 16;
     o.threads = threads;
     o.precision = Precision::kF32;
-    const std::vector<uint8_t> now = kvtc_compress(c, cal, fuzz::small_alloc(), o);
+    const std::vector<uint8_t> now = compress(c, cal, fuzz::small_alloc(), o);
     const container::Parsed n = container::parse(now, "re-encoded");
     ASSERT_EQ(n.sections.size(), g.sections.size());
     for (size_t i = 0; i < g.sections.size(); ++i) {
@@ -106,7 +119,7 @@ TEST(Golden, V1MustFail) {
                                                        {"fail_version.kvtc", "version 2"}};
   for (const auto& [file, needle] : cases) {
     try {
-      kvtc_decompress(read_file(kDir + "/" + file), cal, file);
+      decompress(read_file(kDir + "/" + file), cal, file);
       ADD_FAILURE() << file << " decoded";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << file << ": " << e.what();
@@ -140,24 +153,24 @@ TEST(Append, KeepsThePrefixAndMatchesOneShot) {
     c.tokens.resize(n);
     return c;
   };
-  std::vector<uint8_t> bytes = kvtc_compress(prefix_of(64), cal, fuzz::small_alloc(), o);
+  std::vector<uint8_t> bytes = compress(prefix_of(64), cal, fuzz::small_alloc(), o);
   for (uint32_t n : {80u, 112u}) {
-    AppendResult r = kvtc_append(bytes, prefix_of(n), cal, "grow");
+    AppendResult r = append(bytes, prefix_of(n), cal, "grow");
     ASSERT_LE(r.kept_bytes, bytes.size());
     EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + r.kept_bytes, r.bytes.begin())) << "append rewrote earlier bytes";
     EXPECT_GT(r.kept_bytes, bytes.size() / 2);
-    KvCapture a = kvtc_decompress(r.bytes, cal, "appended");
-    KvCapture one = kvtc_decompress(kvtc_compress(prefix_of(n), cal, fuzz::small_alloc(), o), cal, "one-shot");
+    KvCapture a = decompress(r.bytes, cal, "appended");
+    KvCapture one = decompress(compress(prefix_of(n), cal, fuzz::small_alloc(), o), cal, "one-shot");
     EXPECT_EQ(a.blocks[0].pos, one.blocks[0].pos);
     EXPECT_EQ(a.blocks[0].k, one.blocks[0].k);
     EXPECT_EQ(a.blocks[0].v, one.blocks[0].v);
     EXPECT_EQ(a.tokens, one.tokens);
     bytes = r.bytes;
   }
-  EXPECT_THROW(kvtc_append(bytes, prefix_of(112), cal, "same"), Error);  // nothing new
+  EXPECT_THROW(append(bytes, prefix_of(112), cal, "same"), Error);  // nothing new
   KvCapture odd = fuzz::small_capture(120);
-  EXPECT_THROW(kvtc_append(bytes, odd, cal, "odd"), Error);  // 8 new tokens: not a multiple of 16
+  EXPECT_THROW(append(bytes, odd, cal, "odd"), Error);  // 8 new tokens: not a multiple of 16
   KvCapture moved = fuzz::small_capture(128);
   moved.blocks[0].pos[5] = 999;
-  EXPECT_THROW(kvtc_append(bytes, moved, cal, "moved"), Error);  // positions differ
+  EXPECT_THROW(append(bytes, moved, cal, "moved"), Error);  // positions differ
 }

@@ -9,9 +9,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/state_blob.h"
+#include "core/util.h"
 #include "kvtc/error.h"
-#include "kvtc/llama_session.h"
-#include "kvtc/util.h"
+#include "kvtc/llama.h"
 
 namespace fs = std::filesystem;
 using namespace kvtc;
@@ -65,7 +66,14 @@ TEST(Model, SmolLM2MetadataFromItsOwnGguf) {
   EXPECT_EQ(mi.head_dim_k, 64u);
   EXPECT_EQ(mi.n_ctx_train, 8192u);
   EXPECT_EQ(mi.n_swa, 0u);
-  EXPECT_EQ(smol().geometry().block_layers.size(), 1u);
+  const CacheGeometry g = smol().geometry();
+  ASSERT_EQ(g.blocks.size(), 1u);
+  EXPECT_EQ(g.model_sha256, smol().sha256());
+  EXPECT_EQ(g.blocks[0].features(), 30u * 3 * 64);
+  EXPECT_EQ(g.blocks[0].rope.layout, RopeLayout::kNorm);
+  EXPECT_EQ(g.blocks[0].rope.n_rot, 64u);
+  EXPECT_EQ(g.blocks[0].rope.freq_base, mi.rope_freq_base);
+  EXPECT_TRUE(g.blocks[0].rope.unsupported.empty()) << g.blocks[0].rope.unsupported;
 }
 
 TEST(Model, GemmaMetadataFromItsOwnGguf) {
@@ -75,9 +83,14 @@ TEST(Model, GemmaMetadataFromItsOwnGguf) {
   EXPECT_EQ(mi.n_layer, 18u);
   EXPECT_GT(mi.n_swa, 0u);
   CacheGeometry g = gemma().geometry();
-  ASSERT_EQ(g.block_layers.size(), 2u);
-  EXPECT_EQ(g.block_layers[0], (std::vector<int32_t>{5, 11, 17}));  // global layers: il % 6 == 5
-  EXPECT_EQ(g.block_layers[1].size(), 15u);
+  ASSERT_EQ(g.blocks.size(), 2u);
+  EXPECT_EQ(g.blocks[0].layers, (std::vector<int32_t>{5, 11, 17}));  // global layers: il % 6 == 5
+  EXPECT_EQ(g.blocks[1].layers.size(), 15u);
+  EXPECT_EQ(g.blocks[0].sliding_window, 0u);
+  EXPECT_EQ(g.blocks[1].sliding_window, mi.n_swa);
+  EXPECT_EQ(g.blocks[0].rope.layout, RopeLayout::kNeox);
+  EXPECT_EQ(g.blocks[1].rope.freq_base, mi.rope_freq_base_swa);  // the sliding-window layers' own base
+  EXPECT_NE(g.blocks[0].rope.freq_base, g.blocks[1].rope.freq_base);
 }
 
 TEST(Model, BadModelFilesAreRefused) {
@@ -166,6 +179,7 @@ TEST_P(CaptureRestore, LogitsBitIdenticalAndGreedyMatches) {
   KvCapture loaded = capture_load(file.string());
   fs::remove(file);
   EXPECT_EQ(loaded.tokens, toks);
+  EXPECT_EQ(loaded.model_sha256, m.sha256());
   EXPECT_EQ(loaded.meta.at("model_sha256"), m.sha256());
 
   Session b(m, opts(p.fa, n_ctx));

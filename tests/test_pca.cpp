@@ -5,7 +5,7 @@
 #include <cmath>
 #include <random>
 
-#include "../src/calib/pca.h"
+#include "calib/pca.h"
 
 using namespace kvtc;
 

@@ -8,9 +8,9 @@
 #include <cstdio>
 #include <random>
 
+#include "codec/project.h"
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
-#include "project.h"
 
 using namespace kvtc;
 

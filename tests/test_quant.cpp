@@ -5,8 +5,8 @@
 #include <cmath>
 #include <random>
 
-#include "kvtc/quant.h"
-#include "kvtc/util.h"
+#include "codec/quant.h"
+#include "core/util.h"
 
 using namespace kvtc;
 

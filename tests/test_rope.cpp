@@ -9,8 +9,9 @@
 #include <cstring>
 #include <random>
 
+#include "codec/rope.h"
+#include "core/capture_io.h"
 #include "kvtc/error.h"
-#include "kvtc/rope.h"
 
 using namespace kvtc;
 
@@ -18,7 +19,7 @@ namespace {
 
 struct Variant {
   const char* name;
-  RopeParams::Layout layout;
+  RopeLayout layout;
   uint32_t head_dim, n_rot;
   float base, scale;
   bool factors;
@@ -32,11 +33,11 @@ std::vector<float> random_keys(size_t n, std::mt19937& rng) {
 }
 
 // ggml_rope_ext on [head_dim, 1 head, n_tok] (ggml's ne order).
-std::vector<float> ggml_rope(const std::vector<float>& x, const std::vector<int32_t>& pos, const RopeParams& p) {
+std::vector<float> ggml_rope(const std::vector<float>& x, const std::vector<int32_t>& pos, const kvtc::Rope& p, uint32_t head_dim) {
   ggml_init_params ip{64u << 20, nullptr, false};
   ggml_context* ctx = ggml_init(ip);
   const int64_t n_tok = int64_t(pos.size());
-  ggml_tensor* a = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, p.head_dim, 1, n_tok);
+  ggml_tensor* a = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, head_dim, 1, n_tok);
   std::memcpy(a->data, x.data(), x.size() * 4);
   ggml_tensor* ps = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tok);
   std::memcpy(ps->data, pos.data(), pos.size() * 4);
@@ -45,7 +46,7 @@ std::vector<float> ggml_rope(const std::vector<float>& x, const std::vector<int3
     ff = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, int64_t(p.freq_factors.size()));
     std::memcpy(ff->data, p.freq_factors.data(), p.freq_factors.size() * 4);
   }
-  const int mode = p.layout == RopeParams::Layout::kNeox ? GGML_ROPE_TYPE_NEOX : 0;
+  const int mode = p.layout == RopeLayout::kNeox ? GGML_ROPE_TYPE_NEOX : 0;
   ggml_tensor* r = ggml_rope_ext(ctx, a, ps, ff, int(p.n_rot), mode, 8192, p.freq_base, p.freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
   ggml_cgraph* g = ggml_new_graph(ctx);
   ggml_build_forward_expand(g, r);
@@ -58,14 +59,13 @@ std::vector<float> ggml_rope(const std::vector<float>& x, const std::vector<int3
 
 }  // namespace
 
-class Rope : public ::testing::TestWithParam<Variant> {};
+class RopeVsGgml : public ::testing::TestWithParam<Variant> {};
 
-TEST_P(Rope, ForwardMatchesGgmlAndInverseRoundTrips) {
+TEST_P(RopeVsGgml, ForwardMatchesGgmlAndInverseRoundTrips) {
   const Variant& v = GetParam();
   std::mt19937 rng(42);
-  RopeParams p;
+  kvtc::Rope p;
   p.layout = v.layout;
-  p.head_dim = v.head_dim;
   p.n_rot = v.n_rot;
   p.freq_base = v.base;
   p.freq_scale = v.scale;
@@ -75,8 +75,8 @@ TEST_P(Rope, ForwardMatchesGgmlAndInverseRoundTrips) {
   for (int32_t t : {0, 1, 2, 3, 17, 127, 128, 1000, 4095, 8191, 30000}) pos.push_back(t);
   const std::vector<float> x = random_keys(pos.size() * v.head_dim, rng);
   std::vector<float> ours = x;
-  rope_rotate(ours.data(), pos.data(), pos.size(), p, false);
-  const std::vector<float> ref = ggml_rope(x, pos, p);
+  rope_rotate(ours.data(), pos.data(), pos.size(), p, v.head_dim, false);
+  const std::vector<float> ref = ggml_rope(x, pos, p, v.head_dim);
   double max_err = 0, max_abs = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     max_err = std::max(max_err, double(std::fabs(ours[i] - ref[i])));
@@ -86,20 +86,20 @@ TEST_P(Rope, ForwardMatchesGgmlAndInverseRoundTrips) {
   // ulps of the largest value apart, far below the f16 keys' resolution.
   EXPECT_LT(max_err, 4e-6 * max_abs) << "forward rotation differs from ggml_rope_ext";
   std::vector<float> back = ours;
-  rope_rotate(back.data(), pos.data(), pos.size(), p, true);
+  rope_rotate(back.data(), pos.data(), pos.size(), p, v.head_dim, true);
   for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 2e-6 * max_abs) << i;
   // Dimensions past n_rot are untouched.
   for (size_t t = 0; t < pos.size(); ++t)
     for (uint32_t d = v.n_rot; d < v.head_dim; ++d) EXPECT_EQ(ours[t * v.head_dim + d], x[t * v.head_dim + d]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, Rope,
-                         ::testing::Values(Variant{"norm_smollm2", RopeParams::Layout::kNorm, 64, 64, 100000.0f, 1.0f, false},
-                                           Variant{"neox_gemma_global", RopeParams::Layout::kNeox, 256, 256, 1000000.0f, 1.0f, false},
-                                           Variant{"neox_gemma_swa", RopeParams::Layout::kNeox, 256, 256, 10000.0f, 1.0f, false},
-                                           Variant{"norm_linear_scale", RopeParams::Layout::kNorm, 128, 128, 500000.0f, 0.25f, false},
-                                           Variant{"norm_llama3_factors", RopeParams::Layout::kNorm, 128, 128, 500000.0f, 1.0f, true},
-                                           Variant{"neox_partial_rot", RopeParams::Layout::kNeox, 128, 64, 10000.0f, 1.0f, false}),
+INSTANTIATE_TEST_SUITE_P(Variants, RopeVsGgml,
+                         ::testing::Values(Variant{"norm_smollm2", RopeLayout::kNorm, 64, 64, 100000.0f, 1.0f, false},
+                                           Variant{"neox_gemma_global", RopeLayout::kNeox, 256, 256, 1000000.0f, 1.0f, false},
+                                           Variant{"neox_gemma_swa", RopeLayout::kNeox, 256, 256, 10000.0f, 1.0f, false},
+                                           Variant{"norm_linear_scale", RopeLayout::kNorm, 128, 128, 500000.0f, 0.25f, false},
+                                           Variant{"norm_llama3_factors", RopeLayout::kNorm, 128, 128, 500000.0f, 1.0f, true},
+                                           Variant{"neox_partial_rot", RopeLayout::kNeox, 128, 64, 10000.0f, 1.0f, false}),
                          [](const auto& i) { return std::string(i.param.name); });
 
 TEST(RopeMeta, ParsesAndRefuses) {
@@ -107,23 +107,45 @@ TEST(RopeMeta, ParsesAndRefuses) {
                                        {"rope_freq_base", "1000000"},   {"rope_freq_scale", "1"},
                                        {"rope_freq_base_swa", "10000"}, {"rope_freq_scale_swa", "1"},
                                        {"rope_freq_factors", "[]"},     {"rope_scaling_type", "none"}};
-  RopeParams g = rope_params_from_meta(m, false, 256, "f");
-  EXPECT_EQ(g.layout, RopeParams::Layout::kNeox);
+  const kvtc::Rope g = rope_from_meta(m, false, 256, "f");
+  EXPECT_TRUE(g.unsupported.empty()) << g.unsupported;
+  EXPECT_EQ(g.layout, RopeLayout::kNeox);
   EXPECT_EQ(g.freq_base, 1000000.0f);
-  EXPECT_EQ(rope_params_from_meta(m, true, 256, "f").freq_base, 10000.0f);
+  EXPECT_EQ(rope_from_meta(m, true, 256, "f").freq_base, 10000.0f);
+  // What kvtc cannot undo is kept as a reason (captures of such models still
+  // work; coding their keys is refused with it), never silently identity.
+  auto refused = [&](const std::map<std::string, std::string>& bad, const char* why) {
+    const kvtc::Rope r = rope_from_meta(bad, false, 256, "f");
+    EXPECT_NE(r.unsupported.find(why), std::string::npos) << r.unsupported;
+    EXPECT_THROW(require_rope_supported(r, "x"), Error);
+    std::vector<float> x(256);
+    const int32_t pos = 3;
+    EXPECT_THROW(rope_rotate(x.data(), &pos, 1, r, 256, false), Error);
+  };
   auto bad = m;
   bad["rope_type"] = "mrope";
-  EXPECT_THROW(rope_params_from_meta(bad, false, 256, "f"), Error);
+  refused(bad, "mrope");
   bad = m;
   bad["rope_scaling_type"] = "yarn";
-  EXPECT_THROW(rope_params_from_meta(bad, false, 256, "f"), Error);
+  refused(bad, "yarn");
   bad = m;
   bad["n_rot"] = "300";
-  EXPECT_THROW(rope_params_from_meta(bad, false, 256, "f"), Error);
+  refused(bad, "n_rot");
   bad = m;
   bad.erase("rope_freq_base");
-  EXPECT_THROW(rope_params_from_meta(bad, false, 256, "f"), Error);
+  refused(bad, "rope_freq_base");
   bad = m;
   bad["rope_freq_factors"] = "[1,2]";
-  EXPECT_THROW(rope_params_from_meta(bad, false, 256, "f"), Error);
+  refused(bad, "rope_freq_factors");
+  // The typed values written back as strings read back equal.
+  CacheGeometry geo;
+  geo.model_sha256 = "m";
+  geo.blocks.resize(2);
+  for (auto& b : geo.blocks) b.head_dim = 256, b.layers = {0};
+  geometry_from_meta(m, geo, "f");
+  EXPECT_EQ(geo.blocks[1].rope.freq_base, 10000.0f);
+  CacheGeometry again = geo;
+  geometry_from_meta(meta_with_geometry({}, geo), again, "f");
+  EXPECT_EQ(again.blocks[0].rope, geo.blocks[0].rope);
+  EXPECT_EQ(again.blocks[1].rope, geo.blocks[1].rope);
 }

@@ -4,8 +4,8 @@
 
 #include <cstring>
 
+#include "core/safetensors.h"
 #include "kvtc/error.h"
-#include "kvtc/safetensors.h"
 
 using namespace kvtc;
 

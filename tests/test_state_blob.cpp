@@ -6,13 +6,28 @@
 #include <cstring>
 #include <random>
 
+#include "core/capture_io.h"
+#include "core/state_blob.h"
+#include "kvtc/cache.h"
 #include "kvtc/error.h"
-#include "kvtc/kv_capture.h"
-#include "kvtc/state_blob.h"
 
 using namespace kvtc;
 
 namespace {
+
+// The typed geometry of blocks holding these model layers.
+CacheGeometry geom(const std::vector<std::vector<int32_t>>& layers, uint32_t n_head, uint32_t head_dim) {
+  CacheGeometry g;
+  g.model_sha256 = "test-model";
+  for (const auto& l : layers) {
+    BlockGeometry b;
+    b.layers = l;
+    b.n_head_kv = n_head;
+    b.head_dim = head_dim;
+    g.blocks.push_back(b);
+  }
+  return g;
+}
 
 BlobStream make_stream(uint32_t cells, uint32_t n_layer, uint32_t row_elems, uint32_t v_trans, std::mt19937& rng, int32_t seq = 0) {
   BlobStream s;
@@ -187,7 +202,7 @@ TEST(Capture, BlobToCaptureAndBack) {
     SeqBlob b;
     b.blocks.push_back(BlobBlock{{make_stream(5, 2, n_head * head_dim, v_trans, rng)}});
     b.blocks.push_back(BlobBlock{{make_stream(2, 1, n_head * head_dim, v_trans, rng)}});
-    CacheGeometry g{{{0, 2}, {1}}, n_head, head_dim, head_dim};
+    const CacheGeometry g = geom({{0, 2}, {1}}, n_head, head_dim);
     KvCapture c = capture_from_blob(b, g, "b");
     ASSERT_EQ(c.blocks.size(), 2u);
     const KvBlock& k0 = c.blocks[0];
@@ -200,17 +215,21 @@ TEST(Capture, BlobToCaptureAndBack) {
     EXPECT_EQ(c.f16_bytes_per_token(), uint64_t(3) * n_head * head_dim * 4);
     SeqBlob empty;
     empty.blocks = {BlobBlock{{BlobStream{}}}, BlobBlock{{BlobStream{}}}};
-    SeqBlob back = capture_to_blob(c, empty, v_trans, 0);
+    const StateLayout to = state_layout(seq_blob_write(empty), v_trans, 0, "empty");
+    EXPECT_EQ(to.streams, (std::vector<uint32_t>{1, 1}));
+    SeqBlob back = capture_to_blob(c, to);
     EXPECT_EQ(seq_blob_write(back), seq_blob_write(b));
-    // Through the file format as well.
+    // The public byte-level functions, and through the file format as well.
+    EXPECT_EQ(state_from_capture(capture_from_state(seq_blob_write(b), g, "b"), to), seq_blob_write(b));
     KvCapture c2 = capture_from_safetensors(capture_to_safetensors(c), "mem");
-    EXPECT_EQ(seq_blob_write(capture_to_blob(c2, empty, v_trans, 0)), seq_blob_write(b));
+    EXPECT_EQ(c2.model_sha256, "test-model");
+    EXPECT_EQ(seq_blob_write(capture_to_blob(c2, to)), seq_blob_write(b));
   }
 }
 
 TEST(Capture, MismatchedBlobsAreRefused) {
   std::mt19937 rng(8);
-  CacheGeometry g{{{0, 1}}, 2, 4, 4};
+  const CacheGeometry g = geom({{0, 1}}, 2, 4);
   auto blob = [&](uint32_t layers, uint32_t row_elems) {
     SeqBlob b;
     b.blocks.push_back(BlobBlock{{make_stream(2, layers, row_elems, 0, rng)}});
@@ -234,7 +253,7 @@ TEST(Capture, SafetensorsValidation) {
   std::mt19937 rng(9);
   SeqBlob b;
   b.blocks.push_back(BlobBlock{{make_stream(3, 2, 8, 0, rng)}});
-  KvCapture c = capture_from_blob(b, CacheGeometry{{{0, 1}}, 2, 4, 4}, "b");
+  KvCapture c = capture_from_blob(b, geom({{0, 1}}, 2, 4), "b");
   c.tokens = {5, 6, 7};
   SafeTensors st = capture_to_safetensors(c);
   EXPECT_EQ(st.metadata.at("format"), "kvtc-capture");

@@ -2,12 +2,12 @@
 # The GPU check of issue 6, in one run on a bare GPU machine (an H200 with
 # nvcc, cmake and a C++ compiler; no package registry):
 #   1. says what is there and what is missing (tools, headers, libraries);
-#   2. builds the reduced project bench/gpu (kvtc_core, kvtc_codec,
-#      kvtc_encoder, kvtc_cuda, the GPU test and tools/kvtc_gpu_bench);
+#   2. builds the reduced project bench/gpu (the codec library,
+#      kvtc_cuda, the GPU test and bench/gpu/kvtc_gpu_bench);
 #   3. runs the GPU tests (kernels vs the CPU reference, containers both ways);
 #   4. runs the benchmark at 8K and 32K tokens, batch 1 and 8, GEMM f32 / tf32 /
 #      bf16, on SYNTHETIC caches generated on the device (SmolLM2-135M geometry,
-#      measured spectrum; see tools/kvtc_gpu_bench.cpp), plus an nvCOMP
+#      measured spectrum; see bench/gpu/kvtc_gpu_bench.cpp), plus an nvCOMP
 #      algorithm sweep at 8 x 32K.
 # Results go to $OUT (default out/gpu): machine.txt, build.log, tests.log,
 # tests.json, bench.md, bench.json, bench.log, algo.md.

@@ -1,67 +1,183 @@
-// kvtc: the calibration file — per model, per cache block, for keys and
-// values: mean, PCA basis, spectrum, held-out block errors, and bit
-// allocation tables per nominal ratio. Written by `kvtc calibrate`, read by
-// the encoder (all of it) and the decoder (mean and basis only).
+// kvtc: the calibration — what kvtc learns once per model (docs/method.md §3-4):
+// per cache block, for keys and values, the feature mean, the PCA basis and
+// spectrum, held-out block errors, and bit-allocation tables per nominal
+// ratio. The decoder uses only means and bases; the encoder also takes an
+// allocation (AllocationSet) for the ratio it codes at.
 //
-// Stored as safetensors (docs/calibration-format.md) with
-// __metadata__["format"] = "kvtc-calibration". Its `calibration_id` is the
-// SHA-256 of the mean and basis tensors: containers record it, and the
-// decoder refuses a calibration whose id differs. The loader recomputes the
-// id, so a corrupted basis is caught too.
-// Thread safety: plain values.
+// A calibration is fitted from K/V caches the caller supplies
+// (CalibrationFitter, fit_calibration: no llama.cpp needed), or from a text
+// corpus through the llama.cpp integration (<kvtc/llama.h>,
+// calibrate_from_corpus), which is a thin layer over the fitter.
+// Stored as safetensors (docs/calibration-format.md); every byte of the
+// file is checksummed and the loader refuses a file that was changed.
+// Thread safety: plain values; a CalibrationFitter is used by one thread.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "kvtc/alloc.h"
-#include "kvtc/safetensors.h"
+#include "kvtc/cache.h"
 
 namespace kvtc {
 
-constexpr const char* kCalibFormat = "kvtc-calibration";
-constexpr int kCalibFormatVersion = 1;
+// ---- bit allocation ------------------------------------------------------
+// A *block* of an allocation is a run of consecutive PCA components coded,
+// for one token, with one type and one set of f16 parameters:
+//   kNone  0 bits: dropped (decoded as 0)
+//   kInt2  2 bits/component + f16 minimum + f16 step (min-max affine)
+//   kInt4  4 bits/component + f16 minimum + f16 step
+//   kFp8   8 bits/component (E4M3, saturating) + f16 scale = absmax / 448
+enum class QType : uint8_t { kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3 };
+constexpr int kNumQTypes = 4;
+const char* qtype_name(QType t);  // "none", "int2", "int4", "fp8"
 
+struct BlockAlloc {
+  uint32_t start = 0;  // first component
+  uint32_t size = 0;   // components in the block
+  QType type = QType::kNone;
+  bool operator==(const BlockAlloc&) const = default;
+};
+
+// A partition of components [0, r_used) into blocks; the components after
+// the last block are dropped.
+struct Allocation {
+  double nominal_ratio = 0;  // 16-bit original bits / budget
+  uint64_t budget_bits = 0;  // per token, parameters included
+  uint64_t bits = 0;         // per token actually used (<= budget_bits)
+  double error = 0;          // expected squared error per token (held-out estimate)
+  std::vector<BlockAlloc> blocks;
+};
+
+// The allocation of each (cache block, kind): [block][0 = keys, 1 = values].
+using AllocationSet = std::vector<std::array<Allocation, 2>>;
+
+// ---- the calibration -----------------------------------------------------
 struct Transform {
-  uint32_t p = 0, r = 0;
-  std::vector<float> mu;        // [p]
-  std::vector<float> basis;     // [r][p]
-  std::vector<float> variance;  // [r]
-  double total_variance = 0;
-  // Held-out squared errors per aligned block (see src/calib/dp.h): for
-  // block size sizes[i], [r / size][kNumQTypes], summed over n_heldout tokens.
+  uint32_t p = 0, r = 0;        // features, components kept
+  std::vector<float> mu;        // [p] feature mean, features ordered [layer][head][dim]
+  std::vector<float> basis;     // [r][p] components, unit norm, by decreasing variance
+  std::vector<float> variance;  // [r] variance along each component
+  double total_variance = 0;    // trace of the covariance
+  // Held-out squared errors of each aligned block of size sizes[i], coded
+  // with each QType: [r / sizes[i]][kNumQTypes], summed over n_heldout tokens.
   std::vector<uint32_t> sizes;
   std::vector<std::vector<float>> block_errors;
   uint64_t n_heldout = 0;
-  std::map<std::string, Allocation> tables;  // key: nominal ratio as written ("16")
+  std::map<std::string, Allocation> tables;  // precomputed allocations, key: ratio_key(nominal ratio)
 };
 
 struct Calibration {
-  std::map<std::string, std::string> meta;       // model fingerprint, geometry, RoPE (capture keys), corpus, tokens
+  // The model and cache it was fitted for: the encoder refuses a capture of
+  // another model or geometry. Files older than format version 2 may lack
+  // the layers of a block (then only the feature count p is checked).
+  CacheGeometry geometry;
+  // Keys were de-RoPEd before the fit (the method); false: fitted on keys as
+  // stored (an ablation): encoder and decoder then skip (de-)rotation.
+  bool keys_derope = true;
   std::vector<std::array<Transform, 2>> blocks;  // [cache block][0 = keys, 1 = values]
-  std::string id;                                // calibration_id
+  std::map<std::string, std::string> meta;       // provenance: corpus, tokens, PCA route, ...
+  std::string id;                                // calibration_id: SHA-256 of every mean and basis; containers record it
 };
 
-// Whether keys are de-RoPEd before projection: meta["keys_rope"] is
-// "removed" (the default when absent) or "kept" (an ablation). Any other
-// value was refused by the loader.
-inline bool calibration_keys_derope(const Calibration& c) {
-  auto it = c.meta.find("keys_rope");
-  return it == c.meta.end() || it->second != "kept";
-}
-
-// SHA-256 over every mean and basis, in block/kind order.
+// SHA-256 over every mean and basis (f32 little-endian), blocks in order,
+// keys before values.
 std::string calibration_compute_id(const Calibration& c);
 
-SafeTensors calibration_to_safetensors(const Calibration& c);
-// Checks format, version, shapes and the id; `origin` names the file.
-// decoder_only skips the error and allocation tables.
-Calibration calibration_from_safetensors(const SafeTensors& st, const std::string& origin, bool decoder_only = false);
-
-void calibration_save(const std::string& path, const Calibration& c);  // atomic
+// Writes atomically (format version 2: every byte covered by a checksum).
+void calibration_save(const std::string& path, const Calibration& c);
+// Verifies the file's checksum, format, shapes and id; Error names the
+// file and field. decoder_only skips the block errors and tables (the
+// decoder needs neither).
 Calibration calibration_load(const std::string& path, bool decoder_only = false);
+
+// "16" for 16.0, "12.5" for 12.5: the key of Transform::tables.
+std::string ratio_key(double ratio);
+
+// The least-error allocation of `t` for a nominal ratio in [1, 4096], from
+// its block errors (dynamic programming, docs/method.md §4): a budget of
+// floor(p x 16 / ratio) bits per token.
+Allocation allocation_for_ratio(const Transform& t, double ratio);
+// Keys and values of one block under one shared budget of
+// 2 x floor(p x 16 / ratio) bits per token, split between them to minimise
+// the sum of their relative errors (error / total variance).
+std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const Transform& v, double ratio);
+// Every (block, kind)'s allocation for a ratio: the stored table when the
+// calibration has one for that ratio, else computed from the block errors;
+// joint shares one budget between K and V. Needs a calibration loaded
+// without decoder_only.
+AllocationSet allocation_set(const Calibration& cal, double ratio, bool joint = false);
+
+// What the codec stores for x[0..n) coded as one allocation block of type
+// t (docs/format.md "Dequantization"): out[i] is x[i]'s reconstruction
+// (out may alias x). For tools that measure the quantizers (kvtc-lab's FP8
+// and KIVI baselines).
+void quantize_roundtrip(QType t, const float* x, size_t n, float* out);
+
+// ---- fitting --------------------------------------------------------------
+// The feature vectors of docs/method.md §1 that the PCA sees: tokens [t0, t1)
+// of block b, all layers and heads concatenated (feature
+// (layer * n_head_kv + head) * head_dim + dim), keys with RoPE removed when
+// derope. Returns [t1 - t0][b.features()] f32.
+std::vector<float> feature_rows(const KvBlock& b, bool keys, bool derope, uint32_t t0, uint32_t t1);
+// The inverse: writes rows [t1 - t0][b.features()] back into tokens
+// [t0, t1) of b, re-applying RoPE to keys when rerope, rounded to f16
+// (nearest even). For tools that edit caches in the feature domain
+// (kvtc-lab's per-prompt SVD baseline).
+void set_feature_rows(KvBlock& b, bool keys, bool rerope, uint32_t t0, uint32_t t1, std::vector<float> rows);
+
+struct FitOptions {
+  uint32_t rank_max = 10000;                  // r = min(rank_max, p)
+  std::vector<double> ratios{8, 16, 32, 64};  // tables stored in the calibration
+  // "exact" (p x p covariance + LAPACK eigensolver), "randomized" (Halko
+  // subspace iteration over rows spooled to a temporary file as f16), or
+  // "auto": exact while p <= 12,288 (the covariance and its copy then take
+  // <= 2.4 GB).
+  std::string pca_route = "auto";
+  uint32_t power_iters = 8;  // randomized route
+  // Tokens whose position is below this are left out: the attention sinks,
+  // which the codec never compresses (docs/method.md §6).
+  uint32_t skip_sinks = 4;
+  // Ablation (the paper's Figure 4): fit keys as stored, RoPE applied.
+  bool keep_rope = false;
+};
+
+// stage: "prefill", "pca", "dp"; done / total in that stage's units.
+using ProgressFn = std::function<void(const std::string& stage, uint64_t done, uint64_t total)>;
+
+// Streams K/V caches into a calibration without keeping them: the fit
+// rows go into a p x p covariance (or a spool file), held-out rows are
+// kept (4,096 tokens of p = 5,760: 190 MB for K and V) for the block
+// errors. Caches are added whole; their geometry must equal the fitter's
+// (RoPE supported, unless keep_rope). Memory: O(p^2) per (block, kind) on
+// the exact route.
+class CalibrationFitter {
+ public:
+  CalibrationFitter(const CacheGeometry& g, const FitOptions& opt = {});
+  ~CalibrationFitter();
+  CalibrationFitter(const CalibrationFitter&) = delete;
+  CalibrationFitter& operator=(const CalibrationFitter&) = delete;
+
+  // Rows for the PCA. Returns the rows added from block 0.
+  uint64_t add(const KvCapture& c);
+  // Rows for the held-out block errors (tokens never used for the PCA).
+  uint64_t add_heldout(const KvCapture& c);
+  uint64_t fit_tokens() const;      // rows of block 0 added by add()
+  uint64_t heldout_tokens() const;  // rows of block 0 added by add_heldout()
+  // PCA per (block, kind), block errors on the held-out rows, the DP tables.
+  // Needs at least 2 fit rows and 1 held-out row; the fitter is spent after.
+  Calibration finish(const ProgressFn& progress = {});
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The same in one call, for caches already in memory.
+Calibration fit_calibration(const std::vector<KvCapture>& fit, const std::vector<KvCapture>& heldout, const FitOptions& opt = {});
 
 }  // namespace kvtc

@@ -1,115 +1,134 @@
-// kvtc: compress a captured KV cache into a .kvtc container and back
-// (docs/format.md). The decoder half (kvtc_decompress, kvtc_inspect) needs
-// only the calibration's mean and basis; the encoder half
-// (kvtc_compress) also takes the bit allocation.
+// kvtc: compress a KV cache into a .kvtc container and back
+// (docs/format.md), on the CPU. The GPU backend (<kvtc/cuda.h>) takes the
+// same options, fills the same statistics and writes the same container.
 //
-// Tokens: in each cache block the first `sink` and the last `window` tokens
-// are stored raw (f16); the rest is de-RoPEd (keys), centred, projected on
-// the PCA basis, quantized by the allocation, bit-packed plane by plane and
-// DEFLATE-coded in independent chunks of at most `chunk_tokens` tokens.
-// Thread safety: functions are reentrant; inputs are not modified.
+// In each cache block the first `sink` and the last `window` tokens are
+// stored raw (f16); the others are de-RoPEd (keys), centred, projected on
+// the calibration's PCA basis, quantized by the allocation, bit-packed
+// plane by plane and DEFLATE-coded in independent chunks of at most
+// `chunk_tokens` tokens. The decoder needs only the calibration's means
+// and bases (load it with decoder_only = true).
+// Thread safety: functions are reentrant; inputs are not modified; each
+// call uses its own worker threads (CompressOptions::threads).
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
-#include "kvtc/alloc.h"
+#include "kvtc/cache.h"
 #include "kvtc/calibration.h"
-#include "kvtc/kv_capture.h"
 
 namespace kvtc {
 
 constexpr uint32_t kContainerVersion = 1;
 
 // Arithmetic of the projection on the PCA basis (the codec's GEMM, ~90% of
-// its time). kBF16 rounds the GEMM's inputs (centred features or
+// its CPU time). kBF16 rounds the GEMM's inputs (centred features or
 // dequantized coefficients, and the basis) to bfloat16 and accumulates in
 // f32: ~2x faster where the CPU has AVX512-BF16 or AMX (oneDNN), at a
-// measured cost in bench/results/speed.md. kAuto picks kBF16 there and kF32
-// (OpenBLAS sgemm) elsewhere. The container does not depend on how it will
-// be decoded: either precision decodes any file.
-enum class Precision : uint8_t { kAuto, kF32, kBF16 };
-const char* precision_name(Precision p);          // "auto", "f32", "bf16"
+// measured cost (bench/results/quality-precision.md). kTF32 and kF16 exist
+// on the GPU only; the CPU refuses them. kAuto: bf16 where the CPU runs it
+// natively, else f32; on the GPU, f32. Any precision decodes any container;
+// byte-identical output across machines needs kF32.
+enum class Precision : uint8_t { kAuto, kF32, kBF16, kTF32, kF16 };
+const char* precision_name(Precision p);          // "auto", "f32", "bf16", "tf32", "f16"
 Precision parse_precision(const std::string& s);  // Error naming the accepted values
-// Whether this build and CPU run the bf16 projection natively (not an
-// emulation). `impl`, when given, receives oneDNN's kernel name (for
-// example "brg:avx512_core_bf16") or the reason it is not available.
-// Thread-safe; probes once.
-bool bf16_projection_available(std::string* impl = nullptr);
-// The projection's GEMM alone, for benchmarks: C[m][n] = A[m][k] B' (B is
-// [n][k], as the encoder multiplies) in `p` (resolved as the codec would),
-// on all OpenMP threads, best of `repeat`; returns GFLOP/s (2 m n k flops).
-double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
 
-// Time per codec stage, in milliseconds of thread time summed over the
-// worker threads (so they add up to threads x wall time at most). Filled
-// when a pointer is passed in the options; the caller owns it.
-struct CodecStageTimes {
+// Time per codec stage. CPU: milliseconds of thread time summed over the
+// worker threads (so at most threads x wall time); GPU: device time from
+// CUDA events, plus the transfer and host stages. Filled when a pointer is
+// passed in the options; the caller owns it.
+struct CodecStats {
   double gather_ms = 0;                    // f16 <-> f32 and (de-)RoPE, cache layout <-> feature rows
-  double center_ms = 0;                    // subtracting / adding the mean (bf16: with the rounding of the GEMM input)
+  double center_ms = 0;                    // subtracting / adding the mean (0 where fused into gather or the GEMM)
   double project_ms = 0;                   // the GEMM with the PCA basis
-  double quant_ms = 0;                     // quantization and bit packing (or unpacking and dequantization)
+  double quant_ms = 0;                     // quantization and bit packing, or unpacking and dequantization
   double entropy_ms = 0;                   // DEFLATE / inflate, checksums, raw sections
-  int threads = 1;                         // worker threads used
+  double transfer_ms = 0;                  // GPU: host <-> device copies (CPU: 0)
+  double host_ms = 0;                      // GPU: planning, headers, assembling containers on the host (CPU: 0)
+  double total_ms = 0;                     // wall time of the call
+  int threads = 1;                         // worker (CPU) or host (GPU) threads used
   Precision projection = Precision::kF32;  // what the projection ran in (never kAuto)
+  std::string entropy_backend;             // "libdeflate", "nvcomp", "libdeflate-host", "stored", or a mix
 };
 
 struct CompressOptions {
   uint32_t sink = 4;            // raw tokens at the start of each block
   uint32_t window = 128;        // raw tokens at the end of each block
-  uint32_t chunk_tokens = 256;  // middle tokens per independently decodable chunk (multiple of 16)
-  int deflate_level = 6;        // libdeflate level, 0..12
-  // Chunks are coded in parallel on this many threads (0: all hardware
-  // threads). The output does not depend on it.
+  uint32_t chunk_tokens = 256;  // coded tokens per independently decodable chunk (multiple of 16, <= 65536)
+  int deflate_level = 6;        // libdeflate level 0..12 (0: stored)
+  // Worker threads (GPU: host threads) for this call; 0: all hardware
+  // threads. The output does not depend on it.
   int threads = 0;
-  // The codes depend on it (bf16 rounds the projection's input): for
-  // byte-identical output across machines, ask for kF32.
+  // The codes depend on it (bf16 rounds the projection's input).
   Precision precision = Precision::kAuto;
-  CodecStageTimes* stats = nullptr;  // optional, not owned
+  CodecStats* stats = nullptr;  // optional, not owned
 };
 
 struct DecompressOptions {
   int threads = 0;  // 0: all hardware threads; the output does not depend on it
   Precision precision = Precision::kAuto;
-  CodecStageTimes* stats = nullptr;
+  CodecStats* stats = nullptr;
 };
 
-// The allocation to use for one (block, K/V): [block][kind].
-using AllocationSet = std::vector<std::array<Allocation, 2>>;
+// Upper bound of the container size of `c` (to size buffers before encoding).
+uint64_t compress_bound(const KvCapture& c, const AllocationSet& alloc, const CompressOptions& opt = {});
 
-// Upper bound of the container size for `c` (to size buffers before encoding).
-uint64_t kvtc_compress_bound(const KvCapture& c, const AllocationSet& alloc, const CompressOptions& opt);
+// Encodes a cache. The calibration must be of the capture's model and
+// geometry, and the allocation of the calibration's; Error otherwise.
+// Returns the container's exact bytes.
+std::vector<uint8_t> compress(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt = {});
 
-// Encodes. The calibration must match the capture (model fingerprint,
-// geometry); Error otherwise. Returns the exact container bytes.
-std::vector<uint8_t> kvtc_compress(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
+// Decodes a whole container. Refuses a calibration whose id differs from
+// the one the container names; `origin` names the input in errors.
+KvCapture decompress(std::span<const uint8_t> container, const Calibration& cal, const std::string& origin, const DecompressOptions& opt = {});
 
-// Appends tokens to a container without re-encoding what it holds: `c` is
-// the whole grown cache (its first tokens must be the container's, with
-// the same positions) and adds a positive multiple of 16 tokens. Tokens
-// that leave the raw window are coded into new chunks; the old window
-// sections, always the file's last, are replaced. bytes[0, kept_bytes) of
-// the result equal the input's: a file can be truncated there and the rest
-// appended. Single-cache models only (not iSWA).
+// Grows a container by the new tokens of a longer cache without re-encoding
+// what it holds: `grown` is the whole cache (its first tokens must be the
+// container's, at the same positions) with a positive multiple of 16 more
+// tokens. Tokens that leave the raw window are coded into new chunks; the
+// old window sections, always the file's last, are replaced. bytes[0,
+// kept_bytes) of the result equal the input's: a file can be truncated
+// there and the rest appended. sink, window, chunk size, level and the
+// allocation come from the container; threads, precision and stats from
+// `opt`. Single-cache models only (not iSWA).
 struct AppendResult {
   std::vector<uint8_t> bytes;
   size_t kept_bytes = 0;
 };
-AppendResult kvtc_append(const std::vector<uint8_t>& container, const KvCapture& c, const Calibration& cal, const std::string& origin);
+AppendResult append(std::span<const uint8_t> container, const KvCapture& grown, const Calibration& cal, const std::string& origin,
+                    const CompressOptions& opt = {});
 
-// Decodes a whole container; refuses a calibration whose id differs from the
-// one the container names. `origin` names the input in errors.
-KvCapture kvtc_decompress(const std::vector<uint8_t>& bytes, const Calibration& cal, const std::string& origin,
-                          const DecompressOptions& opt = DecompressOptions{});
+// ---- llama.cpp state blobs ------------------------------------------------
+// compress(capture_from_state(blob, g)) with the token ids given (or none).
+std::vector<uint8_t> compress_state(std::span<const uint8_t> blob, const CacheGeometry& g, const Calibration& cal, const AllocationSet& alloc,
+                                    const CompressOptions& opt = {}, std::span<const int32_t> tokens = {});
+// state_from_capture(decompress(container), to): bytes for llama_state_seq_set_data.
+std::vector<uint8_t> decompress_state(std::span<const uint8_t> container, const Calibration& cal, const StateLayout& to, const std::string& origin,
+                                      const DecompressOptions& opt = {});
 
-// Layout and sizes without decoding (checksums verified).
-struct ContainerInfo {
+// ---- inspection -------------------------------------------------------------
+// The container header, typed (docs/format.md "Header").
+struct ContainerHeader {
   uint32_t version = 0;
-  std::string calibration_id, model_sha256;
-  std::string header_json;
+  std::string calibration_id;
+  uint32_t sink = 0, window = 0, chunk_tokens = 0;
+  int deflate_level = 0;
+  bool has_tokens = false;
+  bool keys_derope = true;
+  CacheGeometry geometry;                   // model fingerprint and per-block layers, heads, dims, RoPE, window
+  std::map<std::string, std::string> meta;  // the capture's provenance strings
+  AllocationSet alloc;                      // per block and kind: allocation blocks and nominal ratio
+  std::vector<uint32_t> n_tokens;           // per block (from the positions sections)
+};
+
+// Layout and sizes without decoding (every checksum verified).
+struct ContainerInfo {
+  ContainerHeader header;
   struct Section {
-    std::string kind;  // "positions", "raw", "chunk"
+    std::string kind;  // "positions", "tokens", "raw", "chunk"
     uint32_t block = 0, kv = 0, t0 = 0, t1 = 0;
     uint64_t stored_bytes = 0, raw_bytes = 0;
   };
@@ -119,16 +138,48 @@ struct ContainerInfo {
   uint64_t f16_bytes_all = 0, f16_bytes_compressed = 0;  // K+V at f16
   uint64_t stored_bytes_compressed = 0;                  // chunk sections incl. their headers
   uint64_t payload_bytes_compressed = 0;                 // the same before DEFLATE (packed codes + parameters + headers)
+
+  // f16 bytes of the coded tokens / their chunk sections (the paper's ratio).
+  double ratio_compressed_tokens() const;
+  // f16 bytes of the whole cache / the file (raw sink and window included).
+  double ratio_whole_cache() const;
 };
+ContainerInfo inspect(std::span<const uint8_t> container, const std::string& origin);
 
 // Relative squared reconstruction error ||x - x'||^2 / ||x||^2 of keys and
-// values over the tokens that are not raw (sink/window), all blocks summed.
-// Captures must have the same geometry and positions.
+// values over the tokens that are not raw (sink/window), all blocks pooled.
+// The captures must have the same geometry and positions.
 struct ReconError {
-  double k = 0, v = 0;
-  uint64_t tokens = 0;  // coded tokens of block 0
+  double k = 0, v = 0;                  // the relative errors
+  double k_err = 0, k_norm = 0;         // ||x - x'||^2 and ||x||^2 of keys, summed in double
+  double v_err = 0, v_norm = 0;         // the same of values
+  uint64_t tokens = 0;                  // coded tokens of block 0
+  void add(const ReconError& o);        // pools another measurement (sums add, ratios follow)
 };
-ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint32_t sink, uint32_t window);
-ContainerInfo kvtc_inspect(const std::vector<uint8_t>& bytes, const std::string& origin);
+// per_token, when given, receives block 0's measurement token by token
+// ([n_tokens]; zero for raw tokens), to pool by position.
+ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint32_t sink, uint32_t window,
+                                std::vector<ReconError>* per_token = nullptr);
+
+// ---- this build and this CPU ---------------------------------------------
+// Whether this build and CPU run the bf16 projection natively (not an
+// emulation). `impl`, when given, receives oneDNN's kernel name (for
+// example "brg:avx512_core_bf16") or the reason it is not available.
+// Thread-safe; probes once.
+bool bf16_projection_available(std::string* impl = nullptr);
+// The projection's GEMM alone, for benchmarks: C[m][n] = A[m][k] B' in `p`
+// (resolved as the codec would), on all threads, best of `repeat`;
+// returns GFLOP/s (2 m n k flops).
+double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
+
+struct LibraryInfo {
+  std::string version;                    // kvtc's
+  std::string cpu;                        // CPUID brand string
+  std::vector<std::string> cpu_features;  // those kvtc checks, present ones
+  bool f16c = false;                      // the f16 conversions use F16C
+  std::string bf16_projection;            // oneDNN's kernel, or why there is none
+  bool bf16 = false;
+};
+LibraryInfo library_info();
 
 }  // namespace kvtc

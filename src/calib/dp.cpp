@@ -1,4 +1,4 @@
-#include "dp.h"
+#include "calib/dp.h"
 
 #include <algorithm>
 #include <array>
@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "codec/quant.h"
 #include "kvtc/error.h"
 
 namespace kvtc {

@@ -1,16 +1,18 @@
-// kvtc calibration: block errors and the dynamic-programming bit allocation.
+// Internal (calibration): block errors and the dynamic-programming bit
+// allocation (docs/method.md §4).
 //
 // Components are grouped into *aligned* blocks: a block of size s starts at
 // a multiple of s. Alignment keeps the error table linear in the number of
 // components per (size, type) — measuring every start for size 1024 would
-// cost 1024x more — and costs little, since the optimal allocation falls
-// monotonically along the component index anyway (measured: see
-// docs/calibration.md).
+// cost 1024x more. What alignment costs against free block starts is not
+// measured; the allocations found fall monotonically along the component
+// index (bench/results/bits_per_component_*.png), where aligned runs fit.
 //
 // best[i][b] = least error coding components [0, i) in at most b units,
-// filled by enumerating the last block [i - s, i) and its type; components
-// are uncorrelated after PCA, so a block's error does not depend on the
-// others and the recursion is exact (method.md §4).
+// filled by enumerating the last block [i - s, i) and its type. The
+// recursion is exact because a block is quantized from its own
+// coefficients only (its own parameters), so its error does not depend on
+// the other blocks, and squared errors add over blocks.
 #pragma once
 
 #include <array>
@@ -18,7 +20,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kvtc/alloc.h"
+#include "kvtc/calibration.h"
 
 namespace kvtc {
 

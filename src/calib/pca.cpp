@@ -1,4 +1,4 @@
-#include "pca.h"
+#include "calib/pca.h"
 
 #include <cblas.h>
 #include <lapacke.h>

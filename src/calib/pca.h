@@ -1,5 +1,5 @@
 // kvtc calibration: streamed covariance and its eigendecomposition (the
-// exact PCA route of method.md §3).
+// exact PCA route of docs/method.md §3).
 //
 // Memory is p x p doubles (265 MB for p = 5,760) whatever the number of
 // tokens: rows are added in chunks and never kept.

@@ -1,18 +1,21 @@
-#include "kvtc/features.h"
+#include "codec/features.h"
 
 #include <cstring>
 #include <vector>
 
-#include "kvtc/util.h"
+#include "codec/rope.h"
+#include "core/util.h"
+#include "kvtc/calibration.h"
+#include "kvtc/error.h"
 
 namespace kvtc {
 
-void gather_features(const KvBlock& b, KvKind kind, const RopeParams* rope, uint32_t t0, uint32_t t1, float* out) {
-  const uint32_t p = feature_dim(b), D = b.head_dim, n = t1 - t0;
+void gather_features(const KvBlock& b, KvKind kind, const Rope* rope, uint32_t t0, uint32_t t1, float* out) {
+  const uint32_t p = b.features(), D = b.head_dim, n = t1 - t0;
   const std::vector<uint16_t>& src = kind == KvKind::kKey ? b.k : b.v;
   std::vector<float> tmp(size_t(n) * D);
   RopeTable rt;
-  if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, /*inverse=*/true);
+  if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, b.head_dim, /*inverse=*/true);
   for (uint32_t l = 0; l < b.n_layer(); ++l)
     for (uint32_t h = 0; h < b.n_head_kv; ++h) {
       f16_to_f32_n(&src[b.index(l, h, t0, 0)], tmp.data(), size_t(n) * D);
@@ -22,12 +25,12 @@ void gather_features(const KvBlock& b, KvKind kind, const RopeParams* rope, uint
     }
 }
 
-void scatter_features(float* in, KvKind kind, const RopeParams* rope, uint32_t t0, uint32_t t1, KvBlock& b) {
-  const uint32_t p = feature_dim(b), D = b.head_dim, n = t1 - t0;
+void scatter_features(float* in, KvKind kind, const Rope* rope, uint32_t t0, uint32_t t1, KvBlock& b) {
+  const uint32_t p = b.features(), D = b.head_dim, n = t1 - t0;
   std::vector<uint16_t>& dst = kind == KvKind::kKey ? b.k : b.v;
   std::vector<float> tmp(size_t(n) * D);
   RopeTable rt;
-  if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, /*inverse=*/false);
+  if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, b.head_dim, /*inverse=*/false);
   for (uint32_t l = 0; l < b.n_layer(); ++l)
     for (uint32_t h = 0; h < b.n_head_kv; ++h) {
       const size_t f0 = (size_t(l) * b.n_head_kv + h) * D;
@@ -35,6 +38,22 @@ void scatter_features(float* in, KvKind kind, const RopeParams* rope, uint32_t t
       rope_apply(tmp.data(), rt);
       f32_to_f16_n(tmp.data(), &dst[b.index(l, h, t0, 0)], size_t(n) * D);
     }
+}
+
+std::vector<float> feature_rows(const KvBlock& b, bool keys, bool derope, uint32_t t0, uint32_t t1) {
+  require(t0 <= t1 && t1 <= b.n_tokens() && b.k.size() == b.numel() && b.v.size() == b.numel(),
+          "feature_rows: tokens out of range or K/V of the wrong size");
+  if (keys && derope) require_rope_supported(b.rope, "feature_rows");
+  std::vector<float> out(size_t(t1 - t0) * b.features());
+  gather_features(b, keys ? KvKind::kKey : KvKind::kValue, keys && derope ? &b.rope : nullptr, t0, t1, out.data());
+  return out;
+}
+
+void set_feature_rows(KvBlock& b, bool keys, bool rerope, uint32_t t0, uint32_t t1, std::vector<float> rows) {
+  require(t0 <= t1 && t1 <= b.n_tokens() && b.k.size() == b.numel() && b.v.size() == b.numel() && rows.size() == size_t(t1 - t0) * b.features(),
+          "set_feature_rows: tokens out of range, or rows or K/V of the wrong size");
+  if (keys && rerope) require_rope_supported(b.rope, "set_feature_rows");
+  scatter_features(rows.data(), keys ? KvKind::kKey : KvKind::kValue, keys && rerope ? &b.rope : nullptr, t0, t1, b);
 }
 
 }  // namespace kvtc

@@ -1,4 +1,4 @@
-#include "project.h"
+#include "codec/project.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -11,8 +11,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "core/util.h"
 #include "kvtc/error.h"
-#include "kvtc/util.h"
 
 #if KVTC_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.hpp>
@@ -28,6 +28,8 @@ const char* precision_name(Precision p) {
     case Precision::kAuto: return "auto";
     case Precision::kF32: return "f32";
     case Precision::kBF16: return "bf16";
+    case Precision::kTF32: return "tf32";
+    case Precision::kF16: return "f16";
   }
   return "?";
 }
@@ -36,7 +38,9 @@ Precision parse_precision(const std::string& s) {
   if (s == "auto") return Precision::kAuto;
   if (s == "f32") return Precision::kF32;
   if (s == "bf16") return Precision::kBF16;
-  throw Error("precision: expected auto, f32 or bf16, got '" + s + "'");
+  if (s == "tf32") return Precision::kTF32;
+  if (s == "f16") return Precision::kF16;
+  throw Error("precision: expected auto, f32, bf16, tf32 or f16, got '" + s + "'");
 }
 
 namespace {
@@ -187,6 +191,8 @@ Precision resolve_precision(Precision requested, const char* who) {
   std::string why;
   const bool bf16 = bf16_projection_available(&why);
   if (requested == Precision::kAuto) return bf16 ? Precision::kBF16 : Precision::kF32;
+  if (requested == Precision::kTF32 || requested == Precision::kF16)
+    throw Error(std::string(who) + ": precision " + precision_name(requested) + " is a GPU mode; the CPU projection runs f32 or bf16");
   if (requested == Precision::kBF16 && !bf16) throw Error(std::string(who) + ": precision bf16 asked for, but " + why + "; use f32 or auto");
   return requested;
 }

@@ -7,14 +7,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/parallel.h"
 #include "kvtc/calibration.h"
 #include "kvtc/codec.h"
-#include "parallel.h"
 
 namespace kvtc::detail {
 
 // kAuto -> kBF16 where bf16_projection_available(), else kF32. An explicit
-// kBF16 on a CPU without a native kernel is an Error naming `who`.
+// kBF16 on a CPU without a native kernel, or a GPU-only precision (kTF32,
+// kF16), is an Error naming `who`.
 Precision resolve_precision(Precision requested, const char* who);
 
 // One transform's first `ru` basis rows, ready for either precision. Made

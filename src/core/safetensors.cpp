@@ -1,11 +1,11 @@
-#include "kvtc/safetensors.h"
+#include "core/safetensors.h"
 
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "core/util.h"
 #include "kvtc/error.h"
-#include "kvtc/util.h"
 
 namespace kvtc {
 

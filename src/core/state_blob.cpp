@@ -1,4 +1,4 @@
-#include "kvtc/state_blob.h"
+#include "core/state_blob.h"
 
 #include <cstring>
 

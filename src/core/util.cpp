@@ -1,4 +1,4 @@
-#include "kvtc/util.h"
+#include "core/util.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -66,6 +66,12 @@ std::string sha256_file(const std::string& path) {
   while ((n = std::fread(buf.data(), 1, buf.size(), f.get())) > 0) h.update(buf.data(), n);
   require(!std::ferror(f.get()), path + ": read error: " + errno_text());
   return h.hexdigest();
+}
+
+std::string fmt_g9(double x) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.9g", x);
+  return b;
 }
 
 std::string sha256_bytes(std::span<const uint8_t> data) {
@@ -203,56 +209,6 @@ std::vector<std::string> cpu_feature_names(const CpuFeatures& f) {
   add(f.amx_bf16, "amx_bf16");
   add(f.amx_int8, "amx_int8");
   return v;
-}
-
-float f16_to_f32(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: renormalise
-      int e = -1;
-      do {
-        ++e;
-        man <<= 1;
-      } while (!(man & 0x400));
-      bits = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | man << 13;
-  } else {
-    bits = sign | (exp + 112) << 23 | man << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t f32_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000;
-  uint32_t ax = x & 0x7fffffff;
-  if (ax >= 0x7f800000) return uint16_t(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 | ((ax >> 13) & 0x3ff) : 0));
-  if (ax >= 0x477ff000) return uint16_t(sign | 0x7c00);  // rounds to >= 65520: overflow to inf
-  if (ax < 0x38800000) {                                 // below the smallest normal half: subnormal or zero
-    if (ax < 0x33000000) return uint16_t(sign);          // < 2^-25 rounds to zero
-    uint32_t e = ax >> 23;
-    uint32_t m = (ax & 0x7fffff) | 0x800000;
-    uint32_t shift = 126 - e;  // 14..24
-    uint32_t half = m >> shift;
-    uint32_t rem = m & ((1u << shift) - 1);
-    uint32_t mid = 1u << (shift - 1);
-    if (rem > mid || (rem == mid && (half & 1))) ++half;
-    return uint16_t(sign | half);
-  }
-  uint32_t h = ((ax >> 13) - (112u << 10));
-  uint32_t rem = ax & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;
-  return uint16_t(sign | h);
 }
 
 }  // namespace kvtc

@@ -1,6 +1,7 @@
 // Internal (GPU path): error checks and small helpers shared by the kernel
 // families. Includable from host C++ (no kernel syntax here); device-only
-// helpers live in device_math.cuh.
+// helpers live in the kernel files; the scalar math shared with the CPU is
+// src/core/scalar.h.
 #pragma once
 
 #include <cuda_runtime.h>

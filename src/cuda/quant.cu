@@ -1,7 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "device_math.cuh"
+#include "core/scalar.h"
 #include "quant.cuh"
 
 namespace kvtc::cuda {
@@ -15,19 +15,6 @@ __device__ __forceinline__ uint32_t code_bits(uint32_t t) {
 }
 __device__ __forceinline__ uint32_t n_params(uint32_t t) {
   return t == kFp8 ? 1 : (t == kInt2 || t == kInt4) ? 2 : 0;
-}
-
-// kvtc::e4m3_to_f32 (exact operations: powers of two and m/8).
-__device__ __forceinline__ float e4m3_value(uint8_t v) {
-  const int s = v >> 7, e = (v >> 3) & 15, m = v & 7;
-  float x;
-  if (e == 0)
-    x = ldexpf(float(m), -9);
-  else if (e == 15 && m == 7)
-    x = __int_as_float(0x7fc00000);
-  else
-    x = ldexpf(1.0f + float(m) / 8.0f, e - 7);
-  return s ? -x : x;
 }
 
 __device__ __forceinline__ uint16_t plane16(const uint8_t* planes, uint32_t n, uint32_t k, uint32_t t) {
@@ -47,22 +34,19 @@ __global__ void quant_params_kernel(const float* __restrict__ dt, size_t ld, con
         const float a = fabsf(col[size_t(i) * ld]);
         amax = amax < a ? a : amax;  // std::max(amax, a)
       }
-      const uint16_t s16 = f2h(__fdiv_rn(amax, 448.0f));
+      const uint16_t s16 = fp8_block_scale(amax);
       out[t] = uint8_t(s16);
       out[size_t(n) + t] = uint8_t(s16 >> 8);
     } else {
-      const float levels = float((1u << code_bits(sg.type)) - 1);
+      const int levels = int((1u << code_bits(sg.type)) - 1);
       float lo = col[0], hi = col[0];
       for (uint32_t i = 1; i < sg.size; ++i) {
         const float x = col[size_t(i) * ld];
         lo = x < lo ? x : lo;  // std::min(lo, x)
         hi = hi < x ? x : hi;  // std::max(hi, x)
       }
-      const uint16_t lo16 = f2h(lo);
-      const float lo_r = h2f(lo16);
-      const float step = __fdiv_rn(__fsub_rn(hi, lo_r), levels);
-      uint16_t st16 = f2h(step);
-      if (h2f(st16) < step) st16 = uint16_t(st16 + 1);
+      uint16_t lo16, st16;
+      int_block_params(lo, hi, levels, &lo16, &st16);
       out[t] = uint8_t(lo16);
       out[size_t(n) + t] = uint8_t(lo16 >> 8);
       out[2 * size_t(n) + t] = uint8_t(st16);
@@ -90,15 +74,10 @@ __global__ void quant_codes_kernel(const float* __restrict__ dt, size_t ld, cons
       const uint32_t i = uint32_t(j / n), t = uint32_t(j % n);
       const float x = dt[size_t(sg.comp0 + i) * ld + sg.row0 + t];
       uint32_t code;
-      if (sg.type == kFp8) {
-        const float s = h2f(plane16(planes, n, 0, t));
-        code = s > 0 ? f2e4m3(__fdiv_rn(x, s)) : 0;
-      } else {
-        const float lo_r = h2f(plane16(planes, n, 0, t)), st = h2f(plane16(planes, n, 1, t));
-        const float qv = st > 0 ? rintf(__fdiv_rn(__fsub_rn(x, lo_r), st)) : 0.0f;
-        const float cl = qv < 0.0f ? 0.0f : (float(levels) < qv ? float(levels) : qv);  // std::clamp
-        code = uint32_t(cl);
-      }
+      if (sg.type == kFp8)
+        code = fp8_code(x, f16_to_f32(plane16(planes, n, 0, t)));
+      else
+        code = int_code(x, f16_to_f32(plane16(planes, n, 0, t)), f16_to_f32(plane16(planes, n, 1, t)), levels);
       byte |= code << (k * cb);
     }
     codes[q] = uint8_t(byte);
@@ -138,9 +117,9 @@ __global__ void unpack_kernel(const uint8_t* __restrict__ base, const QSeg* __re
       const size_t bit = j * cb;
       const uint32_t code = (codes[bit >> 3] >> (bit & 7)) & mask;
       if (sg.type == kFp8)
-        v = __fmul_rn(e4m3_value(uint8_t(code)), h2f(plane16(planes, n, 0, t)));
+        v = __fmul_rn(e4m3_to_f32(uint8_t(code)), f16_to_f32(plane16(planes, n, 0, t)));
       else
-        v = __fadd_rn(h2f(plane16(planes, n, 0, t)), __fmul_rn(float(code), h2f(plane16(planes, n, 1, t))));
+        v = __fadd_rn(f16_to_f32(plane16(planes, n, 0, t)), __fmul_rn(float(code), f16_to_f32(plane16(planes, n, 1, t))));
     }
     put<T>(dt + size_t(sg.comp0 + i) * ld + sg.row0 + t, v);
   }

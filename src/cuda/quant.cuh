@@ -6,12 +6,12 @@
 // Coefficients live component-major: Dt[comp * ld + row] (one component's
 // values for consecutive tokens are contiguous, so the per-token reductions
 // and the component-major code planes both read coalesced). Segments and
-// tiles come from qseg.h (built by host_plan.h). Identical float input gives byte-identical
-// parameters and codes: parameters are rounded to f16 before quantizing
-// (bit-exact port of f32_to_f16), the int step is rounded up, E4M3 rounds
-// to nearest even and saturates, min/max/abs-max use the CPU's comparison
-// order (so -0/+0 pick the same operand), and no operation is contracted
-// into an FMA (explicit __f*_rn intrinsics).
+// tiles come from qseg.h (built by host_plan.h). Identical float input gives
+// byte-identical parameters and codes: the parameter and code arithmetic is
+// the CPU's own (core/scalar.h, __host__ __device__: f16 rounding, the int
+// step rounded up, E4M3 round-to-nearest-even saturating, no FMA
+// contraction), and min/max/abs-max use the CPU's comparison order (so
+// -0/+0 pick the same operand).
 #pragma once
 
 #include "common.cuh"

@@ -1,7 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "device_math.cuh"
+#include "core/scalar.h"
 #include "rope_gather.cuh"
 
 namespace kvtc::cuda {
@@ -39,8 +39,8 @@ __device__ __forceinline__ float rotate(uint32_t d, int layout, uint32_t half, c
     x0 = double(rowmu ? __fadd_rn(rowf[a], rowmu[a]) : rowf[a]);
     x1 = double(rowmu ? __fadd_rn(rowf[b], rowmu[b]) : rowf[b]);
   } else {
-    x0 = double(h2f(rowh[a]));
-    x1 = double(h2f(rowh[b]));
+    x0 = double(f16_to_f32(rowh[a]));
+    x1 = double(f16_to_f32(rowh[b]));
   }
   const double ci = c[i], si = s[i];
   const double y = is_a ? __dsub_rn(__dmul_rn(x0, ci), __dmul_rn(x1, si)) : __dadd_rn(__dmul_rn(x0, si), __dmul_rn(x1, ci));
@@ -82,7 +82,7 @@ __global__ void gather_kernel(const uint16_t* __restrict__ cache, uint32_t lh, u
     if (c && d < r.n_rot)
       v = rotate(d, r.layout, half, nullptr, nullptr, src, c + size_t(row) * half, s + size_t(row) * half);
     else
-      v = h2f(src[d]);
+      v = f16_to_f32(src[d]);
     const size_t f = size_t(h) * D + d;
     if (mu) v = __fsub_rn(v, mu[f]);
     store<T>(out + size_t(row) * p + f, v);
@@ -108,7 +108,7 @@ __global__ void scatter_kernel(const float* __restrict__ x, const float* __restr
       v = rotate(d, r.layout, half, src, m, nullptr, c + size_t(row) * half, s + size_t(row) * half);
     else
       v = m ? __fadd_rn(src[d], m[d]) : src[d];
-    cache[(size_t(h) * n_tokens + uint32_t(row_tok[row])) * D + d] = f2h(v);
+    cache[(size_t(h) * n_tokens + uint32_t(row_tok[row])) * D + d] = f32_to_f16(v);
   }
 }
 

@@ -1,4 +1,4 @@
-#include "device_math.cuh"
+#include "core/scalar.h"
 #include "synth.cuh"
 
 namespace kvtc::cuda {
@@ -35,7 +35,7 @@ __global__ void sq_err_kernel(const uint16_t* __restrict__ a, const uint16_t* __
     const size_t rest = idx / D;
     const uint32_t t = t_lo + uint32_t(rest % nt), h = uint32_t(rest / nt);
     const size_t i = (size_t(h) * n_tokens + t) * D + d;
-    const double x = h2f(a[i]), y = h2f(b[i]);
+    const double x = f16_to_f32(a[i]), y = f16_to_f32(b[i]);
     num += (x - y) * (x - y);
     den += x * x;
   }

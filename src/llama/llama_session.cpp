@@ -1,5 +1,3 @@
-#include "kvtc/llama_session.h"
-
 #include <gguf.h>
 #include <llama.h>
 
@@ -10,8 +8,10 @@
 #include <mutex>
 #include <thread>
 
+#include "core/capture_io.h"
+#include "core/util.h"
 #include "kvtc/error.h"
-#include "kvtc/util.h"
+#include "kvtc/llama.h"
 
 namespace kvtc {
 
@@ -246,15 +246,60 @@ bool Model::is_eog(int32_t token) const {
   return llama_vocab_is_eog(llama_model_get_vocab(model_), token);
 }
 
+namespace {
+
+// The rotation llama.cpp applies to this model's stored keys, as kvtc::Rope
+// (the checks of rope_from_meta, on the GGUF facts directly).
+Rope rope_of(const ModelInfo& mi, bool swa) {
+  Rope r;
+  auto unsupported = [&](const std::string& why) {
+    Rope u;
+    u.unsupported = mi.path + ": " + why;
+    return u;
+  };
+  if (mi.rope_type == "none") return r;
+  if (mi.rope_type == "norm")
+    r.layout = RopeLayout::kNorm;
+  else if (mi.rope_type == "neox")
+    r.layout = RopeLayout::kNeox;
+  else
+    return unsupported("rope type '" + mi.rope_type + "'; kvtc supports norm, neox and none");
+  const std::string scaling = mi.rope_scaling_type.empty() ? "none" : mi.rope_scaling_type;
+  if (scaling != "none" && scaling != "linear") return unsupported("rope scaling '" + scaling + "'; kvtc supports none and linear (YaRN not yet)");
+  r.n_rot = mi.n_rot;
+  if (r.n_rot % 2 != 0 || r.n_rot > mi.head_dim_k)
+    return unsupported("n_rot " + std::to_string(r.n_rot) + " must be even and <= head_dim " + std::to_string(mi.head_dim_k));
+  r.freq_base = swa ? mi.rope_freq_base_swa : mi.rope_freq_base;
+  r.freq_scale = swa ? mi.rope_freq_scale_swa : mi.rope_freq_scale;
+  if (!(r.freq_base > 0 && r.freq_scale > 0)) return unsupported("RoPE frequency base and scale must be positive");
+  if (!swa) r.freq_factors = mi.rope_freq_factors;
+  if (!r.freq_factors.empty() && r.freq_factors.size() != r.n_rot / 2)
+    return unsupported("rope_freqs has " + std::to_string(r.freq_factors.size()) + " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
+  return r;
+}
+
+}  // namespace
+
 CacheGeometry Model::geometry() const {
+  require(info_.head_dim_k == info_.head_dim_v, info_.path + ": K head_dim " + std::to_string(info_.head_dim_k) + " differs from V head_dim " +
+                                                    std::to_string(info_.head_dim_v) + "; not supported by capture format v1");
   CacheGeometry g;
-  g.n_head_kv = info_.n_head_kv;
-  g.head_dim_k = info_.head_dim_k;
-  g.head_dim_v = info_.head_dim_v;
+  g.model_sha256 = sha256();
   std::vector<int32_t> base, swa;
   for (uint32_t il = 0; il < info_.n_layer; ++il) (info_.swa_layer[il] ? swa : base).push_back(int32_t(il));
-  g.block_layers.push_back(base);
-  if (info_.n_swa > 0) g.block_layers.push_back(swa);
+  BlockGeometry b0;
+  b0.layers = base;
+  b0.n_head_kv = info_.n_head_kv;
+  b0.head_dim = info_.head_dim_k;
+  b0.rope = rope_of(info_, false);
+  g.blocks.push_back(b0);
+  if (info_.n_swa > 0) {
+    BlockGeometry b1 = b0;
+    b1.layers = swa;
+    b1.sliding_window = info_.n_swa;
+    b1.rope = rope_of(info_, true);
+    g.blocks.push_back(b1);
+  }
   return g;
 }
 
@@ -385,18 +430,10 @@ void Session::set_seq_state(const std::vector<uint8_t>& blob) {
   logits_.clear();
 }
 
-namespace {
-std::string f9(double x) {
-  char b[64];
-  std::snprintf(b, sizeof b, "%.9g", x);
-  return b;
-}
-}  // namespace
-
 std::map<std::string, std::string> Session::capture_metadata() const {
   const ModelInfo& mi = model_.info();
   std::string ff = "[";
-  for (size_t i = 0; i < mi.rope_freq_factors.size(); ++i) ff += (i ? "," : "") + f9(mi.rope_freq_factors[i]);
+  for (size_t i = 0; i < mi.rope_freq_factors.size(); ++i) ff += (i ? "," : "") + fmt_g9(mi.rope_freq_factors[i]);
   ff += "]";
   return {
       {"arch", mi.arch},
@@ -416,37 +453,37 @@ std::map<std::string, std::string> Session::capture_metadata() const {
       {"head_dim", std::to_string(mi.head_dim_k)},
       {"rope_type", mi.rope_type},
       {"n_rot", std::to_string(mi.n_rot)},
-      {"rope_freq_base", f9(mi.rope_freq_base)},
-      {"rope_freq_scale", f9(mi.rope_freq_scale)},
+      {"rope_freq_base", fmt_g9(mi.rope_freq_base)},
+      {"rope_freq_scale", fmt_g9(mi.rope_freq_scale)},
       {"rope_scaling_type", mi.rope_scaling_type.empty() ? "none" : mi.rope_scaling_type},
-      {"rope_scaling_factor", f9(mi.rope_scaling_factor)},
+      {"rope_scaling_factor", fmt_g9(mi.rope_scaling_factor)},
       {"rope_scaling_orig_ctx", std::to_string(mi.rope_scaling_orig_ctx)},
       {"rope_freq_factors", ff},
       {"n_swa", std::to_string(mi.n_swa)},
-      {"rope_freq_base_swa", f9(mi.n_swa ? mi.rope_freq_base_swa : 0.0)},
-      {"rope_freq_scale_swa", f9(mi.n_swa ? mi.rope_freq_scale_swa : 0.0)},
+      {"rope_freq_base_swa", fmt_g9(mi.n_swa ? mi.rope_freq_base_swa : 0.0)},
+      {"rope_freq_scale_swa", fmt_g9(mi.n_swa ? mi.rope_freq_scale_swa : 0.0)},
   };
 }
 
 KvCapture Session::capture() const {
   std::vector<uint8_t> blob = seq_state();
-  SeqBlob sb = seq_blob_parse(blob, false, "sequence state");
-  KvCapture c = capture_from_blob(sb, model_.geometry(), "sequence state");
+  KvCapture c = capture_from_state(blob, model_.geometry(), "sequence state");
   c.meta = capture_metadata();
   return c;
 }
 
 void Session::restore(const KvCapture& c) {
-  CacheGeometry g = model_.geometry();
-  require(c.blocks.size() == g.block_layers.size(), "restore: the capture has " + std::to_string(c.blocks.size()) + " cache block(s), " +
-                                                        model_.info().path + " has " + std::to_string(g.block_layers.size()) +
-                                                        " (capture of another model?)");
+  const CacheGeometry g = model_.geometry();
+  require(c.blocks.size() == g.blocks.size(), "restore: the capture has " + std::to_string(c.blocks.size()) + " cache block(s), " +
+                                                  model_.info().path + " has " + std::to_string(g.blocks.size()) + " (capture of another model?)");
   for (size_t bi = 0; bi < c.blocks.size(); ++bi) {
     const KvBlock& b = c.blocks[bi];
-    require(b.layers == g.block_layers[bi] && b.n_head_kv == g.n_head_kv && b.head_dim == g.head_dim_k,
+    const BlockGeometry& mg = g.blocks[bi];
+    require(b.layers == mg.layers && b.n_head_kv == mg.n_head_kv && b.head_dim == mg.head_dim,
             "restore: capture block " + std::to_string(bi) + " has " + std::to_string(b.n_layer()) + " layers x " + std::to_string(b.n_head_kv) +
-                " KV heads x " + std::to_string(b.head_dim) + " dims; " + model_.info().path + " needs " + std::to_string(g.block_layers[bi].size()) +
-                " x " + std::to_string(g.n_head_kv) + " x " + std::to_string(g.head_dim_k) + " (capture of another model?)");
+                " KV heads x " + std::to_string(b.head_dim) + " dims; " + model_.info().path + " needs " + std::to_string(mg.n_layer()) + " x " +
+                std::to_string(mg.n_head_kv) + " x " + std::to_string(mg.head_dim) + " (capture of another model?)");
+    require(b.k.size() == b.numel() && b.v.size() == b.numel(), "restore: capture block " + std::to_string(bi) + " K/V size differs from its shape");
     // llama.cpp asserts (aborts) on some inconsistent positions; refuse them here.
     std::vector<int32_t> sorted = b.pos;
     std::sort(sorted.begin(), sorted.end());
@@ -460,9 +497,8 @@ void Session::restore(const KvCapture& c) {
   require(c.blocks[0].n_tokens() <= n_ctx_,
           "restore: the capture holds " + std::to_string(c.blocks[0].n_tokens()) + " tokens, the context only " + std::to_string(n_ctx_));
   clear();
-  SeqBlob empty = seq_blob_parse(seq_state(), false, "empty sequence state");
-  SeqBlob target = capture_to_blob(c, empty, v_trans(), 0);
-  set_seq_state(seq_blob_write(target));
+  const StateLayout to = state_layout(seq_state(), v_trans(), 0, "empty sequence state");
+  set_seq_state(state_from_capture(c, to));
 }
 
 }  // namespace kvtc

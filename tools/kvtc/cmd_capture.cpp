@@ -6,10 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "kvtc/cache.h"
 #include "kvtc/error.h"
-#include "kvtc/kv_capture.h"
-#include "kvtc/llama_session.h"
-#include "kvtc/util.h"
+#include "kvtc/files.h"
+#include "kvtc/llama.h"
 
 namespace kvtc::cli {
 
@@ -63,7 +63,7 @@ int run_capture(const CaptureArgs& a) {
     require(c.blocks[0].pos[i] == int32_t(i), "capture: unexpected cell order in a fresh context (cell " + std::to_string(i) + " holds position " +
                                                   std::to_string(c.blocks[0].pos[i]) + ")");
   c.meta["source_text"] = std::filesystem::path(a.text).filename().string();
-  c.meta["source_text_sha256"] = sha256_bytes(raw);
+  c.meta["source_text_sha256"] = sha256_file(a.text);
   c.meta["text_tokens"] = std::to_string(n_text);
   c.meta["next_token"] = std::to_string(s.argmax());
   t0 = clock::now();

@@ -8,11 +8,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "../../src/calib/calibrate.h"
 #include "commands.h"
-#include "kvtc/codec.h"
-#include "kvtc/error.h"
-#include "kvtc/util.h"
+#include "kvtc/kvtc.h"
+#include "kvtc/llama.h"
 
 namespace kvtc::cli {
 
@@ -31,7 +29,8 @@ nlohmann::ordered_json calib_summary(const Calibration& cal, const std::string& 
   nlohmann::ordered_json j;
   j["output"] = path;
   j["calibration_id"] = cal.id;
-  for (const char* k : {"model_sha256", "arch", "calib_tokens", "calib_documents", "heldout_tokens", "pca_route"})
+  j["model_sha256"] = cal.geometry.model_sha256;
+  for (const char* k : {"arch", "calib_tokens", "calib_documents", "heldout_tokens", "pca_route"})
     if (cal.meta.count(k)) j[k] = cal.meta.at(k);
   j["blocks"] = nlohmann::json::array();
   for (size_t b = 0; b < cal.blocks.size(); ++b)
@@ -70,7 +69,7 @@ nlohmann::ordered_json calib_summary(const Calibration& cal, const std::string& 
 }  // namespace
 
 Action add_calibrate(CLI::App& app) {
-  auto o = std::make_shared<CalibrateOptions>();
+  auto o = std::make_shared<CorpusCalibrateOptions>();
   auto out = std::make_shared<std::string>();
   auto json = std::make_shared<bool>(false);
   o->model_path = default_model();
@@ -80,15 +79,15 @@ Action add_calibrate(CLI::App& app) {
   sub->add_option("--corpus", o->corpus_dir, "Corpus root (manifest.json, calib/)")->capture_default_str();
   sub->add_option("--tokens", o->n_tokens, "Tokens for the PCA fit")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--heldout", o->heldout_tokens, "Held-out tokens for the block errors")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--rank-max", o->rank_max, "Largest number of components kept")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--rank-max", o->fit.rank_max, "Largest number of components kept")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--doc-tokens", o->max_doc_tokens, "Tokens per document at most (0: the model's context)")->capture_default_str();
-  sub->add_option("--ratios", o->ratios, "Nominal ratios to tabulate")->capture_default_str();
-  sub->add_option("--pca", o->pca_route, "PCA route: exact, randomized or auto (exact while p <= 12288)")
+  sub->add_option("--ratios", o->fit.ratios, "Nominal ratios to tabulate")->capture_default_str();
+  sub->add_option("--pca", o->fit.pca_route, "PCA route: exact, randomized or auto (exact while p <= 12288)")
       ->check(CLI::IsMember({"auto", "exact", "randomized"}))
       ->capture_default_str();
-  sub->add_option("--power-iters", o->power_iters, "Power iterations of the randomized route")->capture_default_str();
+  sub->add_option("--power-iters", o->fit.power_iters, "Power iterations of the randomized route")->capture_default_str();
   sub->add_option("--threads", o->threads, "Threads (default: all)");
-  sub->add_flag("--keep-rope", o->keep_rope, "Ablation: fit keys with RoPE applied, as llama.cpp stores them (meta keys_rope = kept)");
+  sub->add_flag("--keep-rope", o->fit.keep_rope, "Ablation: fit keys with RoPE applied, as llama.cpp stores them (meta keys_rope = kept)");
   sub->add_option("--kinds", o->kinds, "Corpus kinds to calibrate on (prose, docs, code, math; default all)");
   sub->add_option("-o,--output", *out, "Output calibration file (.safetensors)")->required();
   sub->add_flag("--json", *json, "Print the summary as JSON");
@@ -102,7 +101,7 @@ Action add_calibrate(CLI::App& app) {
                    (unsigned long long)done, (unsigned long long)total, ms_since(t0) / 1000);
       std::fflush(stderr);
     };
-    Calibration cal = calibrate(*o, prog);
+    Calibration cal = calibrate_from_corpus(*o, prog);
     if (tty) std::fprintf(stderr, "\n");
     calibration_save(*out, cal);
     nlohmann::ordered_json j = calib_summary(cal, *out);
@@ -150,7 +149,7 @@ Action add_compress(CLI::App& app) {
   sub->add_flag("--json", a->json, "JSON summary");
   return [a] {
     a->opt.precision = parse_precision(a->precision);
-    CodecStageTimes stats;
+    CodecStats stats;
     a->opt.stats = &stats;
     check_output_path(a->out);
     auto t0 = std::chrono::steady_clock::now();
@@ -159,11 +158,11 @@ Action add_compress(CLI::App& app) {
     const double load_ms = ms_since(t0);
     AllocationSet al = allocation_set(cal, a->ratio);
     t0 = std::chrono::steady_clock::now();
-    std::vector<uint8_t> bytes = kvtc_compress(c, cal, al, a->opt);  // validates the match first
-    const uint64_t bound = kvtc_compress_bound(c, al, a->opt);
+    std::vector<uint8_t> bytes = compress(c, cal, al, a->opt);  // validates the match first
+    const uint64_t bound = compress_bound(c, al, a->opt);
     const double enc_ms = ms_since(t0);
     write_file_atomic(a->out, bytes);
-    ContainerInfo ci = kvtc_inspect(bytes, a->out);
+    const ContainerInfo ci = inspect(bytes, a->out);
     nlohmann::ordered_json j;
     j["output"] = a->out;
     j["nominal_ratio"] = a->ratio;
@@ -171,8 +170,8 @@ Action add_compress(CLI::App& app) {
     j["compressed_tokens"] = ci.n_compressed_tokens;
     j["bytes"] = bytes.size();
     j["bound_bytes"] = bound;
-    j["ratio_compressed_tokens"] = ci.stored_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.stored_bytes_compressed : 0;
-    j["ratio_whole_cache"] = double(ci.f16_bytes_all) / bytes.size();
+    j["ratio_compressed_tokens"] = ci.ratio_compressed_tokens();
+    j["ratio_whole_cache"] = ci.ratio_whole_cache();
     j["payload_bytes_compressed"] = ci.payload_bytes_compressed;
     j["stored_bytes_compressed"] = ci.stored_bytes_compressed;
     j["f16_bytes_compressed"] = ci.f16_bytes_compressed;
@@ -215,9 +214,9 @@ Action add_decompress(CLI::App& app) {
     auto t0 = std::chrono::steady_clock::now();
     DecompressOptions dopt;
     dopt.precision = parse_precision(*precision);
-    CodecStageTimes stats;
+    CodecStats stats;
     dopt.stats = &stats;
-    KvCapture c = kvtc_decompress(bytes, cal, *in, dopt);
+    KvCapture c = decompress(bytes, cal, *in, dopt);
     const double ms = ms_since(t0);
     if (!out->empty()) capture_save(*out, c);
     nlohmann::ordered_json j;
@@ -226,8 +225,8 @@ Action add_decompress(CLI::App& app) {
     j["decode_ms"] = ms;
     j["projection"] = precision_name(stats.projection);
     if (!ref->empty()) {
-      nlohmann::json hdr = nlohmann::json::parse(kvtc_inspect(bytes, *in).header_json);
-      ReconError e = reconstruction_error(capture_load(*ref), c, hdr["sink"].get<uint32_t>(), hdr["window"].get<uint32_t>());
+      const ContainerHeader h = inspect(bytes, *in).header;
+      ReconError e = reconstruction_error(capture_load(*ref), c, h.sink, h.window);
       j["rel_error_k"] = e.k;
       j["rel_error_v"] = e.v;
       j["error_tokens"] = e.tokens;
@@ -256,7 +255,7 @@ Action add_append(CLI::App& app) {
     Calibration cal = calibration_load(*calib);
     KvCapture c = capture_load(*capture);
     auto t0 = std::chrono::steady_clock::now();
-    AppendResult r = kvtc_append(bytes, c, cal, *container);
+    AppendResult r = append(bytes, c, cal, *container);
     const double ms = ms_since(t0);
     write_file_atomic(*container, r.bytes);
     std::printf("appended to %s: %zu bytes kept as they were, %zu bytes now, %.0f ms\n", container->c_str(), r.kept_bytes, r.bytes.size(), ms);
@@ -272,35 +271,44 @@ Action add_inspect(CLI::App& app) {
   sub->add_flag("--json", *json, "JSON output");
   return [in, json] {
     std::vector<uint8_t> bytes = read_file(*in);
-    ContainerInfo ci = kvtc_inspect(bytes, *in);
+    const ContainerInfo ci = inspect(bytes, *in);
+    const ContainerHeader& h = ci.header;
     nlohmann::ordered_json j;
     j["file"] = *in;
-    j["version"] = ci.version;
-    j["calibration_id"] = ci.calibration_id;
-    j["model_sha256"] = ci.model_sha256;
+    j["version"] = h.version;
+    j["calibration_id"] = h.calibration_id;
+    j["model_sha256"] = h.geometry.model_sha256;
     j["file_bytes"] = ci.file_bytes;
     j["tokens"] = ci.n_tokens;
     j["compressed_tokens"] = ci.n_compressed_tokens;
-    j["ratio_compressed_tokens"] = ci.stored_bytes_compressed ? double(ci.f16_bytes_compressed) / ci.stored_bytes_compressed : 0;
-    j["ratio_whole_cache"] = double(ci.f16_bytes_all) / ci.file_bytes;
+    j["ratio_compressed_tokens"] = ci.ratio_compressed_tokens();
+    j["ratio_whole_cache"] = ci.ratio_whole_cache();
     std::map<std::string, std::pair<uint64_t, uint64_t>> by;
     for (const auto& s : ci.sections) {
       by[s.kind].first += s.stored_bytes;
       by[s.kind].second += s.raw_bytes;
     }
     for (const auto& [k, v] : by) j["sections"][k] = {{"stored_bytes", v.first}, {"payload_bytes", v.second}};
-    nlohmann::json hdr = nlohmann::json::parse(ci.header_json);
     j["ratio_table"] = nlohmann::json::array();
-    for (const auto& b : hdr["blocks"]) j["ratio_table"].push_back({{"nominal_ratio", b["nominal_ratio"]}, {"alloc", b["alloc"]}});
-    j["sink"] = hdr["sink"];
-    j["window"] = hdr["window"];
-    j["chunk_tokens"] = hdr["chunk_tokens"];
-    j["keys_rope"] = hdr.value("keys_rope", "removed");
+    for (const auto& al : h.alloc) {
+      nlohmann::json ratios = nlohmann::json::array(), allocs = nlohmann::json::array();
+      for (const Allocation& a : al) {
+        ratios.push_back(a.nominal_ratio);
+        nlohmann::json x = nlohmann::json::array();
+        for (const BlockAlloc& b : a.blocks) x.push_back({b.start, b.size, int(b.type)});
+        allocs.push_back(x);
+      }
+      j["ratio_table"].push_back({{"nominal_ratio", ratios}, {"alloc", allocs}});
+    }
+    j["sink"] = h.sink;
+    j["window"] = h.window;
+    j["chunk_tokens"] = h.chunk_tokens;
+    j["keys_rope"] = h.keys_derope ? "removed" : "kept";
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
       std::printf("%s: kvtc v%u, %llu bytes, %llu tokens (%llu coded), ratio %.2fx on coded tokens, %.2fx on the whole cache\n", in->c_str(),
-                  ci.version, (unsigned long long)ci.file_bytes, (unsigned long long)ci.n_tokens, (unsigned long long)ci.n_compressed_tokens,
+                  h.version, (unsigned long long)ci.file_bytes, (unsigned long long)ci.n_tokens, (unsigned long long)ci.n_compressed_tokens,
                   j["ratio_compressed_tokens"].get<double>(), j["ratio_whole_cache"].get<double>());
       for (const auto& [k, v] : by)
         std::printf("  %-9s %10llu bytes stored (%llu before DEFLATE)\n", k.c_str(), (unsigned long long)v.first, (unsigned long long)v.second);

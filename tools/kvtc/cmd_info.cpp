@@ -6,9 +6,11 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "kvtc/codec.h"
+#include "kvtc/corpus.h"
 #include "kvtc/error.h"
-#include "kvtc/llama_session.h"
-#include "kvtc/util.h"
+#include "kvtc/files.h"
+#include "kvtc/llama.h"
 
 namespace kvtc::cli {
 
@@ -39,9 +41,9 @@ nlohmann::ordered_json model_summary(const std::string& path) {
     j["rope_freq_factors"] = mi.rope_freq_factors.size();
     j["n_swa"] = mi.n_swa;
     uint64_t feat = 0;
-    for (const auto& bl : m->geometry().block_layers) feat += bl.size();
-    j["kv_features_per_token"] = feat * mi.n_head_kv * mi.head_dim_k;  // p of method.md, keys (values alike)
-    j["kv_f16_bytes_per_token"] = feat * mi.n_head_kv * mi.head_dim_k * 2 * 2;
+    for (const BlockGeometry& b : m->geometry().blocks) feat += b.features();
+    j["kv_features_per_token"] = feat;  // p of docs/method.md, keys (values alike), all blocks
+    j["kv_f16_bytes_per_token"] = feat * 2 * 2;
   } catch (const Error& e) {
     j["exists"] = false;
     j["error"] = e.what();
@@ -52,29 +54,28 @@ nlohmann::ordered_json model_summary(const std::string& path) {
 nlohmann::ordered_json corpus_summary(const std::string& root) {
   nlohmann::ordered_json j;
   j["root"] = root;
-  const std::string manifest = root + "/manifest.json";
-  j["manifest"] = manifest;
-  std::ifstream f(manifest);
-  if (!f) {
+  j["manifest"] = root + "/manifest.json";
+  if (!std::filesystem::exists(root + "/manifest.json")) {
     j["built"] = false;
     return j;
   }
   j["built"] = true;
   try {
-    nlohmann::json m = nlohmann::json::parse(f);
+    const Corpus corpus = Corpus::load(root);
     std::map<std::string, std::map<std::string, std::pair<int, long>>> agg;  // split -> kind -> (docs, tokens)
-    for (const auto& d : m.at("documents")) {
-      auto& e = agg[d.at("split").get<std::string>()][d.at("kind").get<std::string>()];
-      e.first += 1;
-      e.second += d.at("tokens").get<long>();
-    }
+    for (const char* split : {"calib", "eval"})
+      for (const CorpusDoc& d : corpus.docs(split)) {
+        auto& e = agg[d.split][d.kind];
+        e.first += 1;
+        e.second += long(d.tokens);
+      }
     for (const auto& [split, kinds] : agg) {
       nlohmann::ordered_json s;
       s["path"] = root + "/" + split;
       for (const auto& [kind, e] : kinds) s["kinds"][kind] = {{"documents", e.first}, {"tokens", e.second}};
       j[split] = s;
     }
-  } catch (const std::exception& e) {
+  } catch (const Error& e) {
     j["error"] = std::string("manifest unreadable: ") + e.what();
   }
   return j;
@@ -90,16 +91,17 @@ Action add_info(CLI::App& app) {
   sub->add_option("-m,--model", *model, "Model to describe")->capture_default_str();
   return [json, model] {
     nlohmann::ordered_json j;
-    j["kvtc_version"] = KVTC_VERSION;
+    const LibraryInfo li = library_info();
+    j["kvtc_version"] = li.version;
     j["llama_cpp_commit"] = kLlamaCppCommit;
     j["default_model"] = model_summary(*model);
     j["corpus"] = corpus_summary(default_corpus());
-    const CpuFeatures& f = cpu_features();
-    j["cpu"] = {{"brand", f.brand}, {"features", cpu_feature_names(f)}};
+    j["cpu"] = {{"brand", li.cpu}, {"features", li.cpu_features}};
+    j["bf16_projection"] = li.bf16 ? li.bf16_projection : "unavailable: " + li.bf16_projection;
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
-      std::printf("kvtc %s (llama.cpp %s)\n", KVTC_VERSION, kLlamaCppCommit);
+      std::printf("kvtc %s (llama.cpp %s)\n", li.version.c_str(), kLlamaCppCommit);
       const auto& m = j["default_model"];
       std::printf("model   %s\n", m["path"].get<std::string>().c_str());
       if (m["exists"].get<bool>())
@@ -111,8 +113,9 @@ Action add_info(CLI::App& app) {
       std::printf("corpus  %s (%s)\n", j["corpus"]["root"].get<std::string>().c_str(),
                   j["corpus"]["built"].get<bool>() ? "built" : "not built: make corpus");
       std::string feats;
-      for (const auto& s : cpu_feature_names(f)) feats += s + " ";
-      std::printf("cpu     %s\n        %s\n", f.brand.c_str(), feats.c_str());
+      for (const auto& s : li.cpu_features) feats += s + " ";
+      std::printf("cpu     %s\n        %s\n", li.cpu.c_str(), feats.c_str());
+      std::printf("        projection: %s\n", j["bf16_projection"].get<std::string>().c_str());
     }
     return 0;
   };
@@ -127,8 +130,8 @@ Action add_tokens(CLI::App& app) {
   return [files, model] {
     auto m = Model::load(*model, /*vocab_only=*/true);
     for (const auto& p : *files) {
-      std::vector<uint8_t> raw = read_file(p);
-      size_t n = m->tokenize(std::string(raw.begin(), raw.end())).size();
+      const std::vector<uint8_t> raw = read_file(p);
+      const size_t n = m->tokenize(std::string(raw.begin(), raw.end())).size();
       std::printf("%s\n", nlohmann::json({{"path", p}, {"tokens", n}}).dump().c_str());
     }
     return 0;

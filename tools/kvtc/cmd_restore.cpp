@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "kvtc/cache.h"
 #include "kvtc/error.h"
-#include "kvtc/kv_capture.h"
-#include "kvtc/llama_session.h"
+#include "kvtc/llama.h"
 
 namespace kvtc::cli {
 
@@ -34,7 +34,7 @@ int run_restore(const RestoreArgs& a) {
   require(!c.tokens.empty(), a.in + ": tensor 'tokens' is missing; restore needs the token ids to continue");
   auto model = Model::load(a.model);
   if (!a.ignore_model_hash) {
-    const std::string want = c.meta.count("model_sha256") ? c.meta.at("model_sha256") : "";
+    const std::string& want = c.model_sha256;
     require(want == model->sha256(), a.in + ": captured with a model of sha256 " + want + ", but " + a.model + " has sha256 " + model->sha256() +
                                          " (wrong model; --ignore-model-hash to force)");
   }

@@ -1,5 +1,8 @@
-// kvtc CLI: one function per subcommand. Each registers its options on the
-// CLI11 app and returns the action to run once parsing succeeded.
+// kvtc CLI (the product: capture, restore, info, tokens, calibrate, compress,
+// decompress, append, inspect): one function per subcommand. Each registers
+// its options on the CLI11 app and returns the action to run once parsing
+// succeeded. Uses only the public headers of the library and of the
+// llama.cpp integration.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -8,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kvtc/llama_session.h"
+#include "kvtc/llama.h"
 
 namespace kvtc::cli {
 
@@ -35,17 +38,10 @@ Action add_compress(CLI::App& app);
 Action add_decompress(CLI::App& app);
 Action add_inspect(CLI::App& app);
 Action add_append(CLI::App& app);
-Action add_eval(CLI::App& app);
-Action add_bench(CLI::App& app);
-Action add_session(CLI::App& app);
-Action add_analyze(CLI::App& app);
 
 // Milliseconds since t0 (steady clock), for the timings the commands print.
 inline double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
-
-// "%.9g": enough digits for a float to read back bit for bit.
-std::string fmt_float(double x);
 
 }  // namespace kvtc::cli

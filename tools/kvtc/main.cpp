@@ -4,8 +4,9 @@
 #include <map>
 
 #include "commands.h"
+#include "kvtc/codec.h"
 #include "kvtc/error.h"
-#include "kvtc/llama_session.h"
+#include "kvtc/llama.h"
 
 namespace kvtc::cli {
 
@@ -19,21 +20,15 @@ std::string default_corpus() {
   return e && *e ? e : KVTC_DEFAULT_CORPUS;
 }
 
-std::string fmt_float(double x) {
-  char b[64];
-  std::snprintf(b, sizeof b, "%.9g", x);
-  return b;
-}
-
 }  // namespace kvtc::cli
 
 int main(int argc, char** argv) {
   using namespace kvtc::cli;
-  CLI::App app{"kvtc — KV Cache Transform Coding: compress an LLM's idle KV cache and restore it"};
+  CLI::App app{"kvtc — KV Cache Transform Coding: compress an LLM's idle KV cache and restore it\n(evaluation, benchmarks and analysis: kvtc-lab)"};
   app.require_subcommand(1);
   bool verbose = false;
   app.add_flag("-v,--verbose", verbose, "Show llama.cpp's log");
-  app.set_version_flag("--version", std::string("kvtc ") + KVTC_VERSION + " (llama.cpp " + kvtc::kLlamaCppCommit + ")");
+  app.set_version_flag("--version", "kvtc " + kvtc::library_info().version + " (llama.cpp " + kvtc::kLlamaCppCommit + ")");
   std::map<CLI::App*, Action> actions;
   auto reg = [&](Action (*add)(CLI::App&)) {
     size_t before = app.get_subcommands({}).size();
@@ -49,10 +44,6 @@ int main(int argc, char** argv) {
   reg(add_decompress);
   reg(add_inspect);
   reg(add_append);
-  reg(add_eval);
-  reg(add_bench);
-  reg(add_session);
-  reg(add_analyze);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -62,9 +53,6 @@ int main(int argc, char** argv) {
   try {
     for (auto& [sub, act] : actions)
       if (sub->parsed()) return act();
-  } catch (const kvtc::Error& e) {
-    std::fprintf(stderr, "kvtc: error: %s\n", e.what());
-    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvtc: error: %s\n", e.what());
     return 1;

@@ -1,0 +1,127 @@
+// kvtc: a KV cache held in memory — its typed geometry (model fingerprint,
+// and per cache block: layers, KV heads, head_dim, RoPE, sliding window)
+// and its tokens — and the two ways it crosses a process boundary without
+// the codec: the capture file (safetensors, docs/capture-format.md) and
+// llama.cpp's sequence-state blob (docs/llama-state.md).
+//
+// Metadata strings exist only at file I/O: the loaders parse them into the
+// typed fields, the writers write the typed fields back over them. `meta`
+// carries the rest (where the cache came from) untouched.
+// Thread safety: plain values; the functions are reentrant.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvtc {
+
+// How keys carry their position (docs/method.md §2). kNorm rotates the pairs
+// (2i, 2i+1) of each head's first n_rot dimensions, kNeox the pairs
+// (i, i + n_rot/2), by pos * freq_scale * base^(-2i/n_rot) / freq_factors[i]
+// radians, as llama.cpp's CPU backend computes it.
+enum class RopeLayout : uint8_t { kNone, kNorm, kNeox };
+const char* rope_layout_name(RopeLayout l);  // "none", "norm", "neox"
+
+struct Rope {
+  RopeLayout layout = RopeLayout::kNone;
+  uint32_t n_rot = 0;               // rotated dimensions at the start of each head (even, <= head_dim)
+  float freq_base = 10000.0f;       // theta base
+  float freq_scale = 1.0f;          // linear position scaling (1 / factor), folded in as llama.cpp does
+  std::vector<float> freq_factors;  // [n_rot / 2] per-pair divisors (Llama 3's rope_freqs), or empty
+  // Non-empty when the keys carry a rotation kvtc cannot undo exactly
+  // (M-RoPE, YaRN, missing parameters): the reason. Such a cache can be
+  // captured and restored, but not coded with a calibration that removes
+  // RoPE; the encoder refuses it with this text.
+  std::string unsupported;
+  bool operator==(const Rope&) const = default;
+};
+
+// One KV cache block: the whole cache, or, for an iSWA model (Gemma 3),
+// the global-attention layers (block 0) or the sliding-window layers
+// (block 1, sliding_window > 0).
+struct BlockGeometry {
+  std::vector<int32_t> layers;  // model layer index of each layer held, in cache order
+  uint32_t n_head_kv = 0;       // KV heads per layer
+  uint32_t head_dim = 0;        // dimensions per head (keys and values alike)
+  uint32_t sliding_window = 0;  // 0: full attention; else the window in tokens
+  Rope rope;                    // the rotation the stored keys carry
+  uint32_t n_layer() const { return uint32_t(layers.size()); }
+  // p: the length of one token's feature vector (docs/method.md §1), all layers
+  // and heads concatenated: n_layer x n_head_kv x head_dim.
+  uint32_t features() const { return n_layer() * n_head_kv * head_dim; }
+  bool operator==(const BlockGeometry&) const = default;
+};
+
+struct CacheGeometry {
+  std::string model_sha256;  // SHA-256 of the model file: caches and calibrations of different models never mix
+  std::vector<BlockGeometry> blocks;
+};
+
+// A block's geometry plus its tokens.
+struct KvBlock : BlockGeometry {
+  std::vector<int32_t> pos;  // [n_tokens] position of each token, cache-slot order
+  std::vector<uint16_t> k;   // f16 bits, [n_layer][n_head_kv][n_tokens][head_dim], keys as stored (RoPE applied)
+  std::vector<uint16_t> v;   // same shape as k
+
+  uint32_t n_tokens() const { return uint32_t(pos.size()); }
+  size_t numel() const { return size_t(n_layer()) * n_head_kv * n_tokens() * head_dim; }
+  size_t index(uint32_t l, uint32_t h, uint32_t t, uint32_t d) const { return ((size_t(l) * n_head_kv + h) * n_tokens() + t) * head_dim + d; }
+  const BlockGeometry& geometry() const { return *this; }
+};
+
+struct KvCapture {
+  std::string model_sha256;
+  std::vector<KvBlock> blocks;              // [0]: the cache (iSWA: global layers); [1]: sliding-window layers
+  std::vector<int32_t> tokens;              // token id of each token of blocks[0], or empty
+  std::map<std::string, std::string> meta;  // provenance strings (docs/capture-format.md), not read by the codec
+
+  CacheGeometry geometry() const;
+  // Bytes of K and V at f16 per token of blocks[0], all blocks' layers:
+  // sum of n_layer x n_head_kv x head_dim x 2 (K and V) x 2 bytes.
+  uint64_t f16_bytes_per_token() const;
+  // Raw f16 bytes of K and V held, all blocks.
+  uint64_t f16_bytes() const;
+};
+
+// f16 bits <-> f32 over arrays (KvBlock::k and v hold f16 bits): exact
+// widening; narrowing rounds to nearest even, overflow to inf. F16C
+// instructions where the CPU has them, chosen at run time; the results are
+// the same either way.
+void f16_to_f32_n(const uint16_t* in, float* out, size_t n);
+void f32_to_f16_n(const float* in, uint16_t* out, size_t n);
+
+// ---- capture files (docs/capture-format.md) -----------------------------
+// Written atomically (temporary file, then rename); the loader checks
+// names, dtypes, shapes and metadata and names the file and field in errors.
+void capture_save(const std::string& path, const KvCapture& c);
+KvCapture capture_load(const std::string& path);
+std::vector<uint8_t> capture_serialize(const KvCapture& c);
+KvCapture capture_parse(std::span<const uint8_t> bytes, const std::string& origin);
+
+// ---- llama.cpp sequence-state blobs (llama_state_seq_get_data, flags 0) ----
+// The blob itself says neither which model layers each block holds nor
+// how keys are rotated: `g` supplies them (Model::geometry() in
+// <kvtc/llama.h>, or a server's own model). The blob must hold one
+// sequence of an f16 cache; Error names the block, stream and field
+// otherwise.
+KvCapture capture_from_state(std::span<const uint8_t> blob, const CacheGeometry& g, const std::string& origin);
+
+// What the destination context expects of a blob: streams per block (1
+// with llama.cpp's unified cache), the V layout (v_trans = 1 without flash
+// attention) and the sequence id the cells are tagged with.
+struct StateLayout {
+  std::vector<uint32_t> streams;  // per block; empty: 1 stream per block
+  uint32_t v_trans = 0;
+  int32_t seq_id = 0;
+};
+// The stream counts of a context, read from the blob of one of its empty
+// sequences (llama_state_seq_get_data on a cleared sequence).
+StateLayout state_layout(std::span<const uint8_t> empty_blob, uint32_t v_trans, int32_t seq_id, const std::string& origin);
+// A blob that llama_state_seq_set_data accepts in a context of layout `to`.
+std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to);
+
+}  // namespace kvtc

@@ -1,0 +1,399 @@
+// kvtc eval: what each compression ratio costs in model quality, measured
+// the way the paper measures it — prefill a context with llama.cpp, take
+// the sequence's state, encode and decode it with a method, restore it into
+// a fresh sequence, then continue.
+//
+// Tasks: ppl (perplexity of the next 256 real-text tokens, teacher-forced),
+// kld (mean next-token KL divergence from vanilla over those tokens), agree
+// (of 64 greedy tokens, how many match vanilla before the first difference,
+// and the share of samples where all 64 match) on real text of the
+// evaluation split; niah, vt, kvr (eval_tasks.h), scored in percent. Each
+// task has its own prompts and prefill; every method runs on the same
+// prompts, so differences are paired. Methods: see parse_method.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "eval_tasks.h"
+#include "kvtc/corpus.h"
+#include "kvtc/kvtc.h"
+#include "kvtc/llama.h"
+#include "lab.h"
+#include "methods.h"
+
+namespace kvtc::lab {
+
+namespace {
+
+struct EvalArgs {
+  std::string model, calib, corpus, out_json, out_md;
+  std::vector<std::string> tasks{"ppl", "kld", "agree"};
+  std::vector<std::string> methods{"vanilla", "kvtc-8x", "kvtc-16x", "kvtc-32x", "kvtc-64x"};
+  std::vector<uint32_t> contexts{2048};
+  std::vector<uint32_t> samples{8};  // per context (one value: all contexts)
+  uint32_t cont = 256, greedy = 64;
+  std::vector<std::string> calib_extra;  // NAME=FILE, for kvtc-<R>x@NAME
+  uint64_t seed = 1;
+  bool json = false, verbose_tasks = false;
+};
+
+struct Stat {
+  std::vector<double> x;
+  double mean() const {
+    double s = 0;
+    for (double v : x) s += v;
+    return x.empty() ? 0 : s / double(x.size());
+  }
+  // 95% half-width of the mean (normal approximation).
+  double half() const {
+    if (x.size() < 2) return 0;
+    double m = mean(), s = 0;
+    for (double v : x) s += (v - m) * (v - m);
+    return 1.96 * std::sqrt(s / double(x.size() - 1) / double(x.size()));
+  }
+};
+
+// log-softmax of one row, in double.
+void log_softmax(const float* l, size_t n, std::vector<double>& out) {
+  out.resize(n);
+  double mx = *std::max_element(l, l + n), s = 0;
+  for (size_t i = 0; i < n; ++i) s += std::exp(double(l[i]) - mx);
+  const double lse = mx + std::log(s);
+  for (size_t i = 0; i < n; ++i) out[i] = double(l[i]) - lse;
+}
+
+// A prompt of one task: text (ppl/kld/agree share it) or a retrieval task.
+struct Prompt {
+  std::string task, id;  // task "text" for the ppl/kld/agree group
+  std::vector<int32_t> tokens, cont;
+  TaskPrompt gen;
+};
+
+// n text samples of ctx + cont tokens: seeded random windows of distinct
+// evaluation documents.
+std::vector<Prompt> text_prompts(const Model& m, const Corpus& corpus, uint32_t ctx, uint32_t cont, uint32_t n, uint64_t seed) {
+  const uint32_t need = ctx + cont;
+  std::vector<CorpusDoc> docs = corpus.docs("eval", {}, need);
+  std::mt19937_64 rng(seed);
+  shuffle_docs(docs, rng);
+  WindowReader windows(m, std::move(docs), rng);
+  std::vector<Prompt> out;
+  while (out.size() < n) {
+    std::optional<TextWindow> w = windows.next(need);
+    if (!w) break;
+    Prompt p;
+    p.task = "text";
+    p.id = w->doc.id;
+    p.tokens.assign(w->tokens.begin(), w->tokens.begin() + ctx);
+    p.cont.assign(w->tokens.begin() + ctx, w->tokens.end());
+    out.push_back(std::move(p));
+  }
+  require(out.size() == n,
+          "eval: only " + std::to_string(out.size()) + " evaluation documents hold " + std::to_string(need) + " tokens; ask for fewer samples");
+  return out;
+}
+
+// Haystacks: prose and docs of the evaluation split, cycled.
+std::vector<Prompt> task_prompts(const Model& m, const Corpus& corpus, const std::string& task, uint32_t ctx, uint32_t n, uint64_t seed) {
+  std::vector<CorpusDoc> docs = corpus.docs("eval", {"prose", "docs"}, ctx);
+  require(task == "kvr" || !docs.empty(), "eval: no prose/docs evaluation document holds " + std::to_string(ctx) + " tokens");
+  std::mt19937_64 rng(seed);
+  shuffle_docs(docs, rng);
+  std::vector<Prompt> out;
+  for (uint32_t i = 0; i < n; ++i) {
+    std::string text, id;
+    if (task != "kvr") {
+      const CorpusDoc& d = docs[i % docs.size()];
+      // Start at a paragraph boundary chosen by the seed.
+      const std::string s = corpus_text(d);
+      size_t off = s.size() > 8 * ctx ? size_t(rng() % (s.size() - 8 * ctx)) : 0;
+      if (off > 0) off = std::min(s.size(), s.find("\n\n", off) == std::string::npos ? off : s.find("\n\n", off) + 2);
+      text = s.substr(off);
+      id = d.id;
+    }
+    Prompt p;
+    p.task = task;
+    p.gen = make_task_prompt(m, task, text, id, ctx, seed, i);
+    p.id = p.gen.id;
+    p.tokens = p.gen.tokens;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+int run_eval(const EvalArgs& a) {
+  using clock = std::chrono::steady_clock;
+  const auto t_start = clock::now();
+  auto has = [&](const std::string& t) { return std::find(a.tasks.begin(), a.tasks.end(), t) != a.tasks.end(); };
+  for (const auto& t : a.tasks)
+    require(t == "ppl" || t == "kld" || t == "agree" || t == "niah" || t == "vt" || t == "kvr",
+            "eval: unknown task '" + t + "' (ppl, kld, agree, niah, vt, kvr)");
+  // Method names and calibrations are checked before minutes of prefill.
+  std::vector<MethodSpec> specs;
+  for (const auto& n : a.methods) specs.push_back(parse_method(n));
+  require(!specs.empty() && specs.front().name == "vanilla", "eval: the first method must be vanilla (the reference of kld and agree)");
+  std::map<std::string, std::string> calib_files;
+  if (!a.calib.empty()) calib_files[""] = a.calib;
+  for (const auto& e : a.calib_extra) {
+    const size_t eq = e.find('=');
+    require(eq != std::string::npos && eq > 0 && eq + 1 < e.size(), "eval: --calib-extra takes NAME=FILE, got '" + e + "'");
+    calib_files[e.substr(0, eq)] = e.substr(eq + 1);
+  }
+  for (const MethodSpec& m : specs)
+    if (m.needs_calibration)
+      require(calib_files.count(m.calibration),
+              "eval: method " + m.name + " needs " + (m.calibration.empty() ? "--calib" : "--calib-extra " + m.calibration + "=FILE"));
+  auto model = Model::load(a.model);
+  const size_t nv = model->info().n_vocab;
+  std::map<std::string, Calibration> cals;
+  for (const auto& [k, f] : calib_files) cals.emplace(k, calibration_load(f));
+  std::vector<std::unique_ptr<Method>> methods;
+  for (const MethodSpec& m : specs) methods.push_back(make_method(m, cals));
+
+  nlohmann::ordered_json result;
+  result["model"] = model->info().path;
+  result["model_sha256"] = model->sha256();
+  result["calibration"] = a.calib;
+  if (cals.count("")) result["calibration_id"] = cals.at("").id;
+  for (const auto& [k, f] : calib_files)
+    if (!k.empty())
+      result["calibration_extra"][k] = {{"file", f},
+                                        {"id", cals.at(k).id},
+                                        {"calib_tokens", cals.at(k).meta["calib_tokens"]},
+                                        {"keys_rope", cals.at(k).keys_derope ? "removed" : "kept"}};
+  result["seed"] = a.seed;
+  result["samples"] = a.samples;
+  result["continuation_tokens"] = a.cont;
+  result["greedy_tokens"] = a.greedy;
+  result["tasks"] = a.tasks;
+  result["contexts"] = nlohmann::json::array();
+  std::vector<double> lp_ref, lp;
+  bool vanilla_exact = true;
+  const Corpus corpus = Corpus::load(a.corpus);
+  require(a.samples.size() == 1 || a.samples.size() == a.contexts.size(), "eval: --samples takes one count or one per --context");
+  for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
+    const uint32_t ctx = a.contexts[ci], n_samples = a.samples[a.samples.size() == 1 ? 0 : ci];
+    std::vector<Prompt> prompts;
+    const bool text = has("ppl") || has("kld") || has("agree");
+    if (text) prompts = text_prompts(*model, corpus, ctx, a.cont, n_samples, a.seed + ctx);
+    for (const char* t : {"niah", "vt", "kvr"})
+      if (has(t)) {
+        auto p = task_prompts(*model, corpus, t, ctx, n_samples, a.seed + ctx);
+        prompts.insert(prompts.end(), p.begin(), p.end());
+      }
+    SessionOptions so;
+    so.n_ctx = ctx + a.cont + std::max(a.greedy, 64u) + 16;
+    Session s(*model, so);
+    std::map<std::string, std::unique_ptr<Session>> native;  // q8_0 / q4_0 contexts
+    for (const auto& m : methods)
+      if (!m->native_cache_type().empty()) {
+        SessionOptions qo = so;
+        qo.cache_type_k = qo.cache_type_v = m->native_cache_type();
+        native[m->name()] = std::make_unique<Session>(*model, qo);
+      }
+    // Per method: per-prompt scores; KL and agreement are against vanilla.
+    std::map<std::string, std::map<std::string, Stat>> sc;
+    std::map<std::string, std::pair<uint64_t, uint64_t>> bytes;  // f16 bytes, stored bytes
+    for (size_t pi = 0; pi < prompts.size(); ++pi) {
+      const Prompt& P = prompts[pi];
+      const uint32_t n = uint32_t(P.tokens.size());
+      s.clear();
+      s.decode(P.tokens, 0);
+      KvCapture cap = s.capture();
+      cap.tokens = P.tokens;
+      // Logits are not in the state: every method re-decodes the last
+      // prompt token after restoring, then continues.
+      std::vector<int32_t> seq{P.tokens.back()};
+      seq.insert(seq.end(), P.cont.begin(), P.cont.end());
+      if (!seq.empty() && P.task == "text") seq.pop_back();
+      // The continuation on the cache that never left llama.cpp: vanilla
+      // (restore without compression) must give these logits bit for bit.
+      std::vector<float> direct;
+      if (P.task == "text") {
+        s.remove_from(int32_t(n) - 1);
+        s.decode(seq, int32_t(n) - 1, &direct);
+      }
+      std::vector<float> ref_logits;
+      std::vector<int32_t> ref_greedy;
+      for (const auto& mp : methods) {
+        const Method& m = *mp;
+        Session* run = &s;
+        uint64_t stored = 0;
+        if (m.ratio_only()) {  // the cache would come back bit for bit
+          m.apply(cap, &stored);
+          bytes[m.name()].first += cap.f16_bytes();
+          bytes[m.name()].second += stored;
+          continue;
+        }
+        if (!m.native_cache_type().empty()) {
+          run = native.at(m.name()).get();
+          run->clear();
+          run->decode(P.tokens, 0);
+          m.apply(cap, &stored);
+        } else {
+          KvCapture dec = m.apply(cap, &stored);
+          s.restore(dec);
+        }
+        bytes[m.name()].first += cap.f16_bytes();
+        bytes[m.name()].second += stored;
+        run->remove_from(int32_t(n) - 1);
+        if (P.task == "text") {
+          std::vector<float> logits;
+          run->decode(seq, int32_t(n) - 1, &logits);
+          if (m.is_reference()) {
+            ref_logits = logits;
+            vanilla_exact =
+                vanilla_exact && logits.size() == direct.size() && std::memcmp(logits.data(), direct.data(), logits.size() * sizeof(float)) == 0;
+          }
+          double nll = 0, kl = 0;
+          for (size_t i = 0; i < P.cont.size(); ++i) {
+            log_softmax(&logits[i * nv], nv, lp);
+            nll -= lp[size_t(P.cont[i])];
+            log_softmax(&ref_logits[i * nv], nv, lp_ref);
+            double k = 0;
+            for (size_t v = 0; v < nv; ++v) k += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
+            kl += k;
+          }
+          sc[m.name()]["ppl"].x.push_back(std::exp(nll / double(P.cont.size())));
+          sc[m.name()]["kld"].x.push_back(kl / double(P.cont.size()));
+          if (has("agree")) {
+            run->remove_from(int32_t(n) - 1);
+            run->decode({P.tokens.back()}, int32_t(n) - 1);
+            std::vector<int32_t> g = run->greedy(int(a.greedy));
+            if (m.is_reference()) ref_greedy = g;
+            uint32_t k = 0;
+            while (k < g.size() && g[k] == ref_greedy[k]) ++k;
+            sc[m.name()]["agree"].x.push_back(k);
+            sc[m.name()]["agree_all"].x.push_back(k == g.size() ? 1.0 : 0.0);
+          }
+        } else {
+          run->decode({P.tokens.back()}, int32_t(n) - 1);
+          const std::string out = text_of(*model, run->greedy(int(P.gen.gen_tokens)));
+          // Scores in percent, as RULER reports them.
+          sc[m.name()][P.task].x.push_back(100.0 * score_generation(P.gen, out));
+          if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) std::fprintf(stderr, "%s\n", text_of(*model, P.tokens).c_str());
+          if (a.verbose_tasks)
+            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), out.c_str(),
+                         100.0 * score_generation(P.gen, out), P.gen.answers.front().c_str());
+        }
+      }
+      std::fprintf(stderr, "[eval] context %u, prompt %zu/%zu (%s, %s) done, %.0f s\n", ctx, pi + 1, prompts.size(), P.task.c_str(), P.id.c_str(),
+                   std::chrono::duration<double>(clock::now() - t_start).count());
+    }
+    nlohmann::ordered_json cj;
+    cj["context"] = ctx;
+    cj["samples"] = n_samples;
+    cj["prompts"] = nlohmann::json::array();
+    for (const auto& p : prompts) cj["prompts"].push_back({{"task", p.task}, {"id", p.id}, {"tokens", p.tokens.size()}});
+    cj["methods"] = nlohmann::json::array();
+    const std::string ref = methods.front()->name();
+    for (const auto& mm : methods) {
+      const std::string& method = mm->name();
+      nlohmann::ordered_json m;
+      m["name"] = method;
+      m["ratio"] = double(bytes[method].first) / double(bytes[method].second);
+      if (mm->ratio_only()) {
+        m["scores"] = nlohmann::json::object();  // ratio only
+        cj["methods"].push_back(m);
+        continue;
+      }
+      for (const std::string& t : a.tasks) {
+        m["scores"][t] = sc[method][t].mean();
+        m["half_width"][t] = sc[method][t].half();
+        if (t == "agree") m["scores"]["agree_all"] = sc[method]["agree_all"].mean();
+        // Paired difference against vanilla, prompt by prompt.
+        Stat d;
+        for (size_t i = 0; i < sc[method][t].x.size(); ++i) d.x.push_back(sc[method][t].x[i] - sc[ref][t].x[i]);
+        m["paired_diff"][t] = {{"mean", d.mean()}, {"half_width", d.half()}};
+      }
+      cj["methods"].push_back(m);
+    }
+    result["contexts"].push_back(cj);
+  }
+  result["vanilla_equals_no_restore"] = vanilla_exact;
+  result["seconds"] = std::chrono::duration<double>(clock::now() - t_start).count();
+  if (!a.out_json.empty()) {
+    const std::string js = result.dump(1) + "\n";
+    write_file_atomic(a.out_json, {reinterpret_cast<const uint8_t*>(js.data()), js.size()});
+  }
+  std::ostringstream md;
+  for (const auto& cj : result["contexts"]) {
+    md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>()
+       << " samples per task\n\n| method | ratio (whole cache) |";
+    for (const auto& t : a.tasks) md << " " << t << " |";
+    md << "\n|---|---|";
+    for (size_t i = 0; i < a.tasks.size(); ++i) md << "---|";
+    md << "\n";
+    for (const auto& m : cj["methods"]) {
+      char b[96];
+      std::snprintf(b, sizeof b, "%.2fx", m["ratio"].get<double>());
+      md << "| " << m["name"].get<std::string>() << " | " << b << " |";
+      if (m["scores"].empty()) {  // lossless: ratio only
+        for (size_t i = 0; i < a.tasks.size(); ++i) md << " (lossless) |";
+        md << "\n";
+        continue;
+      }
+      for (const auto& t : a.tasks) {
+        const double v = m["scores"][t].get<double>(), h = m["half_width"][t].get<double>();
+        if (t == "ppl" || t == "kld")
+          std::snprintf(b, sizeof b, " %.4g ± %.2g", v, h);
+        else
+          std::snprintf(b, sizeof b, " %.1f ± %.1f", v, h);
+        md << b;
+        if (t == "agree") {
+          std::snprintf(b, sizeof b, " (all %u: %.0f%%)", a.greedy, 100 * m["scores"]["agree_all"].get<double>());
+          md << b;
+        }
+        if (m["name"] != cj["methods"][0]["name"] && t != "kld") {
+          // Paired difference against vanilla: what a 1-point claim needs.
+          std::snprintf(b, sizeof b, " [Δ %+.3g ± %.2g]", m["paired_diff"][t]["mean"].get<double>(), m["paired_diff"][t]["half_width"].get<double>());
+          md << b;
+        }
+        md << " |";
+      }
+      md << "\n";
+    }
+  }
+  if (!a.out_md.empty()) {
+    const std::string s = md.str();
+    write_file_atomic(a.out_md, {reinterpret_cast<const uint8_t*>(s.data()), s.size()});
+  }
+  if (a.json)
+    std::printf("%s\n", result.dump(2).c_str());
+  else
+    std::printf("%s\nvanilla restore equals no restore (logits bit for bit): %s\n", md.str().c_str(), vanilla_exact ? "yes" : "NO");
+  return vanilla_exact ? 0 : 3;
+}
+
+}  // namespace
+
+Action add_eval(CLI::App& app) {
+  auto a = std::make_shared<EvalArgs>();
+  a->model = default_model();
+  a->corpus = default_corpus();
+  CLI::App* sub = app.add_subcommand("eval", "Quality after compress -> restore -> continue (ppl, kld, agree, niah, vt, kvr), method by method");
+  sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
+  sub->add_option("--calib", a->calib, "Calibration file (needed by kvtc and svd methods)");
+  sub->add_option("--calib-extra", a->calib_extra, "More calibrations as NAME=FILE, used by kvtc-<R>x@NAME (ablations)");
+  sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
+  sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval)")->capture_default_str();
+  sub->add_option("--methods", a->methods, std::string("Methods (vanilla first, the reference): ") + kMethodHelp)->capture_default_str();
+  sub->add_option("--context", a->contexts, "Context lengths in tokens")->capture_default_str();
+  sub->add_option("--samples", a->samples, "Samples per task: one count, or one per --context")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--continuation", a->cont, "Teacher-forced tokens scored after the context")->capture_default_str()->check(CLI::Range(2, 4096));
+  sub->add_option("--greedy", a->greedy, "Greedy tokens compared for `agree`")->capture_default_str()->check(CLI::Range(1, 1024));
+  sub->add_option("--seed", a->seed, "Seed for document and window choice")->capture_default_str();
+  sub->add_option("--out-json", a->out_json, "Write the JSON result here");
+  sub->add_option("--out-md", a->out_md, "Write the markdown table here");
+  sub->add_flag("--json", a->json, "Print JSON instead of the table");
+  sub->add_flag("--show-generations", a->verbose_tasks, "Print each retrieval generation and its score to stderr");
+  return [a] { return run_eval(*a); };
+}
+
+}  // namespace kvtc::lab

@@ -1,0 +1,197 @@
+#include "methods.h"
+
+#include <cmath>
+
+#include "baselines.h"
+
+namespace kvtc::lab {
+
+const char* const kMethodHelp =
+    "vanilla, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate";
+
+namespace {
+
+Error bad(const std::string& name) {
+  return Error("eval: unknown method '" + name + "' (" + kMethodHelp + ")");
+}
+
+// "<R>x" -> R in [1, 4096].
+double ratio_of(const std::string& name, const std::string& s) {
+  if (s.size() < 2 || s.back() != 'x') throw bad(name);
+  size_t used = 0;
+  double r = 0;
+  try {
+    r = std::stod(s.substr(0, s.size() - 1), &used);
+  } catch (const std::exception&) {
+    throw bad(name);
+  }
+  if (used != s.size() - 1 || !(r >= 1 && r <= 4096)) throw bad(name);
+  return r;
+}
+
+bool starts(const std::string& s, const char* p) {
+  return s.rfind(p, 0) == 0;
+}
+
+// kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME], parsed.
+struct KvtcSpec {
+  double ratio = 0;
+  bool joint = false, all = false;
+  Precision precision = Precision::kAuto;
+  std::string calib;
+};
+KvtcSpec parse_kvtc(const std::string& name) {
+  KvtcSpec k;
+  std::string rest = name.substr(5);
+  if (size_t at = rest.find('@'); at != std::string::npos) {
+    k.calib = rest.substr(at + 1);
+    rest = rest.substr(0, at);
+    if (k.calib.empty()) throw bad(name);
+  }
+  auto strip = [&](const std::string& suf) {
+    if (rest.size() > suf.size() && rest.compare(rest.size() - suf.size(), suf.size(), suf) == 0) {
+      rest.resize(rest.size() - suf.size());
+      return true;
+    }
+    return false;
+  };
+  if (strip("-bf16"))
+    k.precision = Precision::kBF16;
+  else if (strip("-f32"))
+    k.precision = Precision::kF32;
+  k.all = strip("-all");
+  k.joint = strip("-joint");
+  k.ratio = ratio_of(name, rest);
+  return k;
+}
+
+class Vanilla : public Method {
+ public:
+  Vanilla() : Method("vanilla") {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
+    *bytes = c.f16_bytes();
+    return c;
+  }
+};
+
+class Fp8 : public Method {
+ public:
+  Fp8() : Method("fp8") {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override { return baselines::fp8_per_token(c, bytes); }
+};
+
+class Kivi : public Method {
+ public:
+  explicit Kivi(int bits) : Method("kivi-" + std::to_string(bits)), bits_(bits) {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override { return baselines::kivi(c, bits_, 32, 128, bytes); }
+
+ private:
+  int bits_;
+};
+
+class Lossless : public Method {
+ public:
+  explicit Lossless(const std::string& coder) : Method(coder) {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
+    *bytes = baselines::lossless_bytes(c, name());
+    return c;
+  }
+  bool ratio_only() const override { return true; }
+};
+
+class Native : public Method {
+ public:
+  explicit Native(const std::string& type) : Method(type) {}
+  // ggml blocks of 32 values: q8_0 34 bytes, q4_0 18.
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
+    *bytes = c.f16_bytes() / 64 * (name() == "q8_0" ? 34 : 18);
+    return c;
+  }
+  std::string native_cache_type() const override { return name(); }
+};
+
+class Streaming : public Method {
+ public:
+  Streaming(const std::string& name, double ratio) : Method(name), ratio_(ratio) {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override { return baselines::streaming_evict(c, ratio_, 4, bytes); }
+
+ private:
+  double ratio_;
+};
+
+std::vector<uint8_t> kvtc_encode(const KvtcSpec& k, const KvCapture& c, const Calibration& cal) {
+  CompressOptions opt;
+  opt.precision = k.precision;
+  if (k.all) opt.sink = 0, opt.window = 0;
+  return compress(c, cal, allocation_set(cal, k.ratio, k.joint), opt);
+}
+
+class Kvtc : public Method {
+ public:
+  Kvtc(const std::string& name, KvtcSpec k, const Calibration& cal) : Method(name), k_(std::move(k)), cal_(cal) {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
+    const std::vector<uint8_t> enc = kvtc_encode(k_, c, cal_);
+    *bytes = enc.size();
+    DecompressOptions dopt;
+    dopt.precision = k_.precision;
+    return decompress(enc, cal_, name(), dopt);
+  }
+
+ private:
+  KvtcSpec k_;
+  const Calibration& cal_;
+};
+
+// Per-prompt low rank at the size kvtc-<R>x takes on the same sample.
+class Svd : public Method {
+ public:
+  Svd(const std::string& name, double ratio, const Calibration& cal) : Method(name), ratio_(ratio), cal_(cal) {}
+  KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
+    KvtcSpec k;
+    k.ratio = ratio_;
+    const uint64_t target = kvtc_encode(k, c, cal_).size();
+    return baselines::svd_lowrank(c, target, 4, CompressOptions{}.sink, CompressOptions{}.window, bytes);
+  }
+
+ private:
+  double ratio_;
+  const Calibration& cal_;
+};
+
+}  // namespace
+
+MethodSpec parse_method(const std::string& name) {
+  MethodSpec m;
+  m.name = name;
+  if (name == "vanilla" || name == "fp8" || name == "kivi-2" || name == "kivi-4" || name == "zstd" || name == "deflate" || name == "q8_0" ||
+      name == "q4_0")
+    return m;
+  if (starts(name, "streaming-")) {
+    ratio_of(name, name.substr(10));
+  } else if (starts(name, "svd-")) {
+    ratio_of(name, name.substr(4));
+    m.needs_calibration = true;
+  } else if (starts(name, "kvtc-")) {
+    m.calibration = parse_kvtc(name).calib;
+    m.needs_calibration = true;
+  } else {
+    throw bad(name);
+  }
+  return m;
+}
+
+std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::string, Calibration>& cals) {
+  const std::string& n = spec.name;
+  if (n == "vanilla") return std::make_unique<Vanilla>();
+  if (n == "fp8") return std::make_unique<Fp8>();
+  if (n == "kivi-2" || n == "kivi-4") return std::make_unique<Kivi>(n == "kivi-2" ? 2 : 4);
+  if (n == "zstd" || n == "deflate") return std::make_unique<Lossless>(n);
+  if (n == "q8_0" || n == "q4_0") return std::make_unique<Native>(n);
+  if (starts(n, "streaming-")) return std::make_unique<Streaming>(n, ratio_of(n, n.substr(10)));
+  auto it = cals.find(spec.calibration);
+  require(it != cals.end(), "eval: method " + n + " needs " + (spec.calibration.empty() ? "--calib" : "--calib-extra " + spec.calibration + "=FILE"));
+  if (starts(n, "svd-")) return std::make_unique<Svd>(n, ratio_of(n, n.substr(4)), it->second);
+  return std::make_unique<Kvtc>(n, parse_kvtc(n), it->second);
+}
+
+}  // namespace kvtc::lab

@@ -1,0 +1,18 @@
+// library_info (kvtc/codec.h): what this build and CPU run.
+#include "core/util.h"
+#include "kvtc/codec.h"
+
+namespace kvtc {
+
+LibraryInfo library_info() {
+  LibraryInfo li;
+  li.version = KVTC_VERSION;
+  const CpuFeatures& f = cpu_features();
+  li.cpu = f.brand;
+  li.cpu_features = cpu_feature_names(f);
+  li.f16c = f.f16c && f.avx;
+  li.bf16 = bf16_projection_available(&li.bf16_projection);
+  return li;
+}
+
+}  // namespace kvtc

@@ -1,0 +1,41 @@
+// Internal: rotary position embedding of stored keys, applied and undone
+// exactly as llama.cpp's CPU backend computes it (ggml_rope_ext).
+//
+// Keys in a llama.cpp cache carry RoPE; the codec removes it before the PCA
+// (the position rotation hides the low-rank structure, docs/method.md §2) and
+// puts it back after reconstruction. Layouts NORM (pairs 2i, 2i+1) and NEOX
+// (pairs i, i + n_rot/2), frequency base and linear scale, per-pair
+// frequency factors (Llama 3's rope_freqs); kvtc::Rope describes them.
+// Thread safety: pure functions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvtc/cache.h"
+
+namespace kvtc {
+
+// Error (naming `who`) when the rotation cannot be undone exactly
+// (Rope::unsupported is set).
+void require_rope_supported(const Rope& r, const std::string& who);
+
+// The cos/sin of every (token, pair) for a run of positions, computed once
+// and applied to every layer and head of a block: the angles do not depend
+// on the layer (30 layers x 3 heads share them in SmolLM2).
+struct RopeTable {
+  RopeLayout layout = RopeLayout::kNone;
+  uint32_t half = 0, head_dim = 0;
+  size_t n_tok = 0;
+  std::vector<double> c, s;  // [n_tok][half]; s negated for the inverse
+};
+// The table of tokens at pos[0..n_tok); inverse = true undoes the rotation.
+RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& r, uint32_t head_dim, bool inverse);
+// Rotates x in place: x is [t.n_tok][head_dim] (one head).
+void rope_apply(float* x, const RopeTable& t);
+// rope_apply(x, rope_table(...)). Apply then undo returns x within a few f32 ulps.
+void rope_rotate(float* x, const int32_t* pos, size_t n_tok, const Rope& r, uint32_t head_dim, bool inverse);
+
+}  // namespace kvtc

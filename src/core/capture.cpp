@@ -1,0 +1,396 @@
+// A KV cache in memory (kvtc/cache.h): typed geometry <-> the metadata
+// strings of the file formats, capture files, llama.cpp state blobs.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/capture_io.h"
+#include "core/util.h"
+#include "kvtc/cache.h"
+#include "kvtc/error.h"
+
+namespace kvtc {
+
+namespace {
+
+const char* kBlockSuffix[] = {"", "_swa"};
+
+// Rows of one blob layer (cell-major, head-major inside a row) into the
+// canonical [head][token][dim] slab of one layer.
+void rows_to_heads(const BlobLayer& L, uint32_t n_tok, uint32_t n_head, uint32_t head_dim, uint16_t* dst) {
+  const auto* src = reinterpret_cast<const uint8_t*>(L.rows.data());
+  for (uint32_t t = 0; t < n_tok; ++t)
+    for (uint32_t h = 0; h < n_head; ++h)
+      std::memcpy(dst + (size_t(h) * n_tok + t) * head_dim, src + t * L.row_size + size_t(h) * head_dim * 2, size_t(head_dim) * 2);
+}
+
+void heads_to_rows(const uint16_t* src, uint32_t n_tok, uint32_t n_head, uint32_t head_dim, BlobLayer& L) {
+  L.type = kGgmlTypeF16;
+  L.row_size = uint64_t(n_head) * head_dim * 2;
+  L.rows.resize(L.row_size * n_tok);
+  for (uint32_t t = 0; t < n_tok; ++t)
+    for (uint32_t h = 0; h < n_head; ++h)
+      std::memcpy(L.rows.data() + t * L.row_size + size_t(h) * head_dim * 2, src + (size_t(h) * n_tok + t) * head_dim, size_t(head_dim) * 2);
+}
+
+Tensor f16_tensor(const KvBlock& b, const std::vector<uint16_t>& x) {
+  Tensor t;
+  t.dtype = DType::F16;
+  t.shape = {b.n_layer(), b.n_head_kv, b.n_tokens(), b.head_dim};
+  t.data.resize(x.size() * 2);
+  std::memcpy(t.data.data(), x.data(), t.data.size());
+  return t;
+}
+
+Tensor i32_tensor(const std::vector<int32_t>& x) {
+  Tensor t;
+  t.dtype = DType::I32;
+  t.shape = {x.size()};
+  t.data.resize(x.size() * 4);
+  std::memcpy(t.data.data(), x.data(), t.data.size());
+  return t;
+}
+
+}  // namespace
+
+const char* rope_layout_name(RopeLayout l) {
+  switch (l) {
+    case RopeLayout::kNone: return "none";
+    case RopeLayout::kNorm: return "norm";
+    case RopeLayout::kNeox: return "neox";
+  }
+  return "?";
+}
+
+CacheGeometry KvCapture::geometry() const {
+  CacheGeometry g;
+  g.model_sha256 = model_sha256;
+  for (const KvBlock& b : blocks) g.blocks.push_back(b.geometry());
+  return g;
+}
+
+uint64_t KvCapture::f16_bytes_per_token() const {
+  uint64_t b = 0;
+  for (const KvBlock& blk : blocks) b += uint64_t(blk.features()) * 2 * 2;
+  return b;
+}
+
+uint64_t KvCapture::f16_bytes() const {
+  uint64_t n = 0;
+  for (const KvBlock& b : blocks) n += uint64_t(b.numel()) * 2 * 2;
+  return n;
+}
+
+// ---------------------------------------------------------------- metadata
+
+std::string layers_to_json(const std::vector<int32_t>& layers) {
+  return nlohmann::json(layers).dump();
+}
+
+std::vector<int32_t> layers_from_json(const std::string& s, const std::string& where) {
+  try {
+    return nlohmann::json::parse(s).get<std::vector<int32_t>>();
+  } catch (const std::exception&) {
+    throw Error(where + ": expected a JSON list of layer indices, found '" + s + "'");
+  }
+}
+
+namespace {
+
+// Parses key as a finite number into *x; else returns why not.
+std::string meta_number(const Meta& m, const std::string& key, const std::string& origin, float* x) {
+  auto it = m.find(key);
+  if (it == m.end()) return origin + ": __metadata__['" + key + "'] is missing (needed for RoPE)";
+  const std::string& v = it->second;
+  char* end = nullptr;
+  *x = std::strtof(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(*x)) return origin + ": __metadata__['" + key + "'] is '" + v + "', expected a number";
+  return "";
+}
+
+std::string floats_json(const std::vector<float>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + fmt_g9(v[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::string& origin) {
+  Rope r;
+  auto unsupported = [&](const std::string& why) {
+    Rope u;
+    u.unsupported = why;
+    return u;
+  };
+  auto it = meta.find("rope_type");
+  if (it == meta.end()) return unsupported(origin + ": __metadata__['rope_type'] is missing (needed for RoPE)");
+  const std::string& t = it->second;
+  if (t == "norm")
+    r.layout = RopeLayout::kNorm;
+  else if (t == "neox")
+    r.layout = RopeLayout::kNeox;
+  else if (t == "none")
+    return r;
+  else
+    return unsupported(origin + ": __metadata__['rope_type'] is '" + t + "'; kvtc supports norm, neox and none");
+  auto st = meta.find("rope_scaling_type");
+  const std::string scaling = st == meta.end() ? "none" : st->second;
+  if (scaling != "none" && scaling != "linear")
+    return unsupported(origin + ": __metadata__['rope_scaling_type'] is '" + scaling + "'; kvtc supports none and linear (YaRN not yet)");
+  float n_rot = 0;
+  if (std::string e = meta_number(meta, "n_rot", origin, &n_rot); !e.empty()) return unsupported(e);
+  r.n_rot = n_rot >= 0 && n_rot <= 65536 ? uint32_t(n_rot) : 1;
+  if (float(r.n_rot) != n_rot || r.n_rot % 2 != 0 || r.n_rot > head_dim)
+    return unsupported(origin + ": n_rot " + fmt_g9(n_rot) + " must be even and <= head_dim " + std::to_string(head_dim));
+  if (std::string e = meta_number(meta, swa ? "rope_freq_base_swa" : "rope_freq_base", origin, &r.freq_base); !e.empty()) return unsupported(e);
+  if (std::string e = meta_number(meta, swa ? "rope_freq_scale_swa" : "rope_freq_scale", origin, &r.freq_scale); !e.empty()) return unsupported(e);
+  if (!(r.freq_base > 0 && r.freq_scale > 0)) return unsupported(origin + ": RoPE frequency base and scale must be positive");
+  if (auto ff = meta.find("rope_freq_factors"); !swa && ff != meta.end()) {
+    try {
+      r.freq_factors = nlohmann::json::parse(ff->second).get<std::vector<float>>();
+    } catch (const std::exception&) {
+      return unsupported(origin + ": __metadata__['rope_freq_factors'] is not a JSON list of numbers");
+    }
+    if (!r.freq_factors.empty() && r.freq_factors.size() != r.n_rot / 2)
+      return unsupported(origin + ": rope_freq_factors has " + std::to_string(r.freq_factors.size()) +
+                         " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
+  }
+  return r;
+}
+
+void geometry_from_meta(const Meta& meta, CacheGeometry& g, const std::string& origin) {
+  if (auto it = meta.find("model_sha256"); it != meta.end()) g.model_sha256 = it->second;
+  for (size_t b = 0; b < g.blocks.size(); ++b) {
+    BlockGeometry& bg = g.blocks[b];
+    bg.rope = rope_from_meta(meta, b == 1, bg.head_dim, origin);
+    bg.sliding_window = 0;
+    if (b == 1)
+      if (auto it = meta.find("n_swa"); it != meta.end()) bg.sliding_window = uint32_t(std::strtoul(it->second.c_str(), nullptr, 10));
+  }
+}
+
+Meta meta_with_geometry(const Meta& provenance, const CacheGeometry& g) {
+  Meta m = provenance;
+  if (!g.model_sha256.empty()) m["model_sha256"] = g.model_sha256;
+  if (g.blocks.empty()) return m;
+  const Rope& r0 = g.blocks[0].rope;
+  if (r0.unsupported.empty()) {
+    m["rope_type"] = rope_layout_name(r0.layout);
+    if (r0.layout != RopeLayout::kNone) {
+      m["n_rot"] = std::to_string(r0.n_rot);
+      m["rope_freq_base"] = fmt_g9(r0.freq_base);
+      m["rope_freq_scale"] = fmt_g9(r0.freq_scale);
+      m["rope_freq_factors"] = floats_json(r0.freq_factors);
+    }
+  }
+  if (g.blocks.size() > 1) {
+    const BlockGeometry& b1 = g.blocks[1];
+    const Rope& r1 = b1.rope;
+    if (r1.unsupported.empty() && r1.layout != RopeLayout::kNone) {
+      require(r0.unsupported.empty() && r1.layout == r0.layout && r1.n_rot == r0.n_rot && r1.freq_factors.empty(),
+              "the sliding-window block's RoPE differs from the first block's in layout, n_rot or factors; the file formats store those once");
+      m["rope_freq_base_swa"] = fmt_g9(r1.freq_base);
+      m["rope_freq_scale_swa"] = fmt_g9(r1.freq_scale);
+    }
+    m["n_swa"] = std::to_string(b1.sliding_window);
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------- capture files
+
+SafeTensors capture_to_safetensors(const KvCapture& c) {
+  require(!c.blocks.empty() && c.blocks.size() <= 2, "capture: expected 1 or 2 cache blocks");
+  SafeTensors st;
+  st.metadata = meta_with_geometry(c.meta, c.geometry());
+  st.metadata["format"] = kCaptureFormat;
+  st.metadata["format_version"] = std::to_string(kCaptureFormatVersion);
+  st.metadata["n_tokens"] = std::to_string(c.blocks[0].n_tokens());
+  for (size_t bi = 0; bi < c.blocks.size(); ++bi) {
+    const KvBlock& b = c.blocks[bi];
+    require(b.k.size() == b.numel() && b.v.size() == b.numel(), "capture: block " + std::to_string(bi) + " K/V size differs from its shape");
+    const std::string sfx = kBlockSuffix[bi];
+    st.add("k" + sfx, f16_tensor(b, b.k));
+    st.add("v" + sfx, f16_tensor(b, b.v));
+    st.add("pos" + sfx, i32_tensor(b.pos));
+    st.metadata["layers" + sfx] = layers_to_json(b.layers);
+  }
+  if (!c.tokens.empty()) {
+    require(c.tokens.size() == c.blocks[0].n_tokens(), "capture: tokens and positions differ in length");
+    st.add("tokens", i32_tensor(c.tokens));
+  }
+  return st;
+}
+
+KvCapture capture_from_safetensors(const SafeTensors& st, const std::string& origin) {
+  auto meta = [&](const std::string& key) -> const std::string& {
+    auto it = st.metadata.find(key);
+    require(it != st.metadata.end(), origin + ": __metadata__['" + key + "'] is missing (not a kvtc capture?)");
+    return it->second;
+  };
+  require(meta("format") == kCaptureFormat, origin + ": __metadata__['format'] is '" + meta("format") + "', expected '" + kCaptureFormat + "'");
+  require(meta("format_version") == std::to_string(kCaptureFormatVersion),
+          origin + ": capture format_version " + meta("format_version") + ", this kvtc reads version " + std::to_string(kCaptureFormatVersion));
+  KvCapture c;
+  c.meta = st.metadata;
+  for (size_t bi = 0; bi < 2; ++bi) {
+    const std::string sfx = kBlockSuffix[bi];
+    if (bi > 0 && !st.find("k" + sfx)) break;
+    const Tensor& k = st.get("k" + sfx, origin);
+    const Tensor& v = st.get("v" + sfx, origin);
+    const Tensor& p = st.get("pos" + sfx, origin);
+    const std::string w = origin + ": tensor 'k" + sfx + "'";
+    require(k.dtype == DType::F16 && v.dtype == DType::F16, w + ": k and v must be F16");
+    require(k.shape.size() == 4 && k.shape == v.shape, w + ": expected k and v of the same 4-D shape [n_layer, n_head_kv, n_tokens, head_dim]");
+    require(p.dtype == DType::I32 && p.shape.size() == 1 && p.shape[0] == k.shape[2],
+            origin + ": tensor 'pos" + sfx + "' must be I32 [" + std::to_string(k.shape[2]) + "]");
+    require(k.shape[0] > 0 && k.shape[1] > 0 && k.shape[2] > 0 && k.shape[3] > 0, w + ": empty dimension");
+    require(k.shape[1] <= 4096 && k.shape[3] <= 4096, w + ": n_head_kv and head_dim must be at most 4096");
+    KvBlock b;
+    b.layers = layers_from_json(meta("layers" + sfx), origin + ": __metadata__['layers" + sfx + "']");
+    require(b.layers.size() == k.shape[0], origin + ": __metadata__['layers" + sfx + "'] lists " + std::to_string(b.layers.size()) +
+                                               " layers, tensor 'k" + sfx + "' has " + std::to_string(k.shape[0]));
+    b.n_head_kv = uint32_t(k.shape[1]);
+    b.head_dim = uint32_t(k.shape[3]);
+    b.pos.resize(p.shape[0]);
+    std::memcpy(b.pos.data(), p.data.data(), p.data.size());
+    b.k.resize(k.numel());
+    b.v.resize(v.numel());
+    std::memcpy(b.k.data(), k.data.data(), k.data.size());
+    std::memcpy(b.v.data(), v.data.data(), v.data.size());
+    c.blocks.push_back(std::move(b));
+  }
+  require(meta("n_tokens") == std::to_string(c.blocks[0].n_tokens()),
+          origin + ": __metadata__['n_tokens'] is " + meta("n_tokens") + ", tensor 'k' holds " + std::to_string(c.blocks[0].n_tokens()));
+  if (const Tensor* t = st.find("tokens")) {
+    require(t->dtype == DType::I32 && t->shape.size() == 1 && t->shape[0] == c.blocks[0].n_tokens(),
+            origin + ": tensor 'tokens' must be I32 [" + std::to_string(c.blocks[0].n_tokens()) + "]");
+    c.tokens.resize(t->shape[0]);
+    std::memcpy(c.tokens.data(), t->data.data(), t->data.size());
+  }
+  CacheGeometry g = c.geometry();
+  geometry_from_meta(c.meta, g, origin);
+  c.model_sha256 = g.model_sha256;
+  for (size_t b = 0; b < c.blocks.size(); ++b) static_cast<BlockGeometry&>(c.blocks[b]) = g.blocks[b];
+  return c;
+}
+
+void capture_save(const std::string& path, const KvCapture& c) {
+  safetensors_save(path, capture_to_safetensors(c));
+}
+
+KvCapture capture_load(const std::string& path) {
+  return capture_from_safetensors(safetensors_load(path), path);
+}
+
+std::vector<uint8_t> capture_serialize(const KvCapture& c) {
+  return safetensors_serialize(capture_to_safetensors(c));
+}
+
+KvCapture capture_parse(std::span<const uint8_t> bytes, const std::string& origin) {
+  return capture_from_safetensors(safetensors_parse(bytes, origin), origin);
+}
+
+// ---------------------------------------------------------------- state blobs
+
+KvCapture capture_from_blob(const SeqBlob& blob, const CacheGeometry& g, const std::string& origin) {
+  require(blob.blocks.size() == g.blocks.size(), origin + ": the blob holds " + std::to_string(blob.blocks.size()) +
+                                                     " cache block(s), the model has " + std::to_string(g.blocks.size()) +
+                                                     " (blob from another model or layout?)");
+  KvCapture c;
+  c.model_sha256 = g.model_sha256;
+  for (size_t bi = 0; bi < blob.blocks.size(); ++bi) {
+    const std::string bw = origin + ": block[" + std::to_string(bi) + "]";
+    const BlobBlock& B = blob.blocks[bi];
+    const BlockGeometry& bg = g.blocks[bi];
+    require(bg.n_head_kv > 0 && bg.head_dim > 0 && !bg.layers.empty(), bw + ": the geometry given has no layers, heads or dims");
+    const BlobStream* s = nullptr;
+    for (const BlobStream& st : B.streams) {
+      if (st.cell_count == 0) continue;
+      require(s == nullptr, bw + ": cells in more than one stream (a multi-sequence blob?); expected one sequence");
+      s = &st;
+    }
+    require(s != nullptr, bw + ": no cells (empty sequence)");
+    require(s->ext.empty(), bw + ": M-RoPE cells are not supported by capture format v1");
+    require(s->k.size() == bg.layers.size(), bw + ": n_layer " + std::to_string(s->k.size()) + ", the model's cache holds " +
+                                                 std::to_string(bg.layers.size()) + " layers here (blob from another model?)");
+    KvBlock kb;
+    static_cast<BlockGeometry&>(kb) = bg;
+    kb.pos = s->pos;
+    for (uint32_t i = 0; i < s->cell_count; ++i)
+      require(s->seq_ids[i].size() == 1,
+              bw + ": cell " + std::to_string(i) + " belongs to " + std::to_string(s->seq_ids[i].size()) + " sequences; expected 1");
+    const uint64_t row = uint64_t(bg.n_head_kv) * bg.head_dim * 2;
+    kb.k.resize(kb.numel());
+    kb.v.resize(kb.numel());
+    const size_t slab = size_t(bg.n_head_kv) * s->cell_count * bg.head_dim;
+    for (size_t l = 0; l < bg.layers.size(); ++l) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const BlobLayer& L = kv == 0 ? s->k[l] : s->v[l];
+        const std::string lw = bw + (kv == 0 ? ".k[" : ".v[") + std::to_string(l) + "]";
+        require(L.type == kGgmlTypeF16, lw + ".type: ggml type " + std::to_string(L.type) + ", expected 1 (F16): kvtc captures need an f16 cache");
+        require(L.row_size == row, lw + ".row_size: " + std::to_string(L.row_size) + " bytes, expected " + std::to_string(row) + " (n_head_kv " +
+                                       std::to_string(bg.n_head_kv) + " x head_dim " + std::to_string(bg.head_dim) + " x 2)");
+        rows_to_heads(L, s->cell_count, bg.n_head_kv, bg.head_dim, (kv == 0 ? kb.k.data() : kb.v.data()) + l * slab);
+      }
+    }
+    c.blocks.push_back(std::move(kb));
+  }
+  return c;
+}
+
+SeqBlob capture_to_blob(const KvCapture& c, const StateLayout& to) {
+  require(to.streams.empty() || to.streams.size() == c.blocks.size(), "restore: the target context has " + std::to_string(to.streams.size()) +
+                                                                          " cache block(s), the capture has " + std::to_string(c.blocks.size()) +
+                                                                          " (capture from another model?)");
+  require(to.v_trans <= 1, "restore: v_trans must be 0 or 1");
+  require(to.seq_id >= 0, "restore: the destination sequence id must be >= 0");
+  SeqBlob out;
+  out.seq_id = to.seq_id;
+  for (size_t bi = 0; bi < c.blocks.size(); ++bi) {
+    const KvBlock& kb = c.blocks[bi];
+    require(kb.k.size() == kb.numel() && kb.v.size() == kb.numel(), "restore: block " + std::to_string(bi) + " K/V size differs from its shape");
+    const size_t n_stream = to.streams.empty() ? 1 : to.streams[bi];
+    require(n_stream >= 1, "restore: the target context has no stream in block " + std::to_string(bi));
+    BlobBlock B;
+    B.streams.resize(n_stream);
+    // llama.cpp loads every stream's cells into the destination sequence's
+    // own stream, so which index carries them does not matter; use the
+    // sequence's index where it exists, as llama.cpp itself would.
+    BlobStream& s = B.streams[size_t(to.seq_id) < n_stream ? size_t(to.seq_id) : 0];
+    s.cell_count = kb.n_tokens();
+    s.pos = kb.pos;
+    s.seq_ids.assign(kb.n_tokens(), std::vector<int32_t>{to.seq_id});
+    s.v_trans = to.v_trans;
+    s.k.resize(kb.n_layer());
+    s.v.resize(kb.n_layer());
+    const size_t slab = size_t(kb.n_head_kv) * kb.n_tokens() * kb.head_dim;
+    for (uint32_t l = 0; l < kb.n_layer(); ++l) {
+      heads_to_rows(kb.k.data() + l * slab, kb.n_tokens(), kb.n_head_kv, kb.head_dim, s.k[l]);
+      heads_to_rows(kb.v.data() + l * slab, kb.n_tokens(), kb.n_head_kv, kb.head_dim, s.v[l]);
+    }
+    out.blocks.push_back(std::move(B));
+  }
+  return out;
+}
+
+KvCapture capture_from_state(std::span<const uint8_t> blob, const CacheGeometry& g, const std::string& origin) {
+  return capture_from_blob(seq_blob_parse(blob, false, origin), g, origin);
+}
+
+StateLayout state_layout(std::span<const uint8_t> empty_blob, uint32_t v_trans, int32_t seq_id, const std::string& origin) {
+  const SeqBlob b = seq_blob_parse(empty_blob, false, origin);
+  StateLayout l;
+  for (const BlobBlock& B : b.blocks) l.streams.push_back(uint32_t(B.streams.size()));
+  l.v_trans = v_trans;
+  l.seq_id = seq_id;
+  return l;
+}
+
+std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to) {
+  return seq_blob_write(capture_to_blob(c, to));
+}
+
+}  // namespace kvtc

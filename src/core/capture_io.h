@@ -1,0 +1,53 @@
+// Internal: the metadata strings of the file formats <-> the typed cache
+// geometry of kvtc/cache.h, and captures <-> safetensors / parsed blobs.
+// These are the only places that read or write geometry as strings
+// (capture files, calibration files, the container header's capture_meta).
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "core/safetensors.h"
+#include "core/state_blob.h"
+#include "kvtc/cache.h"
+
+namespace kvtc {
+
+constexpr const char* kCaptureFormat = "kvtc-capture";
+constexpr int kCaptureFormatVersion = 1;
+
+using Meta = std::map<std::string, std::string>;
+
+// The RoPE of one block from metadata keys (docs/capture-format.md):
+// rope_type, n_rot, rope_freq_base/_scale (sliding-window block:
+// rope_freq_base_swa/_scale_swa), rope_freq_factors (full-attention block
+// only), rope_scaling_type. A rotation kvtc cannot undo (M-RoPE, YaRN, a
+// missing or malformed key) is returned with `unsupported` saying why,
+// naming `origin` and the key; nothing is thrown.
+Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::string& origin);
+
+// Fills model_sha256 and, per block (whose layers, heads and dims the
+// caller has set; block 1 is the sliding-window block), rope and
+// sliding_window (n_swa) from metadata.
+void geometry_from_meta(const Meta& meta, CacheGeometry& g, const std::string& origin);
+// `provenance` with the typed fields written over their keys: model_sha256;
+// the RoPE keys of every block whose rotation is supported (an unsupported
+// one keeps the keys it was read from); n_swa for an iSWA cache. Floats are
+// written "%.9g" (exact for f32). Error when two blocks disagree on what
+// the format stores once (layout, n_rot).
+Meta meta_with_geometry(const Meta& provenance, const CacheGeometry& g);
+// JSON list of layer indices ("[0,1,2]") and back; Error names `where`.
+std::string layers_to_json(const std::vector<int32_t>& layers);
+std::vector<int32_t> layers_from_json(const std::string& s, const std::string& where);
+
+SafeTensors capture_to_safetensors(const KvCapture& c);
+// Validates names, dtypes, shapes and metadata; `origin` names the file.
+KvCapture capture_from_safetensors(const SafeTensors& st, const std::string& origin);
+
+// Blob -> capture: one non-empty stream per block, one sequence per cell,
+// f16 rows of g's geometry; Error names the block, stream and field.
+KvCapture capture_from_blob(const SeqBlob& blob, const CacheGeometry& g, const std::string& origin);
+// Capture -> blob for a context of layout `to`; cells in the capture's order.
+SeqBlob capture_to_blob(const KvCapture& c, const StateLayout& to);
+
+}  // namespace kvtc

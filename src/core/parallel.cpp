@@ -1,0 +1,59 @@
+#include "core/parallel.h"
+
+#include <omp.h>
+
+#include <exception>
+#include <mutex>
+#include <thread>
+
+extern "C" {
+// OpenBLAS's thread control; weak so that another BLAS still links.
+void openblas_set_num_threads(int) __attribute__((weak));
+int openblas_get_num_threads(void) __attribute__((weak));
+}
+
+namespace kvtc::detail {
+
+int resolve_threads(int requested, size_t n_jobs) {
+  int t = requested > 0 ? requested : int(std::max(1u, std::thread::hardware_concurrency()));
+  if (n_jobs < size_t(t)) t = int(std::max<size_t>(1, n_jobs));
+  return t;
+}
+
+void parallel_for(size_t n, int threads, const std::function<void(size_t)>& f) {
+  if (threads <= 1 || n <= 1) {
+    for (size_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  const int blas = openblas_get_num_threads ? openblas_get_num_threads() : 0;
+  if (openblas_set_num_threads) openblas_set_num_threads(1);
+  std::exception_ptr err;
+  std::mutex mu;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (size_t i = 0; i < n; ++i) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (err) continue;
+    }
+    try {
+      f(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(mu);
+      if (!err) err = std::current_exception();
+    }
+  }
+  if (openblas_set_num_threads && blas > 0) openblas_set_num_threads(blas);
+  if (err) std::rethrow_exception(err);
+}
+
+void StageClock::export_to(CodecStats* out, int threads) const {
+  if (!out) return;
+  out->gather_ms = double(ns[kGather]) / 1e6;
+  out->center_ms = double(ns[kCenter]) / 1e6;
+  out->project_ms = double(ns[kProject]) / 1e6;
+  out->quant_ms = double(ns[kQuant]) / 1e6;
+  out->entropy_ms = double(ns[kEntropy]) / 1e6;
+  out->threads = threads;
+}
+
+}  // namespace kvtc::detail

@@ -1,0 +1,296 @@
+// The GPU decoder (CudaCodec::decompress), in stages:
+//   plan      every check of the CPU decoder (container::plan_decode, with
+//             the section checksums verified on the host threads), slots
+//             in one device arena for each section's stored bytes and, when
+//             deflated, its payload; the output buffers; one job per
+//             (container, block, K/V) with its segments and tiles;
+//   stage     the stored bytes (or, without nvCOMP, the payloads inflated
+//             by libdeflate) into pinned host memory, one upload;
+//   inflate   nvCOMP decompresses every deflated section in one batched call;
+//   transform raw sections copied into the cache layout; per job: unpack +
+//             dequantize, GEMM, add the mean + re-RoPE + round to f16 into
+//             the cache;
+//   check     nvCOMP's statuses (a corrupt stream is an Error naming the section).
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "codec_impl.h"
+#include "core/parallel.h"
+#include "format/plan.h"
+#include "host_plan.h"
+#include "kvtc/error.h"
+#include "quant.cuh"
+
+namespace kvtc {
+
+using namespace container;
+using cuda::check;
+
+namespace {
+
+// One raw or chunk section: where its stored bytes and payload sit in the arena.
+struct Slot {
+  uint32_t cap;
+  const Section* s;
+  uint64_t in_off = 0, out_off = 0;  // arena offsets of the stored bytes and (deflated) the payload
+  bool deflated = false;
+  uint64_t payload() const { return deflated ? out_off : in_off; }
+};
+struct Job {
+  uint32_t cap, b, kv, n_rows, ru;
+  size_t seg0, nseg, tile0, ntile, rowtok_off, pos_off;
+  bool rope;
+};
+
+struct DecodeWork {
+  std::vector<DecodePlan> plans;
+  bool use_nv = false;
+  std::vector<Slot> slots;
+  uint64_t arena = 0;
+  std::vector<size_t> nv_list;  // slots inflated by nvCOMP
+  size_t nv_max = 0, nv_total = 0, nv_temp = 0;
+  size_t in_ptrs_off = 0, in_sizes_off = 0, out_sizes_off = 0, out_ptrs_off = 0;
+  std::vector<cuda::CopyOp> raw_ops;
+  size_t raw_ops_off = 0;
+  std::vector<Job> jobs;
+  std::vector<cuda::QSeg> segs;
+  std::vector<cuda::QTile> tiles;
+  size_t segs_off = 0, tiles_off = 0;
+  std::map<std::pair<uint32_t, uint32_t>, size_t> factors_off;  // per (container, block)
+  cuda::Blob meta;
+  size_t max_rows = 0, max_ru = 0, max_table = 0;
+  uint32_t max_p = 1;
+};
+
+size_t status_offset(const DecodeWork& W) {
+  return cuda::round_up(W.nv_list.size() * 8, 16);
+}
+size_t results_bytes(const DecodeWork& W) {
+  return status_offset(W) + W.nv_list.size() * 4 + 16;
+}
+
+void plan_slots(CudaCodec::Impl& I, DecodeWork& W) {
+  for (uint32_t i = 0; i < W.plans.size(); ++i)
+    for (const Section& s : W.plans[i].kv_sections) {
+      Slot x{i, &s};
+      x.deflated = s.stored_len != s.raw_len;
+      if (!x.deflated || W.use_nv) {
+        W.arena = cuda::round_up(W.arena, I.align);
+        x.in_off = W.arena;
+        W.arena += s.stored_len;
+      }
+      if (x.deflated) {
+        W.arena = cuda::round_up(W.arena, I.align);
+        x.out_off = W.arena;
+        W.arena += s.raw_len;
+      }
+      W.slots.push_back(x);
+    }
+  I.arena.reserve(std::max<uint64_t>(W.arena, 1));
+  I.h_stage.reserve(std::max<uint64_t>(W.arena, 1));
+}
+
+std::vector<CudaKvCapture> allocate_outputs(const DecodeWork& W) {
+  std::vector<CudaKvCapture> outs(W.plans.size());
+  for (uint32_t i = 0; i < W.plans.size(); ++i) {
+    outs[i].host = W.plans[i].host;
+    outs[i].kv.resize(W.plans[i].host.blocks.size());
+    for (size_t b = 0; b < W.plans[i].host.blocks.size(); ++b)
+      for (int kv = 0; kv < 2; ++kv) outs[i].kv[b][kv] = CudaBuffer(W.plans[i].host.blocks[b].numel() * 2);
+  }
+  return outs;
+}
+
+// nvCOMP's pointer and size arrays, the raw copies, the jobs with their
+// segments and tiles, RoPE factors: all into the table blob.
+void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm) {
+  for (size_t k = 0; k < W.slots.size(); ++k)
+    if (W.slots[k].deflated && W.use_nv) {
+      W.nv_list.push_back(k);
+      W.nv_max = std::max<size_t>(W.nv_max, W.slots[k].s->raw_len);
+      W.nv_total += W.slots[k].s->raw_len;
+    }
+  if (!W.nv_list.empty()) {
+    std::vector<const void*> in_ptrs;
+    std::vector<void*> out_ptrs;
+    std::vector<size_t> in_sizes, out_sizes;
+    for (size_t k : W.nv_list) {
+      in_ptrs.push_back(I.arena.as<uint8_t>(W.slots[k].in_off));
+      in_sizes.push_back(W.slots[k].s->stored_len);
+      out_ptrs.push_back(I.arena.as<uint8_t>(W.slots[k].out_off));
+      out_sizes.push_back(W.slots[k].s->raw_len);
+    }
+    W.in_ptrs_off = W.meta.add(in_ptrs);
+    W.in_sizes_off = W.meta.add(in_sizes);
+    W.out_sizes_off = W.meta.add(out_sizes);
+    W.out_ptrs_off = W.meta.add(out_ptrs);
+    W.nv_temp = cuda::nvc::decompress_temp_bytes(W.nv_list.size(), W.nv_max, W.nv_total);
+    I.nvtemp.reserve(std::max<size_t>(W.nv_temp, 1));
+  }
+  // Raw sections -> cache layout.
+  for (const Slot& x : W.slots) {
+    if (x.s->kind != kRaw) continue;
+    const KvBlock& kb = outs[x.cap].host.blocks[x.s->block];
+    uint8_t* cache = static_cast<uint8_t*>(outs[x.cap].kv[x.s->block][x.s->kv].get());
+    const uint32_t n = x.s->t1 - x.s->t0;
+    const uint64_t run = uint64_t(n) * kb.head_dim * 2;
+    for (uint32_t lh = 0; lh < kb.n_layer() * kb.n_head_kv; ++lh)
+      cuda::split_copy(W.raw_ops, I.arena.as<uint8_t>(x.payload() + lh * run), cache + (uint64_t(lh) * kb.n_tokens() + x.s->t0) * kb.head_dim * 2,
+                       run);
+  }
+  W.raw_ops_off = W.meta.add(W.raw_ops);
+  // Jobs: the chunks of one (container, block, kind), rows in token order.
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, std::vector<size_t>> by_job;
+  for (size_t k = 0; k < W.slots.size(); ++k)
+    if (W.slots[k].s->kind == kChunk) by_job[{W.slots[k].cap, W.slots[k].s->block, W.slots[k].s->kv}].push_back(k);
+  for (auto& [key, ks] : by_job) {
+    auto [i, b, kv] = key;
+    std::sort(ks.begin(), ks.end(), [&](size_t a, size_t c) { return W.slots[a].s->t0 < W.slots[c].s->t0; });
+    const DecodePlan& P = W.plans[i];
+    const KvBlock& kb = P.host.blocks[b];
+    Job j{i, b, kv, 0, P.r_used[b][kv], W.segs.size(), 0, W.tiles.size(), 0, 0, 0, false};
+    std::vector<int32_t> row_tok, row_pos;
+    for (size_t k : ks) {
+      const Section& s = *W.slots[k].s;
+      cuda::append_chunk_segments(P.H.alloc[b][kv].blocks, j.n_rows, s.t1 - s.t0, W.slots[k].payload(), true, W.segs);
+      for (uint32_t t = s.t0; t < s.t1; ++t) {
+        row_tok.push_back(int32_t(t));
+        row_pos.push_back(kb.pos[t]);
+      }
+      j.n_rows += s.t1 - s.t0;
+    }
+    j.nseg = W.segs.size() - j.seg0;
+    cuda::append_decode_tiles(W.segs, j.seg0, W.tiles);
+    j.ntile = W.tiles.size() - j.tile0;
+    j.rowtok_off = W.meta.add(row_tok);
+    j.rope = kv == 0 && P.H.keys_derope && cuda::rotates(kb.rope);
+    if (j.rope) {
+      j.pos_off = W.meta.add(row_pos);
+      W.max_table = std::max<size_t>(W.max_table, size_t(j.n_rows) * (kb.rope.n_rot / 2));
+      if (!kb.rope.freq_factors.empty() && !W.factors_off.count({i, b})) W.factors_off[{i, b}] = W.meta.add(kb.rope.freq_factors);
+    }
+    W.max_rows = std::max<size_t>(W.max_rows, j.n_rows);
+    W.max_ru = std::max<size_t>(W.max_ru, j.ru);
+    W.max_p = std::max(W.max_p, I.tr[b][kv].p);
+    W.jobs.push_back(j);
+  }
+  W.segs_off = W.meta.add(W.segs);
+  W.tiles_off = W.meta.add(W.tiles);
+  const size_t ldd = cuda::round_up(std::max<size_t>(W.max_rows, 1), 16);
+  I.x.reserve(std::max<size_t>(W.max_rows, 1) * W.max_p * 4);
+  I.dt.reserve(std::max<size_t>(W.max_ru, 1) * ldd * cuda::elem_bytes(gm.et));
+  I.rope_c.reserve(std::max<size_t>(W.max_table, 1) * 8);
+  I.rope_s.reserve(std::max<size_t>(W.max_table, 1) * 8);
+  I.small.reserve(results_bytes(W));
+  I.h_small.reserve(results_bytes(W));
+}
+
+// The stored bytes (or, without nvCOMP, the inflated payloads) into pinned
+// staging; returns the host inflate time.
+double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& origin, int threads) {
+  const auto t_in = cuda::clock_type::now();
+  detail::parallel_for(W.slots.size(), detail::resolve_threads(threads, W.slots.size()), [&](size_t k) {
+    const Slot& x = W.slots[k];
+    if (!x.deflated || W.use_nv) {
+      std::memcpy(I.h_stage.b(x.in_off), x.s->data, x.s->stored_len);
+    } else {
+      std::vector<uint8_t> pl = payload(*x.s, origin);
+      std::memcpy(I.h_stage.b(x.out_off), pl.data(), pl.size());
+    }
+  });
+  return W.use_nv ? 0.0 : cuda::ms_since(t_in);
+}
+
+void inflate_and_transform(CudaCodec::Impl& I, const DecodeWork& W, std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm, cuda::Timeline& tl) {
+  tl.begin(cuda::kSTransfer);
+  I.upload_meta(W.meta);
+  check(cudaMemcpyAsync(I.arena.p, I.h_stage.p, W.arena, cudaMemcpyHostToDevice, I.st), "containers H2D");
+  tl.end();
+  const uint8_t* M = I.meta.as<uint8_t>();
+  if (!W.nv_list.empty()) {
+    tl.begin(cuda::kSEntropy);
+    cuda::nvc::decompress(reinterpret_cast<const void* const*>(M + W.in_ptrs_off), reinterpret_cast<const size_t*>(M + W.in_sizes_off),
+                          reinterpret_cast<const size_t*>(M + W.out_sizes_off), I.small.as<size_t>(0), W.nv_list.size(), I.nvtemp.p, W.nv_temp,
+                          reinterpret_cast<void* const*>(M + W.out_ptrs_off), I.small.as<int>(status_offset(W)), I.st);
+    check(cudaMemcpyAsync(I.h_small.p, I.small.p, results_bytes(W), cudaMemcpyDeviceToHost, I.st), "nvCOMP results D2H");
+    tl.end();
+  }
+  tl.begin(cuda::kSGather);
+  cuda::launch_batched_copy(reinterpret_cast<const cuda::CopyOp*>(M + W.raw_ops_off), uint32_t(W.raw_ops.size()), I.st);
+  tl.end();
+  for (const Job& j : W.jobs) {
+    const CudaCodec::Impl::Tr& T = I.tr[j.b][j.kv];
+    const KvBlock& kb = outs[j.cap].host.blocks[j.b];
+    const size_t jl = cuda::round_up(j.n_rows, 16);
+    tl.begin(cuda::kSQuant);
+    cuda::launch_unpack(I.arena.as<uint8_t>(), reinterpret_cast<const cuda::QSeg*>(M + W.segs_off),
+                        reinterpret_cast<const cuda::QTile*>(M + W.tiles_off) + j.tile0, uint32_t(j.ntile), I.dt.p, jl, gm.et, I.st);
+    tl.end();
+    // X = D B[:ru] (beta 0); the mean is added in the scatter (one f32 add
+    // per value, as the CPU's GEMM with beta = 1 onto mu), saving a pass over X.
+    tl.begin(cuda::kSProject);
+    I.proj->decode(I.dt.p, gm.et, gm.tf32, jl, I.gemm_basis(j.b, int(j.kv), gm.et), j.n_rows, T.p, j.ru, I.x.as<float>(), 0.0f);
+    tl.end();
+    tl.begin(cuda::kSGather);
+    cuda::RopeDev rd;
+    const double *c = nullptr, *s = nullptr;
+    if (j.rope) {
+      auto it = W.factors_off.find({j.cap, j.b});
+      rd = cuda::rope_dev(kb.rope, kb.head_dim, it == W.factors_off.end() ? nullptr : reinterpret_cast<const float*>(M + it->second));
+      cuda::launch_rope_table(reinterpret_cast<const int32_t*>(M + j.pos_off), j.n_rows, rd, false, I.rope_c.as<double>(), I.rope_s.as<double>(),
+                              I.st);
+      c = I.rope_c.as<double>();
+      s = I.rope_s.as<double>();
+    }
+    cuda::launch_scatter(I.x.as<float>(), T.mu.as<float>(), j.n_rows, reinterpret_cast<const int32_t*>(M + j.rowtok_off), c, s, rd,
+                         static_cast<uint16_t*>(outs[j.cap].kv[j.b][j.kv].get()), kb.n_layer() * kb.n_head_kv, kb.n_tokens(), kb.head_dim, I.st);
+    tl.end();
+  }
+  check(cudaStreamSynchronize(I.st), "decompress");
+}
+
+void check_statuses(const CudaCodec::Impl& I, const DecodeWork& W, const std::string& origin) {
+  if (W.nv_list.empty()) return;
+  const size_t* actual = reinterpret_cast<const size_t*>(I.h_small.b(0));
+  const int* statuses = reinterpret_cast<const int*>(I.h_small.b(status_offset(W)));
+  for (size_t q = 0; q < W.nv_list.size(); ++q) {
+    const Section& s = *W.slots[W.nv_list[q]].s;
+    require(statuses[q] == 0 && actual[q] == s.raw_len,
+            origin + ": " + section_name(s.kind) + " section: DEFLATE stream is corrupt or does not inflate to " + std::to_string(s.raw_len) +
+                " bytes (nvCOMP: " + cuda::nvc::status_string(statuses[q]) + ")");
+  }
+}
+
+}  // namespace
+
+std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<const uint8_t>>& containers, const std::string& origin,
+                                                 const DecompressOptions& opt) {
+  Impl& I = *impl_;
+  const auto t_start = cuda::clock_type::now();
+  const cuda::GemmMode gm = cuda::gemm_mode(opt.precision);
+  const int threads = Impl::threads(opt.threads);
+  check(cudaSetDevice(I.opt.device), "cudaSetDevice");
+  auto t_host = cuda::clock_type::now();
+  DecodeWork W;
+  for (size_t i = 0; i < containers.size(); ++i) {
+    const std::string name = containers.size() == 1 ? origin : origin + "[" + std::to_string(i) + "]";
+    W.plans.push_back(plan_decode(parse(containers[i], name, threads), I.cal, name));
+  }
+  W.use_nv = cuda::nvc::built() && I.opt.nvcomp;
+  plan_slots(I, W);
+  std::vector<CudaKvCapture> outs = allocate_outputs(W);
+  plan_tables(I, W, outs, gm);
+  const double host_inflate_ms = stage_inputs(I, W, origin, threads);
+  double host_ms = cuda::ms_since(t_host) - host_inflate_ms;
+  cuda::Timeline tl(I.st, opt.stats != nullptr);
+  inflate_and_transform(I, W, outs, gm, tl);
+  t_host = cuda::clock_type::now();
+  check_statuses(I, W, origin);
+  host_ms += cuda::ms_since(t_host);
+  tl.fill(opt.stats, host_inflate_ms, host_ms, cuda::ms_since(t_start), threads, gm.precision,
+          W.nv_list.empty() ? (W.use_nv ? "stored" : "libdeflate-host") : "nvcomp");
+  return outs;
+}
+
+}  // namespace kvtc

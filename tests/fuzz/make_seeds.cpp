@@ -1,0 +1,27 @@
+// Writes seed inputs for the fuzzers: a valid container, capture file,
+// calibration file and state blob built from the synthetic capture.
+#include <cstdio>
+#include <string>
+
+#include "codec/calibration_io.h"
+#include "core/capture_io.h"
+#include "fuzz_common.h"
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: make_seeds DIR\n");
+    return 2;
+  }
+  const std::string dir = argv[1];
+  using namespace kvtc;
+  KvCapture c = fuzz::small_capture(48);
+  CompressOptions o;
+  o.sink = 2;
+  o.window = 6;
+  o.chunk_tokens = 16;
+  write_file_atomic(dir + "/container/seed.kvtc", compress(c, fuzz::small_calibration(), fuzz::small_alloc(), o));
+  write_file_atomic(dir + "/safetensors/capture.safetensors", capture_serialize(c));
+  write_file_atomic(dir + "/safetensors/calibration.safetensors", calibration_serialize(fuzz::small_calibration()));
+  write_file_atomic(dir + "/state_blob/seed.bin", state_from_capture(c, StateLayout{{1}, 1, 0}));
+  return 0;
+}

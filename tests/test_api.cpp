@@ -1,0 +1,327 @@
+// The public API (include/kvtc/kvtc.h) on synthetic caches — synthetic on
+// purpose: these test the algorithm and the formats, not a model (the
+// real-model tests are test_llama.cpp and the CLI tests). Covered: every
+// byte of a calibration file is integrity-checked; the fitter recovers a
+// low-rank structure from caller-supplied caches; llama.cpp state blobs in
+// and out; the typed container header; feature rows in and out.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <random>
+
+#include "codec/calibration_io.h"
+#include "core/state_blob.h"
+#include "fuzz/fuzz_common.h"
+#include "kvtc/kvtc.h"
+
+using namespace kvtc;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path temp_path(const std::string& name) {
+  return fs::temp_directory_path() / ("kvtc-test-api-" + std::to_string(::getpid()) + "-" + name);
+}
+
+// 2 layers x 2 KV heads x 16 dims (p = 64), NEOX RoPE with factors, whose
+// de-RoPEd keys and values lie near a rank-6 subspace (plus 1% noise).
+CacheGeometry lowrank_geometry() {
+  CacheGeometry g;
+  g.model_sha256 = "synthetic-lowrank";
+  BlockGeometry b;
+  b.layers = {0, 1};
+  b.n_head_kv = 2;
+  b.head_dim = 16;
+  b.rope.layout = RopeLayout::kNeox;
+  b.rope.n_rot = 16;
+  b.rope.freq_base = 10000.0f;
+  for (uint32_t i = 0; i < 8; ++i) b.rope.freq_factors.push_back(1.0f + 0.5f * float(i));
+  g.blocks.push_back(b);
+  return g;
+}
+
+KvCapture lowrank_capture(uint32_t n, uint32_t seed, int32_t pos0 = 0) {
+  const CacheGeometry g = lowrank_geometry();
+  KvCapture c;
+  c.model_sha256 = g.model_sha256;
+  KvBlock b;
+  static_cast<BlockGeometry&>(b) = g.blocks[0];
+  for (uint32_t t = 0; t < n; ++t) b.pos.push_back(pos0 + int32_t(t));
+  b.k.assign(b.numel(), 0);
+  b.v.assign(b.numel(), 0);
+  const uint32_t p = b.features(), rank = 6;
+  std::mt19937 dirs(99);  // the same subspace for every capture
+  std::normal_distribution<float> g01(0.0f, 1.0f);
+  std::vector<float> dir(size_t(2) * rank * p);
+  for (float& x : dir) x = g01(dirs);
+  std::mt19937 rng(seed);
+  for (int kv = 0; kv < 2; ++kv) {
+    std::vector<float> rows(size_t(n) * p);
+    for (uint32_t t = 0; t < n; ++t) {
+      float z[rank];
+      for (uint32_t j = 0; j < rank; ++j) z[j] = g01(rng) * 2.0f / float(j + 1);
+      for (uint32_t f = 0; f < p; ++f) {
+        float x = 0.01f * g01(rng) + (kv ? 0.3f : -0.2f);
+        for (uint32_t j = 0; j < rank; ++j) x += z[j] * dir[(size_t(kv) * rank + j) * p + f] * 0.3f;
+        rows[size_t(t) * p + f] = x;
+      }
+    }
+    set_feature_rows(b, kv == 0, /*rerope=*/true, 0, n, std::move(rows));
+  }
+  c.blocks.push_back(std::move(b));
+  for (uint32_t t = 0; t < n; ++t) c.tokens.push_back(int32_t(100 + t));
+  return c;
+}
+
+Calibration fitted() {
+  FitOptions o;
+  o.ratios = {4, 8};
+  std::vector<KvCapture> fit, held;
+  for (uint32_t i = 0; i < 3; ++i) fit.push_back(lowrank_capture(300, 10 + i));
+  held.push_back(lowrank_capture(200, 50));
+  return fit_calibration(fit, held, o);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// ---- the calibration file ----------------------------------------------------
+
+TEST(CalibrationFile, SaveLoadKeepsEverything) {
+  const Calibration cal = fitted();
+  const fs::path path = temp_path("cal.safetensors");
+  calibration_save(path, cal);
+  const Calibration back = calibration_load(path);
+  EXPECT_EQ(back.id, cal.id);
+  EXPECT_EQ(back.geometry.model_sha256, cal.geometry.model_sha256);
+  ASSERT_EQ(back.geometry.blocks.size(), 1u);
+  EXPECT_EQ(back.geometry.blocks[0], cal.geometry.blocks[0]);  // layers, heads, dims, RoPE with factors
+  EXPECT_TRUE(back.keys_derope);
+  EXPECT_EQ(back.meta.at("calib_tokens"), cal.meta.at("calib_tokens"));
+  EXPECT_EQ(back.blocks[0][0].tables.size(), 2u);
+  EXPECT_EQ(back.blocks[0][1].tables.at("8").blocks, cal.blocks[0][1].tables.at("8").blocks);
+  EXPECT_EQ(back.meta.count("file_xxh64"), 0u);  // structural keys are not provenance
+  fs::remove(path);
+}
+
+// Every byte of the file, header included, is covered: flipping bits of
+// any byte gives a refusal that names the file — never a silently changed
+// calibration (a byte changed in calibration_id or the corpus fields used
+// to be accepted). In memory through calibration_parse, the loader's own
+// code after read_file (a file write per flip would take minutes), and a
+// few flips through real files.
+TEST(CalibrationFile, EveryByteFlipIsRefused) {
+  FitOptions small;
+  small.rank_max = 16;  // a 12 KB file: 48K parses in a few seconds
+  small.ratios = {8};
+  const Calibration cal = fit_calibration({lowrank_capture(300, 10), lowrank_capture(300, 11)}, {lowrank_capture(200, 50)}, small);
+  const fs::path good = temp_path("flip-src.safetensors"), bad = temp_path("flip.safetensors");
+  calibration_save(good, cal);
+  const std::vector<uint8_t> bytes = read_file(good);
+  ASSERT_GT(bytes.size(), 2000u);
+  const std::string name = good.string();
+  EXPECT_EQ(calibration_parse(bytes, name, false).id, cal.id);
+  size_t refused = 0;
+  for (size_t i = 0; i < bytes.size(); ++i)
+    for (uint8_t mask : {uint8_t(1u << (i % 8)), uint8_t(0xff)}) {
+      std::vector<uint8_t> x = bytes;
+      x[i] ^= mask;
+      for (bool decoder_only : {false, true}) {
+        const std::string e = error_of([&] { calibration_parse(x, name, decoder_only); });
+        ASSERT_FALSE(e.empty()) << "byte " << i << " ^ " << int(mask) << " accepted (decoder_only " << decoder_only << ")";
+        ASSERT_NE(e.find(name), std::string::npos) << "byte " << i << ": error does not name the file: " << e;
+        ++refused;
+      }
+    }
+  EXPECT_EQ(refused, bytes.size() * 2 * 2);
+  // Through files: a flip in the JSON header, in the checksum, in a tensor.
+  const uint64_t header = uint64_t(bytes[0]) | uint64_t(bytes[1]) << 8;
+  for (size_t i : {size_t(3), size_t(40), size_t(header / 2), size_t(header + 7), bytes.size() - 1}) {
+    std::vector<uint8_t> x = bytes;
+    x[i] ^= 0x10;
+    write_file_atomic(bad, x);
+    const std::string e = error_of([&] { calibration_load(bad); });
+    EXPECT_NE(e.find(bad.string()), std::string::npos) << i << ": " << e;
+  }
+  // Truncation anywhere, and trailing bytes, are refused as well.
+  for (size_t n : {size_t(0), size_t(7), size_t(100), bytes.size() / 2, bytes.size() - 1})
+    EXPECT_FALSE(error_of([&] { calibration_parse(std::vector<uint8_t>(bytes.begin(), bytes.begin() + n), name, false); }).empty()) << n;
+  std::vector<uint8_t> longer = bytes;
+  longer.push_back(0);
+  EXPECT_FALSE(error_of([&] { calibration_parse(longer, name, false); }).empty());
+  fs::remove(good);
+  fs::remove(bad);
+}
+
+TEST(CalibrationFile, VersionOneFilesStillLoad) {
+  // tests/golden/v1/calibration.safetensors predates the whole-file checksum
+  // and the geometry keys: it loads, with only p known per block.
+  const Calibration v1 = calibration_load(std::string(KVTC_GOLDEN_DIR) + "/calibration-v1.safetensors");
+  EXPECT_EQ(v1.geometry.model_sha256, "fuzz");
+  ASSERT_EQ(v1.geometry.blocks.size(), 1u);
+  EXPECT_TRUE(v1.geometry.blocks[0].layers.empty());
+  EXPECT_EQ(v1.blocks[0][0].p, 16u);
+  EXPECT_EQ(v1.id, fuzz::small_calibration().id);
+}
+
+// ---- fitting -----------------------------------------------------------------
+
+TEST(Fit, RecoversALowRankStructureFromCallerCaches) {
+  const Calibration cal = fitted();
+  EXPECT_EQ(cal.meta.at("calib_tokens"), std::to_string(3 * (300 - 4)));  // the 4 sink positions left out
+  EXPECT_EQ(cal.meta.at("heldout_tokens"), std::to_string(200 - 4));
+  const Transform& tk = cal.blocks[0][0];
+  double top6 = 0;
+  for (uint32_t j = 0; j < 6; ++j) top6 += tk.variance[j];
+  EXPECT_GT(top6 / tk.total_variance, 0.99);  // de-RoPEd keys: 6 components explain them
+  // At 8x the reconstruction of a new cache is close.
+  const KvCapture c = lowrank_capture(400, 77);
+  const std::vector<uint8_t> bytes = compress(c, cal, allocation_set(cal, 8));
+  const ReconError e = reconstruction_error(c, decompress(bytes, cal, "mem"), 4, 128);
+  EXPECT_LT(e.k, 0.01);
+  EXPECT_LT(e.v, 0.01);
+  EXPECT_EQ(e.tokens, 400u - 4 - 128);
+  // Fitted on keys as stored (RoPE kept), the same keys need far more components.
+  FitOptions kept;
+  kept.keep_rope = true;
+  kept.ratios = {8};
+  const Calibration ck = fit_calibration({lowrank_capture(300, 10), lowrank_capture(300, 11)}, {lowrank_capture(200, 50)}, kept);
+  EXPECT_FALSE(ck.keys_derope);
+  double kept6 = 0;
+  for (uint32_t j = 0; j < 6; ++j) kept6 += ck.blocks[0][0].variance[j];
+  EXPECT_LT(kept6 / ck.blocks[0][0].total_variance, top6 / tk.total_variance);
+}
+
+TEST(Fit, RefusesWhatItCannotUse) {
+  CalibrationFitter f(lowrank_geometry());
+  KvCapture other = lowrank_capture(50, 1);
+  other.model_sha256 = "another";
+  EXPECT_NE(error_of([&] { f.add(other); }).find("another model"), std::string::npos);
+  KvCapture yarn = lowrank_capture(50, 1);
+  yarn.blocks[0].rope.unsupported = "rope scaling 'yarn'";
+  EXPECT_NE(error_of([&] { f.add(yarn); }).find("yarn"), std::string::npos);
+  EXPECT_NE(error_of([&] { f.finish(); }).find("need at least"), std::string::npos);  // nothing added yet
+  FitOptions bad;
+  bad.pca_route = "magic";
+  EXPECT_THROW(CalibrationFitter(lowrank_geometry(), bad), Error);
+}
+
+TEST(Fit, FeatureRowsRoundTrip) {
+  KvCapture c = lowrank_capture(40, 3, 1000);
+  const KvBlock before = c.blocks[0];
+  const std::vector<float> rows = feature_rows(c.blocks[0], true, true, 5, 30);
+  ASSERT_EQ(rows.size(), size_t(25) * 64);
+  set_feature_rows(c.blocks[0], true, true, 5, 30, rows);
+  size_t differ = 0;
+  for (size_t i = 0; i < before.k.size(); ++i) differ += before.k[i] != c.blocks[0].k[i];
+  EXPECT_LE(differ, before.k.size() / 200);  // de-RoPE then re-RoPE: within an f16 rounding for a few values
+  EXPECT_THROW(feature_rows(c.blocks[0], true, true, 30, 50), Error);
+}
+
+// ---- state blobs and the typed header ------------------------------------------
+
+TEST(StateApi, BlobInContainerOutBlobBack) {
+  const Calibration cal = fitted();
+  const KvCapture c = lowrank_capture(300, 21);
+  // A single-sequence blob as llama.cpp writes it (flash attention: v_trans 0).
+  const StateLayout layout{{1}, 0, 0};
+  const std::vector<uint8_t> blob = state_from_capture(c, layout);
+  const KvCapture from = capture_from_state(blob, lowrank_geometry(), "blob");
+  EXPECT_EQ(from.blocks[0].k, c.blocks[0].k);
+  EXPECT_EQ(from.blocks[0].pos, c.blocks[0].pos);
+  const std::vector<uint8_t> kv = compress_state(blob, lowrank_geometry(), cal, allocation_set(cal, 8), {}, c.tokens);
+  EXPECT_EQ(inspect(kv, "kv").header.has_tokens, true);
+  // Back into a context without flash attention and with 2 streams, as sequence 1.
+  const StateLayout to{{2}, 1, 1};
+  const std::vector<uint8_t> restored = decompress_state(kv, cal, to, "kv");
+  const SeqBlob sb = seq_blob_parse(restored, false, "restored");
+  EXPECT_EQ(sb.seq_id, 1);
+  ASSERT_EQ(sb.blocks[0].streams.size(), 2u);
+  EXPECT_EQ(sb.blocks[0].streams[1].cell_count, 300u);
+  EXPECT_EQ(sb.blocks[0].streams[1].v_trans, 1u);
+  const KvCapture dec = capture_from_state(restored, lowrank_geometry(), "restored");
+  EXPECT_LT(reconstruction_error(c, dec, 4, 128).k, 0.01);
+  // The empty blob of a context tells its stream counts.
+  SeqBlob empty;
+  empty.blocks.resize(1);
+  empty.blocks[0].streams.resize(3);
+  EXPECT_EQ(state_layout(seq_blob_write(empty), 0, 0, "empty").streams, (std::vector<uint32_t>{3}));
+  // Wrong geometry, wrong calibration, corrupt bytes: errors, no crash.
+  CacheGeometry wrong = lowrank_geometry();
+  wrong.blocks[0].n_head_kv = 4;
+  EXPECT_THROW(capture_from_state(blob, wrong, "blob"), Error);
+  CacheGeometry other_model = lowrank_geometry();
+  other_model.model_sha256 = "x";
+  EXPECT_NE(error_of([&] { compress_state(blob, other_model, cal, allocation_set(cal, 8)); }).find("wrong calibration"), std::string::npos);
+  std::vector<uint8_t> cut(blob.begin(), blob.begin() + blob.size() / 2);
+  EXPECT_THROW(capture_from_state(cut, lowrank_geometry(), "cut"), Error);
+}
+
+TEST(Inspect, TypedHeader) {
+  const Calibration cal = fitted();
+  KvCapture c = lowrank_capture(333, 31);
+  c.meta["source"] = "test";
+  CompressOptions o;
+  o.chunk_tokens = 64;
+  o.deflate_level = 9;
+  const std::vector<uint8_t> bytes = compress(c, cal, allocation_set(cal, 4), o);
+  const ContainerInfo ci = inspect(bytes, "x");
+  const ContainerHeader& h = ci.header;
+  EXPECT_EQ(h.version, kContainerVersion);
+  EXPECT_EQ(h.calibration_id, cal.id);
+  EXPECT_EQ(h.geometry.model_sha256, c.model_sha256);
+  ASSERT_EQ(h.geometry.blocks.size(), 1u);
+  EXPECT_EQ(h.geometry.blocks[0], c.blocks[0].geometry());  // RoPE with its factors round-trips through the strings
+  EXPECT_EQ(h.meta.at("source"), "test");
+  EXPECT_EQ(h.sink, 4u);
+  EXPECT_EQ(h.window, 128u);
+  EXPECT_EQ(h.chunk_tokens, 64u);
+  EXPECT_EQ(h.deflate_level, 9);
+  EXPECT_EQ(h.n_tokens, (std::vector<uint32_t>{333}));
+  EXPECT_EQ(h.alloc[0][0].nominal_ratio, 4.0);
+  EXPECT_EQ(h.alloc[0][1].blocks, allocation_set(cal, 4)[0][1].blocks);
+  EXPECT_EQ(ci.n_compressed_tokens, 333u - 4 - 128);
+  EXPECT_GT(ci.ratio_compressed_tokens(), 3.0);
+  EXPECT_NEAR(ci.ratio_whole_cache(), double(c.f16_bytes()) / double(bytes.size()), 1e-12);
+  // The decoder gives back the typed geometry and provenance too.
+  const KvCapture d = decompress(bytes, cal, "x");
+  EXPECT_EQ(d.model_sha256, c.model_sha256);
+  EXPECT_EQ(d.blocks[0].rope, c.blocks[0].rope);
+  EXPECT_EQ(d.meta.at("source"), "test");
+  EXPECT_EQ(d.tokens, c.tokens);
+}
+
+TEST(Codec, StatsAndOptionsAreHonoured) {
+  const Calibration cal = fitted();
+  const KvCapture c = lowrank_capture(500, 41);
+  CodecStats s;
+  CompressOptions o;
+  o.threads = 2;
+  o.precision = Precision::kF32;
+  o.stats = &s;
+  const std::vector<uint8_t> a = compress(c, cal, allocation_set(cal, 8), o);
+  EXPECT_EQ(s.projection, Precision::kF32);
+  EXPECT_EQ(s.threads, 2);
+  EXPECT_GT(s.total_ms, 0.0);
+  EXPECT_EQ(s.entropy_backend, "libdeflate");
+  o.threads = 1;
+  EXPECT_EQ(compress(c, cal, allocation_set(cal, 8), o), a);  // output independent of threads
+  o.precision = Precision::kF16;
+  EXPECT_NE(error_of([&] { compress(c, cal, allocation_set(cal, 8), o); }).find("GPU mode"), std::string::npos);
+  EXPECT_THROW(parse_precision("int8"), Error);
+  EXPECT_EQ(parse_precision("tf32"), Precision::kTF32);
+  const LibraryInfo li = library_info();
+  EXPECT_FALSE(li.version.empty());
+}

@@ -5,8 +5,6 @@
 # (bench/plots.py, matplotlib, from analyze.json) and README.md.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
-kvtc="$top/build/kvtc"
-lab="$top/build/kvtc-lab"
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 out="$top/bench/results/analyze"

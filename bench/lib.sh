@@ -1,5 +1,10 @@
 # Shared by the bench/*.sh wrappers: what every committed result names.
-# Source it after setting $top (repository root) and $kvtc (the kvtc binary).
+# Source it after setting $top (repository root); it sets $kvtc and $lab
+# (the binaries) and $res (bench/results).
+kvtc="$top/build/kvtc"
+lab="$top/build/kvtc-lab"
+res="$top/bench/results"
+mkdir -p "$res"
 
 # The commit, marked when tracked files differ from it.
 result_commit() {
@@ -15,4 +20,21 @@ result_cpu() {
 import json, sys
 c = json.load(sys.stdin)["cpu"]
 print(c["brand"] + (" (" + " ".join(c.get("features", [])) + ")" if sys.argv[1:] == ["features"] else ""))' "$@"
+}
+
+# lab_result NAME SUBCOMMAND [options…]: runs `kvtc-lab SUBCOMMAND options…`
+# with its JSON and markdown body written beside bench/results/NAME, as
+# NAME.json.part and NAME.body.part; finish_result NAME moves them into
+# place once the caller wrote NAME.md.part around the body.
+lab_result() {
+  local name=$1 sub=$2
+  shift 2
+  "$lab" "$sub" "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+}
+finish_result() {
+  local name=$1
+  mv "$res/$name.md.part" "$res/$name.md"
+  mv "$res/$name.json.part" "$res/$name.json"
+  rm -f "$res/$name.body.part"
+  echo "wrote $res/$name.md"
 }

@@ -6,13 +6,9 @@ set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 name=$1
 shift
-kvtc="$top/build/kvtc"
-lab="$top/build/kvtc-lab"
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
-res="$top/bench/results"
-mkdir -p "$res"
-"$lab" eval "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+lab_result "$name" eval "$@"
 commit=$(result_commit)
 cpu=$(result_cpu)
 {
@@ -27,7 +23,4 @@ cpu=$(result_cpu)
   echo "  ratio = f16 K+V bytes of the whole cache over bytes at rest (sink and window raw, all metadata)"
   cat "$res/$name.body.part"
 } >"$res/$name.md.part"
-mv "$res/$name.md.part" "$res/$name.md"
-mv "$res/$name.json.part" "$res/$name.json"
-rm -f "$res/$name.body.part"
-echo "wrote $res/$name.md"
+finish_result "$name"

@@ -6,13 +6,9 @@ set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 name=$1
 shift
-kvtc="$top/build/kvtc"
-lab="$top/build/kvtc-lab"
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
-res="$top/bench/results"
-mkdir -p "$res"
-"$lab" bench "$@" --out-json "$res/$name.json.part" --out-md "$res/$name.body.part" >/dev/null
+lab_result "$name" bench "$@"
 commit=$(result_commit)
 cpu=$(result_cpu features)
 {
@@ -34,7 +30,4 @@ cpu=$(result_cpu features)
   # A hand-written reading of the figures, kept beside them (update it when they change).
   [ ! -f "$res/$name-reading.md" ] || cat "$res/$name-reading.md"
 } >"$res/$name.md.part"
-mv "$res/$name.md.part" "$res/$name.md"
-mv "$res/$name.json.part" "$res/$name.json"
-rm -f "$res/$name.body.part"
-echo "wrote $res/$name.md"
+finish_result "$name"

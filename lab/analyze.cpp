@@ -165,37 +165,26 @@ void make_captures(const AnalyzeArgs& a, Model& m, uint32_t n_ctx_caps, uint32_t
       s.decode(w, 0);
       KvCapture c = s.capture();
       c.tokens = w;
-      Cap base{win->doc.id, kind, win->offset, {}};
-      if (got < n_ctx_caps) {
+      const Cap base{win->doc.id, kind, win->offset, {}};
+      // The first n tokens' capture: this one cut (attention is causal), or,
+      // for an iSWA cache, whose window block cannot be cut, prefilled again.
+      auto first = [&](uint32_t n) {
         Cap x = base;
-        if (len == a.context) {
+        if (len == n) {
           x.c = c;
         } else if (c.blocks.size() == 1) {
-          x.c = truncate_capture(c, a.context);
-        } else {  // iSWA: the window cache cannot be cut; prefill again
-          std::vector<int32_t> w2(w.begin(), w.begin() + a.context);
-          s.clear();
-          s.decode(w2, 0);
-          x.c = s.capture();
-          x.c.tokens = w2;
-        }
-        by_kind_ctx[ki].push_back(std::move(x));
-      }
-      if (got < n_pos_caps) {
-        Cap x = base;
-        if (len == a.position_context) {
-          x.c = std::move(c);
-        } else if (c.blocks.size() == 1) {
-          x.c = truncate_capture(c, a.position_context);
+          x.c = truncate_capture(c, n);
         } else {
-          std::vector<int32_t> w2(w.begin(), w.begin() + a.position_context);
+          std::vector<int32_t> w2(w.begin(), w.begin() + n);
           s.clear();
           s.decode(w2, 0);
           x.c = s.capture();
           x.c.tokens = w2;
         }
-        by_kind_pos[ki].push_back(std::move(x));
-      }
+        return x;
+      };
+      if (got < n_ctx_caps) by_kind_ctx[ki].push_back(first(a.context));
+      if (got < n_pos_caps) by_kind_pos[ki].push_back(first(a.position_context));
       ++got;
       log(t0, "prefilled %s", win->doc.id + " (" + std::to_string(len) + " tokens)");
     }

@@ -4,27 +4,28 @@
 // the llama.cpp integration only; the library never links it.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <chrono>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "kvtc/llama.h"
 
 namespace kvtc::lab {
 
-using Action = std::function<int()>;
+using cli::Action;
 
 Action add_eval(CLI::App& app);
 Action add_bench(CLI::App& app);
 Action add_session(CLI::App& app);
 Action add_analyze(CLI::App& app);
 
-// Default model: $KVTC_MODEL, else the SmolLM2 GGUF the bootstrap extracted.
-std::string default_model();
-// Default corpus root: $KVTC_CORPUS, else the one `make corpus` built.
-std::string default_corpus();
+inline std::string default_model() {
+  return default_model_path();
+}
+inline std::string default_corpus() {
+  return default_corpus_dir();
+}
 
 // The text of a token sequence: the pieces of each token, concatenated.
 inline std::string text_of(const Model& m, const std::vector<int32_t>& tokens) {

@@ -150,11 +150,11 @@ ContainerInfo inspect(std::span<const uint8_t> container, const std::string& ori
 // values over the tokens that are not raw (sink/window), all blocks pooled.
 // The captures must have the same geometry and positions.
 struct ReconError {
-  double k = 0, v = 0;                  // the relative errors
-  double k_err = 0, k_norm = 0;         // ||x - x'||^2 and ||x||^2 of keys, summed in double
-  double v_err = 0, v_norm = 0;         // the same of values
-  uint64_t tokens = 0;                  // coded tokens of block 0
-  void add(const ReconError& o);        // pools another measurement (sums add, ratios follow)
+  double k = 0, v = 0;            // the relative errors
+  double k_err = 0, k_norm = 0;   // ||x - x'||^2 and ||x||^2 of keys, summed in double
+  double v_err = 0, v_norm = 0;   // the same of values
+  uint64_t tokens = 0;            // coded tokens of block 0
+  void add(const ReconError& o);  // pools another measurement (sums add, ratios follow)
 };
 // per_token, when given, receives block 0's measurement token by token
 // ([n_tokens]; zero for raw tokens), to pool by position.

@@ -31,6 +31,12 @@ constexpr const char* kLlamaCppCommit = "4df29be4f";
 
 void set_llama_verbose(bool on);
 
+// The model and corpus this build's programs default to: $KVTC_MODEL and
+// $KVTC_CORPUS when set, else the SmolLM2 GGUF and the corpus the
+// bootstrap put under .deps/ of the build's source tree.
+std::string default_model_path();
+std::string default_corpus_dir();
+
 struct ModelInfo {
   std::string path;
   std::string arch;  // general.architecture

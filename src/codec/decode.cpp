@@ -124,7 +124,7 @@ ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint
     for (uint32_t t = 0; t < n; ++t) {
       if (t < sink || t + window >= n) continue;
       pt[t].tokens = b == 0 ? 1 : 0;  // count block 0's tokens
-      pt[t].add(ReconError{});         // its own ratios
+      pt[t].add(ReconError{});        // its own ratios
       r.add(pt[t]);
     }
     if (b == 0 && per_token) *per_token = std::move(pt);

@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include "core/scalar.h"
+#include "elem.cuh"
 #include "quant.cuh"
 
 namespace kvtc::cuda {
@@ -85,21 +86,6 @@ __global__ void quant_codes_kernel(const float* __restrict__ dt, size_t ld, cons
 }
 
 template <typename T>
-__device__ __forceinline__ void put(T* p, float v);
-template <>
-__device__ __forceinline__ void put<float>(float* p, float v) {
-  *p = v;
-}
-template <>
-__device__ __forceinline__ void put<__nv_bfloat16>(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ void put<__half>(__half* p, float v) {
-  *p = __float2half_rn(v);
-}
-
-template <typename T>
 __global__ void unpack_kernel(const uint8_t* __restrict__ base, const QSeg* __restrict__ segs, const QTile* __restrict__ tiles, T* __restrict__ dt,
                               size_t ld) {
   const QTile tile = tiles[blockIdx.x];
@@ -121,7 +107,7 @@ __global__ void unpack_kernel(const uint8_t* __restrict__ base, const QSeg* __re
       else
         v = __fadd_rn(f16_to_f32(plane16(planes, n, 0, t)), __fmul_rn(float(code), f16_to_f32(plane16(planes, n, 1, t))));
     }
-    put<T>(dt + size_t(sg.comp0 + i) * ld + sg.row0 + t, v);
+    store_elem<T>(dt + size_t(sg.comp0 + i) * ld + sg.row0 + t, v);
   }
 }
 

@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include "core/scalar.h"
+#include "elem.cuh"
 #include "rope_gather.cuh"
 
 namespace kvtc::cuda {
@@ -47,21 +48,6 @@ __device__ __forceinline__ float rotate(uint32_t d, int layout, uint32_t half, c
   return __double2float_rn(y);
 }
 
-template <typename T>
-__device__ __forceinline__ void store(T* p, float v);
-template <>
-__device__ __forceinline__ void store<float>(float* p, float v) {
-  *p = v;
-}
-template <>
-__device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ void store<__half>(__half* p, float v) {
-  *p = __float2half_rn(v);
-}
-
 // One thread per (layer-head, row, dim); reads are coalesced along the
 // cache (token-major per head), writes along a head's dims of a row.
 // Idx: uint32_t when the job has < 2^32 elements (cheaper index math), else size_t.
@@ -85,7 +71,7 @@ __global__ void gather_kernel(const uint16_t* __restrict__ cache, uint32_t lh, u
       v = f16_to_f32(src[d]);
     const size_t f = size_t(h) * D + d;
     if (mu) v = __fsub_rn(v, mu[f]);
-    store<T>(out + size_t(row) * p + f, v);
+    store_elem<T>(out + size_t(row) * p + f, v);
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -154,6 +155,16 @@ void read_gguf_info(const std::string& path, ModelInfo& mi, uint32_t* swa_period
 }
 
 }  // namespace
+
+std::string default_model_path() {
+  const char* e = std::getenv("KVTC_MODEL");
+  return e && *e ? e : KVTC_DEFAULT_MODEL;
+}
+
+std::string default_corpus_dir() {
+  const char* e = std::getenv("KVTC_CORPUS");
+  return e && *e ? e : KVTC_DEFAULT_CORPUS;
+}
 
 void set_llama_verbose(bool on) {
   std::lock_guard<std::mutex> lk(g_log_mu);

@@ -5,17 +5,14 @@
 // llama.cpp integration.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <chrono>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "cli.h"
 #include "kvtc/llama.h"
 
 namespace kvtc::cli {
-
-using Action = std::function<int()>;
 
 // The text of a token sequence: the pieces of each token, concatenated.
 inline std::string text_of(const Model& m, const std::vector<int32_t>& tokens) {
@@ -24,10 +21,12 @@ inline std::string text_of(const Model& m, const std::vector<int32_t>& tokens) {
   return s;
 }
 
-// Default model: $KVTC_MODEL, else the SmolLM2 GGUF the bootstrap extracted.
-std::string default_model();
-// Default corpus root: $KVTC_CORPUS, else the one `make corpus` built.
-std::string default_corpus();
+inline std::string default_model() {
+  return default_model_path();
+}
+inline std::string default_corpus() {
+  return default_corpus_dir();
+}
 
 Action add_capture(CLI::App& app);
 Action add_restore(CLI::App& app);

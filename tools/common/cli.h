@@ -1,0 +1,52 @@
+// The command-line shell `kvtc` and `kvtc-lab` share: subcommands that
+// register their options on a CLI11 app and return the action to run, the
+// -v/--verbose and --version flags, and errors printed as "PROG: error: ..."
+// with exit status 1 (parse errors: CLI11's own exit codes). The build's
+// default model and corpus come from kvtc_llama (kvtc::default_model_path,
+// default_corpus_dir).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kvtc/codec.h"
+#include "kvtc/llama.h"
+
+namespace kvtc::cli {
+
+using Action = std::function<int()>;
+using Subcommand = Action (*)(CLI::App&);
+
+inline int run(const std::string& prog, const std::string& description, const std::vector<Subcommand>& subcommands, int argc, char** argv) {
+  CLI::App app{description};
+  app.require_subcommand(1);
+  bool verbose = false;
+  app.add_flag("-v,--verbose", verbose, "Show llama.cpp's log");
+  app.set_version_flag("--version", prog + " " + library_info().version + " (llama.cpp " + kLlamaCppCommit + ")");
+  std::map<CLI::App*, Action> actions;
+  for (Subcommand add : subcommands) {
+    const size_t before = app.get_subcommands({}).size();
+    Action a = add(app);
+    actions[app.get_subcommands({})[before]] = a;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  set_llama_verbose(verbose);
+  try {
+    for (auto& [sub, act] : actions)
+      if (sub->parsed()) return act();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", prog.c_str(), e.what());
+    return 1;
+  }
+  return 1;
+}
+
+}  // namespace kvtc::cli

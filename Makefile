@@ -3,6 +3,8 @@
 #                 llama.cpp static libraries) + build       -> .deps/, build/
 #   make corpus   the text corpus from Debian packages       -> .deps/corpus/
 #   make test     all of the above, then the test suite (ctest)
+#   make install  the library for find_package(kvtc): libkvtc.a, the public
+#                 headers, the CMake package                -> $(PREFIX)
 #   make demo     capture a real session and restore it       -> out/demo/
 #   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
@@ -16,7 +18,9 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
-.PHONY: all bootstrap build corpus test demo check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
+PREFIX ?= /usr/local
+
+.PHONY: all bootstrap build corpus test install demo check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -34,6 +38,9 @@ corpus: build $(CORPUS)
 
 test: build $(CORPUS)
 	cd $(BUILD) && ctest --output-on-failure -j1
+
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 demo: build $(CORPUS)
 	@scripts/demo.sh $(BUILD)/kvtc

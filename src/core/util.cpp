@@ -100,7 +100,12 @@ void write_file_atomic(const std::string& path, std::span<const uint8_t> data) {
   require(!fs::is_directory(target, ec), path + ": is a directory, expected a file path to write");
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
-  std::string tmpl = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
+  // Appended piece by piece: GCC 12 warns falsely (-Wrestrict, its bug
+  // 105329) on "." + std::string.
+  std::string base = ".";
+  base += target.filename().string();
+  base += ".tmp-XXXXXX";
+  const std::string tmpl = (dir / base).string();
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
   int fd = ::mkstemp(name.data());

@@ -17,6 +17,7 @@
 #include "core/state_blob.h"
 #include "fuzz/fuzz_common.h"
 #include "kvtc/kvtc.h"
+#include "synthetic.h"
 
 using namespace kvtc;
 namespace fs = std::filesystem;
@@ -25,74 +26,6 @@ namespace {
 
 fs::path temp_path(const std::string& name) {
   return fs::temp_directory_path() / ("kvtc-test-api-" + std::to_string(::getpid()) + "-" + name);
-}
-
-// 2 layers x 2 KV heads x 16 dims (p = 64), NEOX RoPE with factors, whose
-// de-RoPEd keys and values lie near a rank-6 subspace (plus 1% noise).
-CacheGeometry lowrank_geometry() {
-  CacheGeometry g;
-  g.model_sha256 = "synthetic-lowrank";
-  BlockGeometry b;
-  b.layers = {0, 1};
-  b.n_head_kv = 2;
-  b.head_dim = 16;
-  b.rope.layout = RopeLayout::kNeox;
-  b.rope.n_rot = 16;
-  b.rope.freq_base = 10000.0f;
-  for (uint32_t i = 0; i < 8; ++i) b.rope.freq_factors.push_back(1.0f + 0.5f * float(i));
-  g.blocks.push_back(b);
-  return g;
-}
-
-KvCapture lowrank_capture(uint32_t n, uint32_t seed, int32_t pos0 = 0) {
-  const CacheGeometry g = lowrank_geometry();
-  KvCapture c;
-  c.model_sha256 = g.model_sha256;
-  KvBlock b;
-  static_cast<BlockGeometry&>(b) = g.blocks[0];
-  for (uint32_t t = 0; t < n; ++t) b.pos.push_back(pos0 + int32_t(t));
-  b.k.assign(b.numel(), 0);
-  b.v.assign(b.numel(), 0);
-  const uint32_t p = b.features(), rank = 6;
-  std::mt19937 dirs(99);  // the same subspace for every capture
-  std::normal_distribution<float> g01(0.0f, 1.0f);
-  std::vector<float> dir(size_t(2) * rank * p);
-  for (float& x : dir) x = g01(dirs);
-  std::mt19937 rng(seed);
-  for (int kv = 0; kv < 2; ++kv) {
-    std::vector<float> rows(size_t(n) * p);
-    for (uint32_t t = 0; t < n; ++t) {
-      float z[rank];
-      for (uint32_t j = 0; j < rank; ++j) z[j] = g01(rng) * 2.0f / float(j + 1);
-      for (uint32_t f = 0; f < p; ++f) {
-        float x = 0.01f * g01(rng) + (kv ? 0.3f : -0.2f);
-        for (uint32_t j = 0; j < rank; ++j) x += z[j] * dir[(size_t(kv) * rank + j) * p + f] * 0.3f;
-        rows[size_t(t) * p + f] = x;
-      }
-    }
-    set_feature_rows(b, kv == 0, /*rerope=*/true, 0, n, std::move(rows));
-  }
-  c.blocks.push_back(std::move(b));
-  for (uint32_t t = 0; t < n; ++t) c.tokens.push_back(int32_t(100 + t));
-  return c;
-}
-
-Calibration fitted() {
-  FitOptions o;
-  o.ratios = {4, 8};
-  std::vector<KvCapture> fit, held;
-  for (uint32_t i = 0; i < 3; ++i) fit.push_back(lowrank_capture(300, 10 + i));
-  held.push_back(lowrank_capture(200, 50));
-  return fit_calibration(fit, held, o);
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

@@ -15,7 +15,7 @@ from kvtc_testlib import SMOL, eval_doc, run
 CMAKE = os.environ["CMAKE_COMMAND"]
 BUILD = os.environ["KVTC_BUILD_DIR"]
 SOURCE = os.environ["KVTC_SOURCE_DIR"]
-PUBLIC = ["cache.h", "calibration.h", "codec.h", "error.h", "files.h", "kvtc.h"]
+PUBLIC = ["cache.h", "calibration.h", "codec.h", "error.h", "files.h", "kvtc.h", "store.h"]
 
 
 def sh(*args):

@@ -12,6 +12,8 @@
 //   kvtc/codec.h        compress, decompress, append, inspect (CPU), on
 //                       captures and on state blobs; statistics
 //   kvtc/files.h        atomic file writes, the model fingerprint
+//   kvtc/store.h        PromptStore: compressed prompt caches in RAM and
+//                       on disk, shared prefix chunks, llama-server's rules
 //
 // Beside it, two optional libraries with their own headers (not included
 // here, as they pull in more than the codec needs):
@@ -25,3 +27,4 @@
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
 #include "kvtc/files.h"
+#include "kvtc/store.h"

@@ -1,0 +1,116 @@
+// kvtc: a prompt store — the KV caches of idle prompts kept compressed, in
+// RAM and on disk, for a server to restore the longest matching one before
+// the next turn (docs/store.md). What kvtc-server's prompt cache is made of.
+//
+// A prompt's cache is kept as fixed-size *chunks* of chunk_tokens tokens
+// (each its own .kvtc container, keyed by a chained hash of the tokens
+// before and in it, salted with the model, calibration and settings) plus
+// a per-prompt *tail*: the last tokens, whose most recent `window` stay raw
+// (docs/method.md §6). Chunks are shared: twenty chats that open with the
+// same long system prompt store its chunks once. Prompts must sit at
+// positions 0..n-1 of a single-block cache (not iSWA models, for now).
+//
+// The lookup follows llama-server's prompt cache: an entry is a candidate
+// when its longest common prefix with the new prompt keeps at least 25% of
+// it, and wins when it beats the slot's own prompt on both the kept share
+// and the similarity to the new prompt; entries contained in a newer
+// prompt are dropped; the least recently used go first when over budget.
+//
+// Saving never blocks the caller: put() queues the raw state and a worker
+// thread compresses it. Restoring decodes only the chunks the match needs.
+// A disk tier survives restarts; a file that fails its checksum is dropped
+// (a miss, never an error); a directory that cannot be written disables the
+// tier (reported in stats()), and the store keeps serving from RAM.
+// Thread safety: every member function may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtc/cache.h"
+#include "kvtc/calibration.h"
+#include "kvtc/codec.h"
+
+namespace kvtc {
+
+struct StoreOptions {
+  double ratio = 16;            // nominal ratio of the coded tokens
+  uint32_t chunk_tokens = 256;  // tokens per shared chunk (multiple of 16)
+  uint32_t sink = 4;            // raw tokens at the start (in the first chunk)
+  uint32_t window = 128;        // raw tokens at the end (in the tail)
+  int deflate_level = 6;
+  Precision precision = Precision::kAuto;
+  uint64_t ram_bytes = 0;                   // the RAM tier's budget of stored bytes; 0: no limit
+  std::string disk_dir;                     // the disk tier's directory (created); empty: no disk tier
+  uint64_t disk_bytes = 0;                  // the disk tier's budget of file bytes; 0: no limit
+  bool async = true;                        // compress puts on a worker thread (false: in put itself)
+  uint64_t max_pending_bytes = 1ull << 30;  // raw state queued for the worker at most; a put past it is skipped
+  int threads = 0;                          // codec threads (0: all)
+  // Where the store says what happened (a disk tier disabled, a corrupt
+  // file dropped, a put skipped); called from the store's threads.
+  std::function<void(const std::string&)> log;
+};
+
+struct StoreStats {
+  uint64_t entries = 0, chunks = 0, ram_bytes = 0;  // the RAM tier
+  uint64_t disk_entries = 0, disk_chunks = 0, disk_bytes = 0;
+  bool disk_enabled = false;                       // false when there is none or it was disabled by an error
+  std::string disk_error;                          // why it was disabled
+  uint64_t puts = 0;                               // puts stored
+  uint64_t puts_contained = 0;                     // puts not needed: a stored or queued prompt holds all their tokens
+  uint64_t puts_skipped = 0;                       // puts refused (queue full) or failed (bad cache; logged)
+  uint64_t pending = 0, pending_bytes = 0;         // puts queued for the worker, and their raw bytes
+  uint64_t chunks_written = 0, chunks_shared = 0;  // chunks coded, and chunks a put found stored already
+  uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, misses = 0;
+  uint64_t tokens_restored = 0;
+  uint64_t corrupt_dropped = 0;  // files or entries refused by checksum or content, dropped
+  double save_ms = 0;            // worker time coding puts, in all
+  double restore_ms = 0;         // caller time decoding takes, in all
+};
+
+class PromptStore {
+ public:
+  // The calibration must be of the geometry's model; a single-block cache.
+  // Opens (and scans) the disk tier when there is one. Error on bad options.
+  PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt = {});
+  ~PromptStore();  // finishes the queued puts first
+  PromptStore(const PromptStore&) = delete;
+  PromptStore& operator=(const PromptStore&) = delete;
+
+  // Whether saving `tokens` would add anything: false when an entry already
+  // holds all of them (llama-server's alloc() skips such a save).
+  bool wants(std::span<const int32_t> tokens) const;
+  // Stores the cache of `tokens` (positions 0..n-1): a llama.cpp state blob
+  // of one sequence (put_state) or a capture. Returns at once when async.
+  void put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob);
+  void put(std::vector<int32_t> tokens, KvCapture cache);
+
+  // The best stored prompt for `tokens` when the slot holds `current`
+  // (llama-server's load() rules), decoded: its first n tokens (n at least
+  // the common prefix with `tokens`, rounded up to a chunk) and their cache.
+  struct Match {
+    std::vector<int32_t> tokens;
+    KvCapture cache;
+    uint32_t common_prefix = 0;  // with the new prompt
+    const char* tier = "";       // "ram", "pending" or "disk"
+  };
+  std::optional<Match> take(std::span<const int32_t> current, std::span<const int32_t> tokens);
+
+  void flush();  // waits until every queued put is stored
+  // SHA-256 (hex) of the scheme, model, calibration and settings: the root
+  // of every key; its first 16 digits name the store's directory.
+  const std::string& fingerprint() const;
+  StoreStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtc

@@ -1,0 +1,108 @@
+// Synthetic caches for the tests that are about the algorithm and the
+// formats, not a model (test_api.cpp, test_store.cpp): a small geometry
+// whose de-RoPEd keys and values lie near a rank-6 subspace, and a
+// calibration fitted to it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtc/kvtc.h"
+
+namespace kvtc {
+
+// 2 layers x 2 KV heads x 16 dims (p = 64), NEOX RoPE with factors.
+inline CacheGeometry lowrank_geometry() {
+  CacheGeometry g;
+  g.model_sha256 = "synthetic-lowrank";
+  BlockGeometry b;
+  b.layers = {0, 1};
+  b.n_head_kv = 2;
+  b.head_dim = 16;
+  b.rope.layout = RopeLayout::kNeox;
+  b.rope.n_rot = 16;
+  b.rope.freq_base = 10000.0f;
+  for (uint32_t i = 0; i < 8; ++i) b.rope.freq_factors.push_back(1.0f + 0.5f * float(i));
+  g.blocks.push_back(b);
+  return g;
+}
+
+// n tokens at positions pos0.. whose rows near the rank-6 subspace (plus 1%
+// noise) are drawn from rng_of(t) for token t: one generator for the whole
+// capture, or one per token.
+inline KvCapture lowrank_capture_with(uint32_t n, int32_t pos0, const std::function<std::mt19937&(uint32_t t, int kv)>& rng_of) {
+  const CacheGeometry g = lowrank_geometry();
+  KvCapture c;
+  c.model_sha256 = g.model_sha256;
+  KvBlock b;
+  static_cast<BlockGeometry&>(b) = g.blocks[0];
+  for (uint32_t t = 0; t < n; ++t) b.pos.push_back(pos0 + int32_t(t));
+  b.k.assign(b.numel(), 0);
+  b.v.assign(b.numel(), 0);
+  const uint32_t p = b.features(), rank = 6;
+  std::mt19937 dirs(99);  // the same subspace for every capture
+  std::normal_distribution<float> g01(0.0f, 1.0f);
+  std::vector<float> dir(size_t(2) * rank * p);
+  for (float& x : dir) x = g01(dirs);
+  for (int kv = 0; kv < 2; ++kv) {
+    std::vector<float> rows(size_t(n) * p);
+    for (uint32_t t = 0; t < n; ++t) {
+      std::mt19937& rng = rng_of(t, kv);
+      float z[rank];
+      for (uint32_t j = 0; j < rank; ++j) z[j] = g01(rng) * 2.0f / float(j + 1);
+      for (uint32_t f = 0; f < p; ++f) {
+        float x = 0.01f * g01(rng) + (kv ? 0.3f : -0.2f);
+        for (uint32_t j = 0; j < rank; ++j) x += z[j] * dir[(size_t(kv) * rank + j) * p + f] * 0.3f;
+        rows[size_t(t) * p + f] = x;
+      }
+    }
+    set_feature_rows(b, kv == 0, /*rerope=*/true, 0, n, std::move(rows));
+  }
+  c.blocks.push_back(std::move(b));
+  return c;
+}
+
+// One generator (seed) for the whole capture; tokens 100, 101, ...
+inline KvCapture lowrank_capture(uint32_t n, uint32_t seed, int32_t pos0 = 0) {
+  std::mt19937 rng(seed);
+  KvCapture c = lowrank_capture_with(n, pos0, [&](uint32_t, int) -> std::mt19937& { return rng; });
+  for (uint32_t t = 0; t < n; ++t) c.tokens.push_back(int32_t(100 + t));
+  return c;
+}
+
+// The cache a causal "model" would keep for a prompt: token t's rows depend
+// on its id and position only, so prompts that share a prefix share its
+// cache exactly (as they do in a real model, up to arithmetic).
+inline KvCapture prompt_capture(std::span<const int32_t> tokens) {
+  std::mt19937 rng;
+  KvCapture c = lowrank_capture_with(uint32_t(tokens.size()), 0, [&](uint32_t t, int kv) -> std::mt19937& {
+    rng.seed(uint32_t(tokens[t]) * 2654435761u + t * 40503u + uint32_t(kv) * 977u);
+    return rng;
+  });
+  c.tokens.assign(tokens.begin(), tokens.end());
+  return c;
+}
+
+inline Calibration fitted() {
+  FitOptions o;
+  o.ratios = {4, 8};
+  std::vector<KvCapture> fit, held;
+  for (uint32_t i = 0; i < 3; ++i) fit.push_back(lowrank_capture(300, 10 + i));
+  held.push_back(lowrank_capture(200, 50));
+  return fit_calibration(fit, held, o);
+}
+
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace kvtc

@@ -1,0 +1,509 @@
+// The prompt store (include/kvtc/store.h) on synthetic caches — synthetic on
+// purpose: these test the store's rules, keys, tiers and faults, not a
+// model (tests/test_server.py runs it inside llama-server on a real one).
+// The synthetic "model" gives every token a cache that depends on its id
+// and position only (tests/synthetic.h), so prompts with a common prefix
+// share its cache exactly, as the chunk keys assume.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include "kvtc/kvtc.h"
+#include "synthetic.h"
+
+using namespace kvtc;
+namespace fs = std::filesystem;
+
+namespace {
+
+const Calibration& cal() {
+  static const Calibration c = fitted();
+  return c;
+}
+
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& name) : path(fs::temp_directory_path() / ("kvtc-test-store-" + std::to_string(::getpid()) + "-" + name)) {
+    fs::remove_all(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// Small pieces so that short prompts span several chunks: 64-token chunks,
+// a 4-token sink, a 32-token window, ratio 8, f32 arithmetic (exact
+// comparisons with the codec).
+StoreOptions small(bool async = false) {
+  StoreOptions o;
+  o.ratio = 8;
+  o.chunk_tokens = 64;
+  o.sink = 4;
+  o.window = 32;
+  o.precision = Precision::kF32;
+  o.async = async;
+  o.threads = 2;
+  return o;
+}
+
+std::vector<int32_t> seq(int32_t first, size_t n) {
+  std::vector<int32_t> v(n);
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// What the codec gives for the whole prompt in one container with the
+// store's sink and window: the store must restore exactly this, as the
+// codes are per token and chunking changes nothing.
+KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions& o) {
+  CompressOptions c;
+  c.sink = o.sink;
+  c.window = o.window;
+  c.precision = o.precision;
+  const std::vector<uint8_t> bytes = compress(prompt_capture(tokens), cal(), allocation_set(cal(), o.ratio), c);
+  DecompressOptions d;
+  d.precision = o.precision;
+  return decompress(bytes, cal(), "whole", d);
+}
+
+void expect_prefix_of(const KvCapture& got, const KvCapture& full, uint32_t n) {
+  ASSERT_EQ(got.blocks.size(), 1u);
+  const KvBlock& a = got.blocks[0];
+  const KvBlock& b = full.blocks[0];
+  ASSERT_EQ(a.n_tokens(), n);
+  ASSERT_GE(b.n_tokens(), n);
+  for (uint32_t t = 0; t < n; ++t) ASSERT_EQ(a.pos[t], b.pos[t]);
+  for (uint32_t l = 0; l < a.n_layer(); ++l)
+    for (uint32_t h = 0; h < a.n_head_kv; ++h)
+      for (uint32_t t = 0; t < n; ++t)
+        for (uint32_t d = 0; d < a.head_dim; ++d) {
+          ASSERT_EQ(a.k[a.index(l, h, t, d)], b.k[b.index(l, h, t, d)]) << "k l" << l << " h" << h << " t" << t << " d" << d;
+          ASSERT_EQ(a.v[a.index(l, h, t, d)], b.v[b.index(l, h, t, d)]) << "v l" << l << " h" << h << " t" << t << " d" << d;
+        }
+}
+
+void flip_byte(const fs::path& p, size_t at) {
+  std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(std::streamoff(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = char(c ^ 0x5a);
+  f.seekp(std::streamoff(at));
+  f.write(&c, 1);
+}
+
+std::vector<fs::path> files_in(const fs::path& dir, const std::string& ext) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& d : fs::recursive_directory_iterator(dir, ec))
+    if (d.path().extension() == ext) out.push_back(d.path());
+  return out;
+}
+
+}  // namespace
+
+TEST(Store, RestoresWhatTheCodecRestoresForTheWholePrompt) {
+  const StoreOptions o = small();
+  PromptStore s(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300);  // 4 chunks (256 tokens) + a tail of 44 (12 coded, 32 raw)
+  s.put(p, prompt_capture(p));
+  const KvCapture ref = whole_roundtrip(p, o);
+
+  // The same prompt again plus a question: all 300 tokens come back.
+  auto m = s.take({}, cat(p, seq(5, 20)));
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "ram");
+  EXPECT_EQ(m->common_prefix, 300u);
+  EXPECT_EQ(m->tokens, p);
+  expect_prefix_of(m->cache, ref, 300);
+
+  // A prompt that leaves it after 130 tokens (43% of it): exactly those.
+  m = s.take({}, cat(seq(1000, 130), seq(7, 100)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 130u);
+  expect_prefix_of(m->cache, ref, 130);
+
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.puts, 1u);
+  EXPECT_EQ(st.entries, 1u);
+  EXPECT_EQ(st.chunks, 4u);
+  EXPECT_EQ(st.hits_ram, 2u);
+  EXPECT_EQ(st.tokens_restored, 430u);
+  EXPECT_GT(st.ram_bytes, 0u);
+  EXPECT_LT(st.ram_bytes, prompt_capture(p).f16_bytes() / 2);  // compressed (ratio 8 on the coded tokens)
+}
+
+TEST(Store, ShortPromptsAndTailsOnly) {
+  const StoreOptions o = small();
+  PromptStore s(cal(), lowrank_geometry(), o);
+  for (size_t n : {1u, 4u, 20u, 36u, 95u, 96u, 97u}) {  // sink only, window only, a chunk's edge
+    const auto p = seq(int32_t(20000 + 1000 * n), n);
+    s.put(p, prompt_capture(p));
+    auto m = s.take({}, p);
+    ASSERT_TRUE(m) << n;
+    expect_prefix_of(m->cache, whole_roundtrip(p, o), uint32_t(n));
+  }
+}
+
+TEST(Store, FollowsLlamaServersSelectionRules) {
+  PromptStore s(cal(), lowrank_geometry(), small());
+  const auto a = seq(1000, 200);
+  s.put(a, prompt_capture(a));
+  // Keeps less than 25% of the entry: not a candidate.
+  EXPECT_FALSE(s.take({}, cat(seq(1000, 40), seq(9, 10))));
+  // The slot's own prompt keeps as much and is as similar: no better.
+  EXPECT_FALSE(s.take(seq(1000, 150), cat(seq(1000, 150), seq(9, 10))));
+  // The slot holds something else: the entry wins.
+  auto m = s.take(seq(50, 100), cat(seq(1000, 150), seq(9, 10)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 150u);
+  // Entries are not consumed by a take (the store outlives the slot).
+  EXPECT_TRUE(s.take({}, a));
+  EXPECT_EQ(s.stats().misses, 2u);
+}
+
+TEST(Store, SharedPrefixesAreStoredOnce) {
+  // Ten chats with the same 256-token system prompt (4 chunks) and their
+  // own 100 tokens: 4 shared chunks + 1 own chunk each + 10 tails.
+  PromptStore s(cal(), lowrank_geometry(), small());
+  const auto sys = seq(1000, 256);
+  uint64_t one_entry = 0;
+  for (int i = 0; i < 10; ++i) {
+    const auto p = cat(sys, seq(100000 * (i + 1), 100));
+    s.put(p, prompt_capture(p));
+    if (i == 0) one_entry = s.stats().ram_bytes;
+  }
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.entries, 10u);
+  EXPECT_EQ(st.chunks, 14u);
+  EXPECT_EQ(st.chunks_written, 14u);
+  EXPECT_EQ(st.chunks_shared, 36u);
+  EXPECT_LT(st.ram_bytes, 10 * one_entry * 6 / 10);  // well under ten copies
+  // Every chat still restores its own prompt.
+  for (int i = 0; i < 10; ++i) {
+    const auto p = cat(sys, seq(100000 * (i + 1), 100));
+    auto m = s.take({}, p);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->common_prefix, 356u);
+    expect_prefix_of(m->cache, whole_roundtrip(p, small()), 356);
+  }
+}
+
+TEST(Store, ContainedPromptsAreDroppedAndNotStoredTwice) {
+  PromptStore s(cal(), lowrank_geometry(), small());
+  const auto t1 = seq(1000, 150), t2 = cat(t1, seq(5000, 100));
+  s.put(t1, prompt_capture(t1));
+  EXPECT_FALSE(s.wants(seq(1000, 100)));  // held by t1
+  EXPECT_TRUE(s.wants(t2));
+  s.put(t2, prompt_capture(t2));  // turn 2 contains turn 1: turn 1 goes
+  StoreStats st = s.stats();
+  EXPECT_EQ(st.entries, 1u);
+  s.put(t1, prompt_capture(t1));  // already inside t2
+  st = s.stats();
+  EXPECT_EQ(st.entries, 1u);
+  EXPECT_EQ(st.puts, 2u);
+  EXPECT_EQ(st.puts_contained, 1u);
+}
+
+TEST(Store, RamBudgetEvictsTheLeastRecentlyUsed) {
+  StoreOptions o = small();
+  PromptStore probe(cal(), lowrank_geometry(), o);
+  const auto p0 = seq(1 << 20, 300);
+  probe.put(p0, prompt_capture(p0));
+  const uint64_t one = probe.stats().ram_bytes;
+  o.ram_bytes = one * 3 + one / 2;  // room for three
+  PromptStore s(cal(), lowrank_geometry(), o);
+  std::vector<std::vector<int32_t>> ps;
+  for (int i = 0; i < 5; ++i) ps.push_back(seq((i + 1) << 20, 300));
+  for (int i = 0; i < 3; ++i) s.put(ps[i], prompt_capture(ps[i]));
+  ASSERT_TRUE(s.take({}, ps[0]));  // ps[0] is now the most recently used
+  for (int i = 3; i < 5; ++i) s.put(ps[i], prompt_capture(ps[i]));
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.entries, 3u);
+  EXPECT_LE(st.ram_bytes, o.ram_bytes);
+  EXPECT_TRUE(s.take({}, ps[0]));
+  EXPECT_FALSE(s.take({}, ps[1]));
+  EXPECT_FALSE(s.take({}, ps[2]));
+  EXPECT_TRUE(s.take({}, ps[4]));
+  // An entry bigger than the whole budget is not kept (and evicts nothing).
+  o.ram_bytes = one / 2;
+  PromptStore tiny(cal(), lowrank_geometry(), o);
+  tiny.put(ps[0], prompt_capture(ps[0]));
+  EXPECT_EQ(tiny.stats().entries, 0u);
+}
+
+TEST(Store, DiskTierSurvivesARestart) {
+  TempDir dir("restart");
+  StoreOptions o = small(/*async=*/true);
+  o.disk_dir = dir.path.string();
+  const auto sys = seq(1000, 256);
+  const auto a = cat(sys, seq(7000, 100)), b = cat(sys, seq(8000, 120));
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(a, prompt_capture(a));
+    s.put(b, prompt_capture(b));
+    s.flush();
+    const StoreStats st = s.stats();
+    EXPECT_TRUE(st.disk_enabled) << st.disk_error;
+    EXPECT_EQ(st.disk_entries, 2u);
+    EXPECT_EQ(st.disk_chunks, 4u + 1u + 1u);  // the 4 shared, one own each
+    EXPECT_EQ(files_in(dir.path, ".kvtc").size(), 6u);
+    EXPECT_EQ(files_in(dir.path, ".kvse").size(), 2u);
+  }
+  PromptStore s(cal(), lowrank_geometry(), o);
+  StoreStats st = s.stats();
+  EXPECT_EQ(st.entries, 0u);  // RAM starts empty
+  EXPECT_EQ(st.disk_entries, 2u);
+  auto m = s.take({}, cat(b, seq(3, 5)));
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "disk");
+  expect_prefix_of(m->cache, whole_roundtrip(b, o), uint32_t(b.size()));
+  m = s.take({}, b);  // promoted to RAM by the first take
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "ram");
+  st = s.stats();
+  EXPECT_EQ(st.hits_disk, 1u);
+  EXPECT_EQ(st.hits_ram, 1u);
+}
+
+TEST(Store, DiskBudgetIsEnforced) {
+  TempDir dir("budget");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  uint64_t one = 0;
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    const auto p = seq(1 << 22, 300);
+    s.put(p, prompt_capture(p));
+    one = s.stats().disk_bytes;
+  }
+  fs::remove_all(dir.path);
+  o.disk_bytes = one * 2 + one / 2;
+  PromptStore s(cal(), lowrank_geometry(), o);
+  for (int i = 0; i < 6; ++i) {
+    const auto p = seq((i + 1) << 22, 300);
+    s.put(p, prompt_capture(p));
+  }
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.disk_entries, 2u);
+  EXPECT_LE(st.disk_bytes, o.disk_bytes);
+  uint64_t on_disk = 0;
+  for (const auto& f : files_in(dir.path, ".kvtc")) on_disk += fs::file_size(f);
+  for (const auto& f : files_in(dir.path, ".kvse")) on_disk += fs::file_size(f);
+  EXPECT_EQ(on_disk, st.disk_bytes);
+}
+
+TEST(Store, DamagedFilesAreDroppedNeverServed) {
+  TempDir dir("damage");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const auto a = seq(1000, 300), b = seq(90000, 300), c = seq(50000, 300);
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    for (const auto& p : {a, b, c}) s.put(p, prompt_capture(p));
+  }
+  std::vector<std::string> logs;
+  o.log = [&](const std::string& s) { logs.push_back(s); };
+  // Entry file of a: a flipped byte; entry file of b: truncated.
+  const auto entries = files_in(dir.path, ".kvse");
+  ASSERT_EQ(entries.size(), 3u);
+  // Files are named by key; damage two of the three, whichever they are.
+  flip_byte(entries[0], fs::file_size(entries[0]) - 10);
+  fs::resize_file(entries[1], fs::file_size(entries[1]) / 2);
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    const StoreStats st = s.stats();
+    EXPECT_EQ(st.disk_entries, 1u);
+    EXPECT_EQ(st.corrupt_dropped, 2u);
+    int served = 0;
+    for (const auto& p : {a, b, c}) {
+      auto m = s.take({}, p);
+      if (!m) continue;
+      ++served;
+      expect_prefix_of(m->cache, whole_roundtrip(p, o), 300);
+    }
+    EXPECT_EQ(served, 1);
+  }
+  EXPECT_EQ(files_in(dir.path, ".kvse").size(), 1u);
+  bool named = false;
+  for (const auto& l : logs) named = named || (l.find(".kvse") != std::string::npos && l.find("checksum") != std::string::npos);
+  EXPECT_TRUE(named) << "the log names the file and the check";
+
+  // A damaged chunk file: found when a take decodes it; a miss, dropped.
+  for (const auto& f : files_in(dir.path, ".kvtc")) flip_byte(f, fs::file_size(f) / 2);
+  PromptStore s(cal(), lowrank_geometry(), o);
+  ASSERT_EQ(s.stats().disk_entries, 1u);
+  int served = 0;
+  for (const auto& p : {a, b, c}) served += bool(s.take({}, p));
+  EXPECT_EQ(served, 0);
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.disk_entries, 0u);
+  EXPECT_EQ(st.corrupt_dropped, 1u);
+  EXPECT_EQ(files_in(dir.path, ".kvse").size(), 0u);
+}
+
+TEST(Store, AnUnwritableDiskLeavesTheRamTierServing) {
+  // The directory cannot be created (a file is in the way): disabled at start.
+  TempDir dir("unwritable");
+  fs::create_directories(dir.path);
+  std::ofstream(dir.path / "file") << "x";
+  StoreOptions o = small();
+  o.disk_dir = (dir.path / "file").string();
+  std::vector<std::string> logs;
+  o.log = [&](const std::string& s) { logs.push_back(s); };
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    StoreStats st = s.stats();
+    EXPECT_FALSE(st.disk_enabled);
+    EXPECT_NE(st.disk_error.find("file"), std::string::npos) << st.disk_error;
+    const auto p = seq(1000, 300);
+    s.put(p, prompt_capture(p));
+    EXPECT_TRUE(s.take({}, p));
+    EXPECT_FALSE(logs.empty());
+  }
+  // Writes fail mid-way (RLIMIT_FSIZE: the kernel refuses bytes past the
+  // limit with EFBIG, as a full disk refuses them with ENOSPC).
+  o.disk_dir = (dir.path / "store").string();
+  PromptStore s(cal(), lowrank_geometry(), o);
+  ASSERT_TRUE(s.stats().disk_enabled);
+  struct rlimit old {};
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  auto old_handler = ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit lim = old;
+  lim.rlim_cur = 4096;
+  ::setrlimit(RLIMIT_FSIZE, &lim);
+  const auto p = seq(1000, 300), q = seq(9000, 300);
+  s.put(p, prompt_capture(p));
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, old_handler);
+  StoreStats st = s.stats();
+  EXPECT_FALSE(st.disk_enabled);
+  EXPECT_NE(st.disk_error.find("write failed"), std::string::npos) << st.disk_error;
+  EXPECT_EQ(st.disk_entries, 0u);
+  EXPECT_EQ(st.entries, 1u);
+  s.put(q, prompt_capture(q));
+  EXPECT_TRUE(s.take({}, p));
+  EXPECT_TRUE(s.take({}, q));
+  // No partial file is left behind.
+  EXPECT_EQ(files_in(dir.path / "store", ".kvse").size(), 0u);
+  EXPECT_EQ(files_in(dir.path / "store", ".kvtc").size(), 0u);
+}
+
+TEST(Store, OneProcessPerDirectory) {
+  TempDir dir("lock");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  PromptStore a(cal(), lowrank_geometry(), o);
+  PromptStore b(cal(), lowrank_geometry(), o);
+  EXPECT_TRUE(a.stats().disk_enabled);
+  EXPECT_FALSE(b.stats().disk_enabled);
+  EXPECT_NE(b.stats().disk_error.find("another process"), std::string::npos) << b.stats().disk_error;
+}
+
+TEST(Store, OtherCalibrationsAndSettingsNeverMix) {
+  TempDir dir("compat");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const auto p = seq(1000, 300);
+  std::string fp;
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(p, prompt_capture(p));
+    fp = s.fingerprint();
+  }
+  FitOptions f;
+  f.ratios = {8};
+  const Calibration other = fit_calibration({lowrank_capture(300, 60), lowrank_capture(300, 61)}, {lowrank_capture(200, 62)}, f);
+  {
+    PromptStore s(other, lowrank_geometry(), o);
+    EXPECT_NE(s.fingerprint(), fp);
+    EXPECT_EQ(s.stats().disk_entries, 0u);
+    EXPECT_FALSE(s.take({}, p));
+  }
+  o.ratio = 4;
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    EXPECT_EQ(s.stats().disk_entries, 0u);
+  }
+  o.ratio = 8;
+  PromptStore s(cal(), lowrank_geometry(), o);
+  EXPECT_EQ(s.fingerprint(), fp);
+  EXPECT_EQ(s.stats().disk_entries, 1u);
+}
+
+TEST(Store, AsyncPutsAreServedWhileQueued) {
+  StoreOptions o = small(/*async=*/true);
+  PromptStore s(cal(), lowrank_geometry(), o);
+  std::vector<std::vector<int32_t>> ps;
+  for (int i = 0; i < 8; ++i) ps.push_back(seq((i + 1) << 20, 600));
+  for (const auto& p : ps) s.put(p, prompt_capture(p));
+  // Whatever the worker has reached: a queued put comes back raw, a stored
+  // one decoded.
+  for (const auto& p : ps) {
+    auto m = s.take({}, p);
+    ASSERT_TRUE(m);
+    const std::string tier = m->tier;
+    EXPECT_TRUE(tier == "pending" || tier == "ram") << tier;
+    expect_prefix_of(m->cache, tier == "pending" ? prompt_capture(p) : whole_roundtrip(p, o), 600);
+  }
+  s.flush();
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.pending, 0u);
+  EXPECT_EQ(st.pending_bytes, 0u);
+  EXPECT_EQ(st.puts, 8u);
+  EXPECT_EQ(st.hits_pending + st.hits_ram, 8u);
+}
+
+TEST(Store, StateBlobsInCapturesOut) {
+  PromptStore s(cal(), lowrank_geometry(), small(true));
+  const auto p = seq(1000, 300);
+  const auto blob = state_from_capture(prompt_capture(p), {});
+  s.put_state(p, blob);
+  s.flush();
+  auto m = s.take({}, p);
+  ASSERT_TRUE(m);
+  expect_prefix_of(m->cache, whole_roundtrip(p, small()), 300);
+  // And back into a blob a llama.cpp context accepts.
+  EXPECT_FALSE(state_from_capture(m->cache, {}).empty());
+}
+
+TEST(Store, BadInputIsRefusedOrSkipped) {
+  // Construction: another model's calibration, an iSWA cache, bad options.
+  CacheGeometry other = lowrank_geometry();
+  other.model_sha256 = "another-model";
+  EXPECT_NE(error_of([&] { PromptStore s(cal(), other, small()); }).find("wrong calibration"), std::string::npos);
+  CacheGeometry iswa = lowrank_geometry();
+  iswa.blocks.push_back(iswa.blocks[0]);
+  iswa.blocks[1].sliding_window = 512;
+  EXPECT_NE(error_of([&] { PromptStore s(cal(), iswa, small()); }).find("single-block"), std::string::npos);
+  StoreOptions bad = small();
+  bad.chunk_tokens = 100;
+  EXPECT_NE(error_of([&] { PromptStore s(cal(), lowrank_geometry(), bad); }).find("chunk_tokens"), std::string::npos);
+
+  // Puts: logged and skipped, never thrown, never stored wrong.
+  std::vector<std::string> logs;
+  StoreOptions o = small();
+  o.log = [&](const std::string& s) { logs.push_back(s); };
+  PromptStore s(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 100);
+  KvCapture shifted = prompt_capture(p);
+  for (auto& x : shifted.blocks[0].pos) x += 7;
+  s.put(p, shifted);                        // positions not 0..n-1
+  s.put(seq(1000, 90), prompt_capture(p));  // token count differs
+  s.put_state(p, {1, 2, 3});                // not a state blob
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.puts_skipped, 3u);
+  EXPECT_EQ(st.entries, 0u);
+  EXPECT_EQ(logs.size(), 3u);
+  EXPECT_FALSE(s.take({}, p));
+}

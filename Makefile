@@ -6,6 +6,9 @@
 #   make install  the library for find_package(kvtc): libkvtc.a, the public
 #                 headers, the CMake package                -> $(PREFIX)
 #   make demo     capture a real session and restore it       -> out/demo/
+#   make serve    kvtc-server (llama-server with the compressed prompt cache)
+#                 on the default model, 127.0.0.1:8080       (docs/server.md)
+#   make bench-serve   the multi-user chat replay, four modes -> bench/results/serve.md
 #   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
@@ -20,7 +23,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build corpus test install demo check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build corpus test install demo serve bench-serve check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -30,6 +33,7 @@ bootstrap:
 build: bootstrap
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >$(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
 	@cmake --build $(BUILD) -j$(JOBS)
+	@scripts/build_server.sh $(BUILD)
 
 $(CORPUS): scripts/build_corpus.py | build
 	python3 scripts/build_corpus.py --kvtc $(BUILD)/kvtc --out .deps/corpus
@@ -44,6 +48,9 @@ install: build
 
 demo: build $(CORPUS)
 	@scripts/demo.sh $(BUILD)/kvtc
+
+serve: build $(CORPUS)
+	@scripts/serve.sh $(BUILD)
 
 check-long: build $(CORPUS)
 	@scripts/check_long.sh $(BUILD)/kvtc

@@ -65,7 +65,11 @@ fetch() { # name version file sha256 url
   fi
   if [ ! -f "$out" ]; then
     local extra=()
-    case "$file" in *.tar.gz) extra=(--no-binary :all:) ;; esac
+    case "$file" in
+      *.tar.gz) extra=(--no-binary :all:) ;;
+      # the pure-Python wheel even where a compiled one exists (charset-normalizer)
+      *-py3-none-any.whl) extra=(--only-binary :all: --platform any --python-version 3.11) ;;
+    esac
     python3 -m pip download -q --no-deps "${extra[@]}" -d "$deps/dl" "$name==$ver" >&2 \
       || die "could not download $name==$ver from PyPI"
   fi
@@ -152,6 +156,19 @@ PY
     mv "$nvc.tmp" "$nvc"
     stamp_set nvcomp "${SHA[nvidia-libnvcomp-cu13]}"
   fi
+fi
+
+# ---------------------------------------------------------------- Python
+# The HTTP client of the server tests and benchmark, installed from the
+# pinned wheels alone (no index) into .deps/py (PYTHONPATH).
+py_pin="${SHA[requests]} ${SHA[urllib3]} ${SHA[idna]} ${SHA[certifi]} ${SHA[charset-normalizer]}"
+if ! stamp_ok pylibs "$py_pin" || [ ! -d "$deps/py/requests" ]; then
+  log "installing requests (pinned wheels) into $deps/py"
+  rm -rf "$deps/py"
+  python3 -m pip install -q --no-index --no-deps --target "$deps/py" \
+    "$deps/dl/${FILE[requests]}" "$deps/dl/${FILE[urllib3]}" "$deps/dl/${FILE[idna]}" "$deps/dl/${FILE[certifi]}" \
+    "$deps/dl/${FILE[charset-normalizer]}" >"$deps/pip.log" 2>&1 || die "pip install of the pinned wheels failed; see $deps/pip.log"
+  stamp_set pylibs "$py_pin"
 fi
 
 # ---------------------------------------------------------------- llama.cpp

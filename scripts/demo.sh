@@ -4,8 +4,8 @@
 # compressed with kvtc, decompressed, restored into a fresh sequence and
 # continued, against recomputing the prefix. Writes out/demo/.
 #
-# Calibration: the full one (make calibrate, 160K tokens, ~25 min) when it
-# exists, else a quick one (16K tokens, ~2 min, cached in .deps/calib/).
+# Calibration: scripts/default_calib.sh (the full one when it exists, else a
+# quick one fitted once).
 set -euo pipefail
 kvtc=${1:-build/kvtc}
 lab=$(dirname "$kvtc")/kvtc-lab  # the multi-turn session (step 4) is research tooling
@@ -14,8 +14,6 @@ out="$top/out/demo"
 mkdir -p "$out" "$top/.deps/calib"
 tokens=${KVTC_DEMO_TOKENS:-2048}
 ratio=${KVTC_DEMO_RATIO:-16}
-full="$top/.deps/calib/smollm2-160k.safetensors"
-quick="$top/.deps/calib/smollm2-quick16k.safetensors"
 # First evaluation-split prose document in manifest order (stable).
 doc=$(python3 - "$top/.deps/corpus/manifest.json" <<'PY'
 import json, sys
@@ -27,18 +25,7 @@ PY
 text="$top/.deps/corpus/$doc"
 echo "== kvtc demo: a real llama.cpp session, compressed ${ratio}x and restored"
 "$kvtc" info | sed -n 1,3p
-if [ -f "$full" ]; then
-  cal="$full"
-  echo "calibration: $cal (160K tokens)"
-else
-  cal="$quick"
-  if [ ! -f "$cal" ]; then
-    echo "calibration: none yet; fitting a quick one on 16K calibration tokens (~2 min; make calibrate does the full 160K)"
-    "$kvtc" calibrate --tokens 16000 --heldout 2048 --doc-tokens 2048 -o "$cal" | sed -n 1,2p
-  else
-    echo "calibration: $cal (quick, 16K tokens; make calibrate for the full one)"
-  fi
-fi
+cal=$("$top/scripts/default_calib.sh" "$kvtc")
 echo
 echo "== 1. prefill $tokens tokens of $doc and capture the KV cache"
 "$kvtc" capture --text "$text" --max-tokens "$tokens" -o "$out/session.safetensors"

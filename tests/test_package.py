@@ -15,7 +15,7 @@ from kvtc_testlib import SMOL, eval_doc, run
 CMAKE = os.environ["CMAKE_COMMAND"]
 BUILD = os.environ["KVTC_BUILD_DIR"]
 SOURCE = os.environ["KVTC_SOURCE_DIR"]
-PUBLIC = ["cache.h", "calibration.h", "codec.h", "error.h", "files.h", "kvtc.h", "store.h"]
+PUBLIC = ["cache.h", "calibration.h", "codec.h", "corpus.h", "error.h", "files.h", "kvtc.h", "llama.h", "store.h"]
 
 
 def sh(*args):
@@ -53,6 +53,7 @@ class Package(unittest.TestCase):
                 quoted = re.findall(r'#include "([^"]+)"', f.read())
             self.assertTrue(all(q.startswith("kvtc/") and q[5:] in PUBLIC for q in quoted), f"{h} includes {quoted}")
         self.assertTrue(os.path.isfile(os.path.join(self.prefix, "lib", "libkvtc.a")))
+        self.assertTrue(os.path.isfile(os.path.join(self.prefix, "lib", "libkvtc_llama.a")))
         self.assertTrue(os.path.isfile(os.path.join(self.prefix, "lib", "cmake", "kvtc", "kvtcConfig.cmake")))
 
     def test_example_uses_only_the_umbrella_header(self):

@@ -121,6 +121,10 @@ struct StateLayout {
 // The stream counts of a context, read from the blob of one of its empty
 // sequences (llama_state_seq_get_data on a cleared sequence).
 StateLayout state_layout(std::span<const uint8_t> empty_blob, uint32_t v_trans, int32_t seq_id, const std::string& origin);
+// The layout of the context a blob with at least one cell came from
+// (streams per block, V layout, sequence id). Error when no stream holds a
+// cell: an empty sequence does not say how its V is laid out.
+StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& origin);
 // A blob that llama_state_seq_set_data accepts in a context of layout `to`.
 std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to);
 

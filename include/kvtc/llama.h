@@ -95,6 +95,12 @@ class Model {
   mutable std::string sha256_;
 };
 
+// The cache geometry of a model another program loaded with its own
+// llama.cpp built from the same commit (kLlamaCppCommit) — a server:
+// `gguf_path` is the file it loaded (its header gives the RoPE details, its
+// SHA-256 the fingerprint: ~0.3 s per 100 MB). Error as Model::geometry().
+CacheGeometry model_geometry(const llama_model* m, const std::string& gguf_path);
+
 struct SessionOptions {
   uint32_t n_ctx = 0;      // 0: the model's trained context
   bool flash_attn = true;  // fixed, never AUTO: it decides the V layout (v_trans = !flash_attn)

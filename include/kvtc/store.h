@@ -50,7 +50,12 @@ struct StoreOptions {
   uint64_t disk_bytes = 0;                  // the disk tier's budget of file bytes; 0: no limit
   bool async = true;                        // compress puts on a worker thread (false: in put itself)
   uint64_t max_pending_bytes = 1ull << 30;  // raw state queued for the worker at most; a put past it is skipped
-  int threads = 0;                          // codec threads (0: all)
+  int threads = 0;                          // the worker's coding threads (0: all hardware threads)
+  int restore_threads = 0;                  // take()'s decoding threads (0: all)
+  // Compression is background work: the worker thread runs at this nice
+  // value (Linux, per thread; 0 leaves it) and pauses between chunks while a
+  // take() decodes, so restores and the caller's own work come first.
+  int worker_nice = 10;
   // Where the store says what happened (a disk tier disabled, a corrupt
   // file dropped, a put skipped); called from the store's threads.
   std::function<void(const std::string&)> log;

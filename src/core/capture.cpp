@@ -389,6 +389,23 @@ StateLayout state_layout(std::span<const uint8_t> empty_blob, uint32_t v_trans, 
   return l;
 }
 
+StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& origin) {
+  const SeqBlob b = seq_blob_parse(blob, false, origin);
+  StateLayout l;
+  l.seq_id = b.seq_id;
+  bool found = false;
+  for (const BlobBlock& B : b.blocks) {
+    l.streams.push_back(uint32_t(B.streams.size()));
+    for (const BlobStream& s : B.streams)
+      if (s.cell_count > 0 && !found) {
+        l.v_trans = s.v_trans;
+        found = true;
+      }
+  }
+  require(found, origin + ": the sequence holds no cell, so its V layout is unknown (state_layout_of needs a non-empty sequence)");
+  return l;
+}
+
 std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to) {
   return seq_blob_write(capture_to_blob(c, to));
 }

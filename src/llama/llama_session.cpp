@@ -154,6 +154,38 @@ void read_gguf_info(const std::string& path, ModelInfo& mi, uint32_t* swa_period
   }
 }
 
+// The hyperparameters llama.cpp loaded (after read_gguf_info): layers,
+// heads, dims, RoPE type and scale, the sliding-window layers.
+void fill_from_model(const llama_model* md, uint32_t swa_period, ModelInfo& mi) {
+  mi.n_vocab = uint32_t(llama_vocab_n_tokens(llama_model_get_vocab(md)));
+  char buf[256];
+  llama_model_desc(md, buf, sizeof buf);
+  mi.desc = buf;
+  mi.n_params = llama_model_n_params(md);
+  mi.n_layer = uint32_t(llama_model_n_layer(md));
+  mi.n_head = uint32_t(llama_model_n_head(md));
+  mi.n_head_kv = uint32_t(llama_model_n_head_kv(md));
+  mi.n_embd = uint32_t(llama_model_n_embd(md));
+  mi.n_ctx_train = uint32_t(llama_model_n_ctx_train(md));
+  mi.rope_type = rope_type_name(llama_model_rope_type(md));
+  mi.rope_freq_scale = llama_model_rope_freq_scale_train(md);
+  if (mi.head_dim_k == 0 && mi.n_head) mi.head_dim_k = mi.n_embd / mi.n_head;
+  if (mi.head_dim_v == 0 && mi.n_head) mi.head_dim_v = mi.n_embd / mi.n_head;
+  if (mi.n_rot == 0) mi.n_rot = mi.head_dim_k;
+  mi.n_swa = uint32_t(std::max(0, llama_model_n_swa(md)));
+  if (mi.n_swa == 0) {
+    mi.swa_layer.assign(mi.n_layer, false);
+  } else if (mi.swa_layer.empty()) {
+    // Period p: layer il is SWA when il % p < p - 1 (Gemma 3 default p = 6).
+    uint32_t p = swa_period ? swa_period : (mi.arch == "gemma3" ? 6u : 0u);
+    require(p > 0, mi.path + ": sliding-window model without a layer pattern kvtc understands");
+    mi.swa_layer.resize(mi.n_layer);
+    for (uint32_t il = 0; il < mi.n_layer; ++il) mi.swa_layer[il] = il % p < p - 1;
+  } else {
+    mi.swa_layer.resize(mi.n_layer, false);
+  }
+}
+
 }  // namespace
 
 std::string default_model_path() {
@@ -187,35 +219,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, bool vocab_only) {
   take_llama_errors();
   m->model_ = llama_model_load_from_file(path.c_str(), mp);
   require(m->model_ != nullptr, path + ": llama.cpp could not load this model" + take_llama_errors());
-  llama_model* md = m->model_;
-  mi.n_vocab = uint32_t(llama_vocab_n_tokens(llama_model_get_vocab(md)));
+  mi.n_vocab = uint32_t(llama_vocab_n_tokens(llama_model_get_vocab(m->model_)));
   if (vocab_only) return m;  // llama.cpp loads no hyperparameters then: querying them aborts
-  char buf[256];
-  llama_model_desc(md, buf, sizeof buf);
-  mi.desc = buf;
-  mi.n_params = llama_model_n_params(md);
-  mi.n_layer = uint32_t(llama_model_n_layer(md));
-  mi.n_head = uint32_t(llama_model_n_head(md));
-  mi.n_head_kv = uint32_t(llama_model_n_head_kv(md));
-  mi.n_embd = uint32_t(llama_model_n_embd(md));
-  mi.n_ctx_train = uint32_t(llama_model_n_ctx_train(md));
-  mi.rope_type = rope_type_name(llama_model_rope_type(md));
-  mi.rope_freq_scale = llama_model_rope_freq_scale_train(md);
-  if (mi.head_dim_k == 0 && mi.n_head) mi.head_dim_k = mi.n_embd / mi.n_head;
-  if (mi.head_dim_v == 0 && mi.n_head) mi.head_dim_v = mi.n_embd / mi.n_head;
-  if (mi.n_rot == 0) mi.n_rot = mi.head_dim_k;
-  mi.n_swa = uint32_t(std::max(0, llama_model_n_swa(md)));
-  if (mi.n_swa == 0) {
-    mi.swa_layer.assign(mi.n_layer, false);
-  } else if (mi.swa_layer.empty()) {
-    // Period p: layer il is SWA when il % p < p - 1 (Gemma 3 default p = 6).
-    uint32_t p = swa_period ? swa_period : (mi.arch == "gemma3" ? 6u : 0u);
-    require(p > 0, path + ": sliding-window model without a layer pattern kvtc understands");
-    mi.swa_layer.resize(mi.n_layer);
-    for (uint32_t il = 0; il < mi.n_layer; ++il) mi.swa_layer[il] = il % p < p - 1;
-  } else {
-    mi.swa_layer.resize(mi.n_layer, false);
-  }
+  fill_from_model(m->model_, swa_period, mi);
   return m;
 }
 
@@ -289,29 +295,45 @@ Rope rope_of(const ModelInfo& mi, bool swa) {
   return r;
 }
 
-}  // namespace
-
-CacheGeometry Model::geometry() const {
-  require(info_.head_dim_k == info_.head_dim_v, info_.path + ": K head_dim " + std::to_string(info_.head_dim_k) + " differs from V head_dim " +
-                                                    std::to_string(info_.head_dim_v) + "; not supported by capture format v1");
+CacheGeometry geometry_of(const ModelInfo& mi, const std::string& sha256) {
+  require(mi.head_dim_k == mi.head_dim_v, mi.path + ": K head_dim " + std::to_string(mi.head_dim_k) + " differs from V head_dim " +
+                                                    std::to_string(mi.head_dim_v) + "; not supported by capture format v1");
   CacheGeometry g;
-  g.model_sha256 = sha256();
+  g.model_sha256 = sha256;
   std::vector<int32_t> base, swa;
-  for (uint32_t il = 0; il < info_.n_layer; ++il) (info_.swa_layer[il] ? swa : base).push_back(int32_t(il));
+  for (uint32_t il = 0; il < mi.n_layer; ++il) (mi.swa_layer[il] ? swa : base).push_back(int32_t(il));
   BlockGeometry b0;
   b0.layers = base;
-  b0.n_head_kv = info_.n_head_kv;
-  b0.head_dim = info_.head_dim_k;
-  b0.rope = rope_of(info_, false);
+  b0.n_head_kv = mi.n_head_kv;
+  b0.head_dim = mi.head_dim_k;
+  b0.rope = rope_of(mi, false);
   g.blocks.push_back(b0);
-  if (info_.n_swa > 0) {
+  if (mi.n_swa > 0) {
     BlockGeometry b1 = b0;
     b1.layers = swa;
-    b1.sliding_window = info_.n_swa;
-    b1.rope = rope_of(info_, true);
+    b1.sliding_window = mi.n_swa;
+    b1.rope = rope_of(mi, true);
     g.blocks.push_back(b1);
   }
   return g;
+}
+
+}  // namespace
+
+CacheGeometry Model::geometry() const {
+  return geometry_of(info_, sha256());
+}
+
+CacheGeometry model_geometry(const llama_model* m, const std::string& gguf_path) {
+  require(m != nullptr, "model_geometry: no model");
+  check_gguf_file(gguf_path);
+  ModelInfo mi;
+  mi.path = gguf_path;
+  mi.file_size = std::filesystem::file_size(gguf_path);
+  uint32_t swa_period = 0;
+  read_gguf_info(gguf_path, mi, &swa_period);
+  fill_from_model(m, swa_period, mi);
+  return geometry_of(mi, sha256_file(gguf_path));
 }
 
 Session::Session(const Model& model, const SessionOptions& opt) : model_(model), opt_(opt) {

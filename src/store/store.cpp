@@ -11,7 +11,9 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -202,6 +204,8 @@ struct PromptStore::Impl {
   StoreStats st;
   mutable std::mutex mu;
   std::condition_variable cv_work, cv_idle;
+  int takers = 0;                    // take() calls decoding now (under mu)
+  std::condition_variable cv_takes;  // the worker waits on it between pieces
   bool stopping = false;
   std::thread worker;
 
@@ -568,6 +572,10 @@ struct PromptStore::Impl {
       const uint32_t tail_t0 = m * C;
       const uint32_t tail_sink = m == 0 ? opt.sink : 0;
       detail::parallel_for(todo.size() + 1, opt.threads, [&](size_t j) {
+        {  // a restore in progress goes first
+          std::unique_lock<std::mutex> lk(mu);
+          cv_takes.wait(lk, [&] { return takers == 0; });
+        }
         if (j == todo.size()) {
           tail = compress(slice(*c, tail_t0, uint32_t(n), q.tokens), cal, alloc, copt(tail_sink, opt.window));
           return;
@@ -594,6 +602,7 @@ struct PromptStore::Impl {
   }
 
   void run() {
+    if (opt.worker_nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), opt.worker_nice);
     std::unique_lock<std::mutex> lk(mu);
     for (;;) {
       cv_work.wait(lk, [&] { return stopping || !queue.empty(); });
@@ -655,7 +664,7 @@ struct PromptStore::Impl {
     DecompressOptions dopt;
     dopt.threads = 1;
     dopt.precision = opt.precision;
-    detail::parallel_for(pieces, opt.threads, [&](size_t i) {
+    detail::parallel_for(pieces, opt.restore_threads, [&](size_t i) {
       const bool is_tail = i == m;
       const std::string where = origin + (is_tail ? " tail" : " chunk " + std::to_string(i));
       parts[i] = decompress(is_tail ? *tail : *chunk_bytes[i], cal, where, dopt);
@@ -785,8 +794,23 @@ std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> cur
   // The match holds exactly the common prefix: llama-server keeps no more
   // of a restored prompt (it removes the cells past the common prefix).
   const uint32_t n = uint32_t(lcp_best);
+  struct Taking {  // holds the worker between pieces while this take decodes
+    Impl& I;
+    explicit Taking(Impl& i) : I(i) {
+      std::lock_guard<std::mutex> g(I.mu);
+      ++I.takers;
+    }
+    ~Taking() {
+      {
+        std::lock_guard<std::mutex> g(I.mu);
+        --I.takers;
+      }
+      I.cv_takes.notify_all();
+    }
+  };
   const char* tier = from == From::kRam ? "ram" : from == From::kPending ? "pending" : "disk";
   try {
+    Taking taking(I);
     Match out;
     out.common_prefix = n;
     out.tier = tier;

@@ -1,0 +1,66 @@
+// kvtc-server: llama-server (pinned llama.cpp, tools/server) whose host
+// prompt cache keeps kvtc-compressed prompts in a kvtc::PromptStore (RAM
+// tier + optional disk tier, shared prefix chunks; docs/store.md,
+// docs/server.md). The patch (server/llama-server.patch) only calls these
+// functions; this file is compiled into llama.cpp's server-context target.
+//
+// Threading: llama-server calls save/load/update from its main loop (one
+// thread); kvtc_server_metrics() from HTTP threads. The store compresses on
+// its own worker thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+struct llama_context;
+struct llama_model;
+struct server_prompt;
+struct server_prompt_cache;
+struct server_tokens;
+
+struct kvtc_server_params {
+  std::string calib;     // --kvtc-calib FILE: enables kvtc
+  double ratio = 16;     // --kvtc-ratio R
+  std::string disk;      // --kvtc-disk DIR: the disk tier
+  int64_t disk_mib = 0;  // --kvtc-disk-mib N: its budget (0: no limit)
+  int threads = 1;       // --kvtc-threads N: compression threads beside inference
+};
+
+// The flags of this process (set by kvtc_server_take_args).
+kvtc_server_params& kvtc_server_config();
+
+// Takes the --kvtc-* flags out of argv (before llama.cpp's parser sees
+// them); prints their help when argv asks for --help. False with `err` set
+// on a bad value.
+bool kvtc_server_take_args(int& argc, char** argv, std::string& err);
+
+class kvtc_prompt_cache {
+ public:
+  ~kvtc_prompt_cache();
+
+  // llama-server's prompt_save: takes the slot's state raw and queues it
+  // for compression. False when nothing was stored (already held, error).
+  bool save(const server_prompt& prompt, llama_context* ctx, int32_t id_slot);
+  // server_prompt_cache::load: restores the best stored prompt into the
+  // slot when it beats the slot's own; false only when restoring failed
+  // (the caller then clears the slot and recomputes).
+  bool load(server_prompt& prompt, const server_tokens& tokens_new, llama_context* ctx, int32_t id_slot);
+  // server_prompt_cache::update: logs the store's state.
+  void update();
+
+  struct impl;
+  std::shared_ptr<impl> p;
+};
+
+// Called where llama-server creates its prompt cache: when --kvtc-calib is
+// given, attaches a kvtc store to `cache` (which must exist: --cache-ram
+// not 0). Loads and checks the calibration against the model and refuses
+// what kvtc cannot store (multimodal, a draft model, LoRA adapters, iSWA or
+// recurrent caches, a quantized cache type). False, with the reason logged,
+// when the server must not start.
+bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, llama_context* ctx, const std::string& model_path,
+                        int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora);
+
+// Prometheus lines (kvtc:*) of the attached store, "" when none; any thread.
+std::string kvtc_server_metrics();

@@ -63,6 +63,10 @@ $(CALIB): | build $(CORPUS)
 
 calibrate: $(CALIB)
 
+# The multi-user chat replay through kvtc-server, four modes -> bench/results/serve.md (~40 min)
+bench-serve: build $(CORPUS)
+	bench/serve.sh
+
 # Ratio and error on evaluation caches -> bench/results/ratio.md
 bench-ratio: $(CALIB)
 	python3 bench/ratio.py --calib $(CALIB)

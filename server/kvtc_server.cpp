@@ -64,7 +64,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-ratio N           nominal compression ratio of the coded tokens (default: 16)\n"
           "--kvtc-disk PATH         a disk tier below RAM: compressed prompts survive restarts\n"
           "--kvtc-disk-mib N        the disk tier's budget in MiB (default: 0, no limit)\n"
-          "--kvtc-threads N         threads compressing beside inference (default: 1)\n\n");
+          "--kvtc-threads N         threads compressing beside inference (default: 1)\n"
+          "--kvtc-window N          the newest tokens of a stored prompt kept raw, uncompressed (default: 128, the paper's)\n\n");
     }
     if (a.rfind("--kvtc-", 0) != 0) {
       argv[out++] = argv[i];
@@ -94,11 +95,14 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-disk-mib") {
         p.disk_mib = std::stoll(val, &used);
         if (p.disk_mib < 0) throw std::out_of_range("");
+      } else if (a == "--kvtc-window") {
+        p.window = std::stoi(val, &used);
+        if (p.window < 0 || p.window > 65536) throw std::out_of_range("");
       } else if (a == "--kvtc-threads") {
         p.threads = std::stoi(val, &used);
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
       } else {
-        err = a + ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads)";
+        err = a + ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -204,6 +208,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.disk_dir = cfg.disk;
     o.disk_bytes = uint64_t(cfg.disk_mib) << 20;
     o.threads = cfg.threads;
+    o.window = uint32_t(cfg.window);
     o.restore_threads = 0;  // a restore holds the loop: every core decodes
     o.log = [](const std::string& s) { SRV_WRN("%s\n", s.c_str()); };
     try {

@@ -25,6 +25,7 @@ struct kvtc_server_params {
   std::string disk;      // --kvtc-disk DIR: the disk tier
   int64_t disk_mib = 0;  // --kvtc-disk-mib N: its budget (0: no limit)
   int threads = 1;       // --kvtc-threads N: compression threads beside inference
+  int window = 128;      // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
 };
 
 // The flags of this process (set by kvtc_server_take_args).

@@ -127,8 +127,10 @@ def run_mode(name, args, a, sessions, reference, log_dir):
     updates = [float(x) for x in re.findall(r"prompt cache update took ([\d.]+) ms", log)]
     states = re.findall(r"cache state: (\d+) prompts, ([\d.]+) MiB", log)
     raw_peak = max((int(n) for n, _ in states), default=0), max((float(b) for _, b in states), default=0.0)
+    per = [float(b) / int(n) for n, b in states if int(n) > 0]
     return records, {"wall_s": wall, "metrics": {k: v for k, v in metrics.items() if k.startswith("kvtc:")},
-                     "cache_update_ms": updates, "raw_cache_peak": {"prompts": raw_peak[0], "mib": raw_peak[1]}, "kvtc_peak": peak}
+                     "cache_update_ms": updates, "raw_cache_peak": {"prompts": raw_peak[0], "mib": raw_peak[1]},
+                     "raw_mib_per_prompt": statistics.fmean(per) if per else 0.0, "kvtc_peak": peak}
 
 
 def summarise(name, budget, records, info, turns):
@@ -163,8 +165,14 @@ def summarise(name, budget, records, info, turns):
                     "loop_restore_ms_max": 1e3 * m.get("kvtc:loop_restore_seconds_max", 0),
                     "restores": int(m.get("kvtc:loop_restores_total", 0)), "compress_s": m.get("kvtc:compress_seconds_total", 0),
                     "hits_disk": int(m.get('kvtc:hits_total{tier="disk"}', 0))})
+        held = m.get("kvtc:ram_prompts", 0)
+        row["mib_per_prompt"] = m.get("kvtc:ram_bytes", 0) / 2**20 / held if held else 0.0
     else:
-        row.update({"prompts_held_peak": info["raw_cache_peak"]["prompts"], "ram_mib": info["raw_cache_peak"]["mib"], "disk_mib": 0.0})
+        row.update({"prompts_held_peak": info["raw_cache_peak"]["prompts"], "ram_mib": info["raw_cache_peak"]["mib"], "disk_mib": 0.0,
+                    "mib_per_prompt": info["raw_mib_per_prompt"]})
+    # How many prompts of this workload's mean stored size the budget holds
+    # (not capped by the workload's session count, as prompts held is).
+    row["capacity_prompts"] = budget / row["mib_per_prompt"] if budget and row["mib_per_prompt"] else 0.0
     return row
 
 

@@ -25,7 +25,8 @@ stamp_set() { printf '%s' "$2" >"$deps/stamps/$1"; }
 # ---------------------------------------------------------------- Debian
 # Chosen deliberately (see README "Dependencies"): compression and hashing
 # libraries the codec will use, JSON and CLI parsing, BLAS/LAPACK for the
-# calibration's eigensolver, oneDNN for the bf16 projection, GoogleTest; text packages for the corpus.
+# calibration's eigensolver, oneDNN for the bf16 projection, GoogleTest; text packages for the corpus;
+# hiredis for the prompt store's Redis tier, and Redis itself for its tests and benchmark.
 apt_pkgs=(
   build-essential cmake pkg-config python3
   libdeflate-dev libzstd-dev libxxhash-dev libssl-dev
@@ -35,6 +36,7 @@ apt_pkgs=(
   bible-kjv bible-kjv-text jargon-text debian-reference-en python3.11-doc
   libpython3.11-stdlib maxima-doc
   python3-matplotlib
+  libhiredis-dev redis-server redis-tools
 )
 missing=()
 for p in "${apt_pkgs[@]}"; do

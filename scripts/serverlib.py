@@ -105,3 +105,99 @@ class Server:
     def rss_kib(self):
         with open(f"/proc/{self.proc.pid}/status") as f:
             return int(re.search(r"VmRSS:\s+(\d+)", f.read())[1])
+
+
+class Redis:
+    """One redis-server on a loopback port (Debian's, installed by the
+    bootstrap), without persistence, in `workdir`; `extra` are its flags
+    (e.g. ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])."""
+
+    def __init__(self, workdir, extra=(), port=None):
+        self.port = port or free_port()
+        self.dir = workdir
+        self.extra = list(extra)
+        os.makedirs(workdir, exist_ok=True)
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def hostport(self):
+        return f"127.0.0.1:{self.port}"
+
+    def start(self):
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                      "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log"), *self.extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t0 = time.time()
+        while time.time() - t0 < 10:
+            if self.cli("PING", check=False).strip() in ("PONG", "NOAUTH Authentication required."):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server on {self.port} did not answer; see {self.dir}/redis.log")
+
+    def cli(self, *args, check=True):
+        """redis-cli's output for one command (raw mode)."""
+        r = subprocess.run(["redis-cli", "-p", str(self.port), "--raw", *map(str, args)], capture_output=True, text=True, errors="replace",
+                           timeout=30)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"redis-cli {args}: {r.stderr}")
+        return r.stdout
+
+    def info(self, section):
+        """{field: value} of INFO <section>."""
+        out = {}
+        for line in self.cli("INFO", section).splitlines():
+            if ":" in line:
+                k, v = line.split(":", 1)
+                out[k] = v.strip()
+        return out
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def free_cluster_port():
+    """A free port whose cluster bus port (+10000) is free as well."""
+    while True:
+        p = free_port()
+        if p > 55535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 10000))
+                return p
+            except OSError:
+                continue
+
+
+class RedisCluster:
+    """Three masters made into a Redis Cluster by `redis-cli --cluster create`."""
+
+    def __init__(self, workdir):
+        self.nodes = [Redis(os.path.join(workdir, f"node{i}"), ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                                                 "--cluster-node-timeout", "5000"], port=free_cluster_port())
+                      for i in range(3)]
+        r = subprocess.run(["redis-cli", "--cluster", "create", *[n.hostport for n in self.nodes], "--cluster-replicas", "0",
+                            "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError("redis-cli --cluster create: " + r.stdout + r.stderr)
+        t0 = time.time()
+        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
+            if time.time() - t0 > 20:
+                raise TimeoutError("the redis cluster did not come up")
+            time.sleep(0.05)
+
+    @property
+    def seeds(self):
+        return ",".join(n.hostport for n in self.nodes)
+
+    def stop(self):
+        for n in self.nodes:
+            n.stop()

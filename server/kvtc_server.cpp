@@ -65,10 +65,18 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-disk PATH         a disk tier below RAM: compressed prompts survive restarts\n"
           "--kvtc-disk-mib N        the disk tier's budget in MiB (default: 0, no limit)\n"
           "--kvtc-threads N         threads compressing beside inference (default: 1)\n"
-          "--kvtc-window N          the newest tokens of a stored prompt kept raw, uncompressed (default: 128, the paper's)\n\n");
+          "--kvtc-window N          the newest tokens of a stored prompt kept raw, uncompressed (default: 128, the paper's)\n"
+          "--kvtc-redis URL         a shared tier below RAM and disk on one Redis, redis://[[user]:password@]host[:port][/db]:\n"
+          "                         every replica with the same model, calibration and flags resumes any conversation\n"
+          "--kvtc-redis-cluster L   ... or on a Redis Cluster: L = host:port,host:port,... (any of its masters)\n"
+          "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n\n");
     }
     if (a.rfind("--kvtc-", 0) != 0) {
       argv[out++] = argv[i];
+      continue;
+    }
+    if (a == "--kvtc-raw") {  // the one flag without a value
+      p.raw = true;
       continue;
     }
     const size_t eq = a.find('=');
@@ -89,6 +97,17 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-disk") {
         p.disk = val;
         used = val.size();
+      } else if (a == "--kvtc-redis") {
+        p.redis = val;
+        used = val.size();
+      } else if (a == "--kvtc-redis-cluster") {
+        p.redis_cluster.clear();
+        for (size_t at = 0; at <= val.size();) {
+          const size_t c = std::min(val.find(',', at), val.size());
+          if (c > at) p.redis_cluster.push_back(val.substr(at, c - at));
+          at = c + 1;
+        }
+        used = p.redis_cluster.empty() ? 0 : val.size();
       } else if (a == "--kvtc-ratio") {
         p.ratio = std::stod(val, &used);
         if (!(p.ratio >= 1 && p.ratio <= 4096)) throw std::out_of_range("");
@@ -102,7 +121,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         p.threads = std::stoi(val, &used);
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
       } else {
-        err = a + ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window)";
+        err = a + ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window, --kvtc-redis, "
+                  "--kvtc-redis-cluster, --kvtc-raw)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -113,6 +133,14 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
   }
   argc = out;
   argv[argc] = nullptr;
+  if (!p.redis.empty() && !p.redis_cluster.empty()) {
+    err = "--kvtc-redis and --kvtc-redis-cluster: give one of them";
+    return false;
+  }
+  if ((!p.redis.empty() || !p.redis_cluster.empty()) && p.calib.empty()) {
+    err = "--kvtc-redis needs --kvtc-calib";
+    return false;
+  }
   return true;
 }
 
@@ -146,6 +174,11 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
   }
 }
 
+void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* ctx, int32_t id_slot) {
+  if (p->opt.redis_url.empty() && p->opt.redis_cluster.empty()) return;
+  (void)save(prompt, ctx, id_slot);
+}
+
 bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_new, llama_context* ctx, int32_t id_slot) {
   const auto t0 = Clock::now();
   std::optional<kvtc::PromptStore::Match> m;
@@ -172,7 +205,11 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
     p->times.restore_ms += ms;
     p->times.restore_max_ms = std::max(p->times.restore_max_ms, ms);
   }
-  SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms\n", m->common_prefix, m->tier, ms);
+  if (m->redis_bytes)
+    SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms (Redis round trips %.2f ms, %.3f MiB)\n", m->common_prefix,
+            m->tier, ms, m->redis_ms, m->redis_bytes / 1048576.0);
+  else
+    SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms\n", m->common_prefix, m->tier, ms);
   return true;
 }
 
@@ -204,9 +241,12 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     const kvtc::CacheGeometry geom = kvtc::model_geometry(model, model_path);
     kvtc::StoreOptions& o = I->opt;
     o.ratio = cfg.ratio;
+    o.raw = cfg.raw;
     o.ram_bytes = cache_ram_mib > 0 ? uint64_t(cache_ram_mib) << 20 : 0;
     o.disk_dir = cfg.disk;
     o.disk_bytes = uint64_t(cfg.disk_mib) << 20;
+    o.redis_url = cfg.redis;
+    o.redis_cluster = cfg.redis_cluster;
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
     o.restore_threads = 0;  // a restore holds the loop: every core decodes
@@ -214,7 +254,8 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     try {
       I->store = std::make_unique<kvtc::PromptStore>(cal, geom, o);
     } catch (const kvtc::Error& e) {
-      throw kvtc::Error(cfg.calib + ": " + e.what());
+      const std::string w = e.what();
+      throw kvtc::Error(w.rfind("redis", 0) == 0 ? w : cfg.calib + ": " + w);  // a bad --kvtc-redis names itself
     }
     // The context's state layout (V transposed or not, streams per block):
     // a blob of an empty sequence does not say, so one token is decoded in
@@ -231,10 +272,13 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     I->layout = kvtc::state_layout_of(blob, "the server's context");
     (void)kvtc::capture_from_state(blob, geom, "the server's cache (kvtc codes f16 caches: --cache-type-k/v f16)");
     const kvtc::StoreStats s = I->store->stats();
+    if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
     SRV_INF("kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %d MiB; disk tier %s%s\n", o.ratio,
             cfg.calib.c_str(), cal.id.c_str(), I->store->fingerprint().c_str(), cache_ram_mib,
             cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
             s.disk_enabled ? (" (" + std::to_string(s.disk_entries) + " prompts read back)").c_str() : s.disk_error.c_str());
+    if (s.redis_enabled)
+      SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(), s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
     cache->kvtc = std::make_unique<kvtc_prompt_cache>();
     cache->kvtc->p = I;
     std::lock_guard<std::mutex> g(g_mu);
@@ -281,7 +325,25 @@ std::string kvtc_server_metrics() {
   item("pending_bytes", "gauge", "Raw bytes of the saves waiting", double(s.pending_bytes));
   item("chunks_written_total", "counter", "Prefix chunks compressed", double(s.chunks_written));
   item("chunks_shared_total", "counter", "Prefix chunks a save found stored already", double(s.chunks_shared));
-  for (const auto& [tier, v] : {std::pair{"ram", s.hits_ram}, {"pending", s.hits_pending}, {"disk", s.hits_disk}})
+  if (s.redis_enabled) {
+    std::string rerr = s.redis_error;
+    for (char& c : rerr)
+      if (c == '"' || c == '\\' || c == '\n') c = '\'';
+    item("redis_up", "gauge", "1 when the last exchange with Redis worked", s.redis_up ? 1 : 0);
+    if (!rerr.empty()) item("redis_last_error", "gauge", "The last Redis failure (the label)", 1, "{error=\"" + rerr + "\"}");
+    item("redis_errors_total", "counter", "Redis exchanges that failed (down, timeout, error reply); the prompt was recomputed", double(s.redis_errors));
+    item("redis_lookups_total", "counter", "Lookups that asked Redis", double(s.redis_lookups));
+    item("redis_missing_total", "counter", "Redis values an index named that were gone (evicted): shorter matches", double(s.redis_missing));
+    item("redis_chunks_written_total", "counter", "Prefix chunks written to Redis", double(s.redis_chunks_written));
+    item("redis_prompts_written_total", "counter", "Prompts (entries) written to Redis", double(s.redis_entries_written));
+    item("redis_prompts_dropped_total", "counter", "Redis entries dropped as contained in a newer prompt", double(s.redis_entries_dropped));
+    item("redis_bytes_written_total", "counter", "Bytes written to Redis", double(s.redis_bytes_written));
+    item("redis_bytes_read_total", "counter", "Bytes read from Redis", double(s.redis_bytes_read));
+    item("redis_redirects_total", "counter", "Redis Cluster MOVED/ASK redirects followed", double(s.redis_redirects));
+    item("redis_lookup_seconds_total", "counter", "Time lookups spent in Redis round trips", s.redis_lookup_ms / 1e3);
+    item("redis_write_seconds_total", "counter", "Worker time writing to Redis", s.redis_write_ms / 1e3);
+  }
+  for (const auto& [tier, v] : {std::pair{"ram", s.hits_ram}, {"pending", s.hits_pending}, {"disk", s.hits_disk}, {"redis", s.hits_redis}})
     item("hits_total", "counter", "Restores by tier", double(v), std::string("{tier=\"") + tier + "\"}");
   item("misses_total", "counter", "Lookups that found nothing better than the slot's prompt", double(s.misses));
   item("tokens_restored_total", "counter", "Prompt tokens restored instead of recomputed", double(s.tokens_restored));

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 struct llama_context;
 struct llama_model;
@@ -26,6 +27,9 @@ struct kvtc_server_params {
   int64_t disk_mib = 0;  // --kvtc-disk-mib N: its budget (0: no limit)
   int threads = 1;       // --kvtc-threads N: compression threads beside inference
   int window = 128;      // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
+  bool raw = false;                        // --kvtc-raw: store raw f16 through the same tiers (a benchmark baseline)
+  std::string redis;                       // --kvtc-redis redis://HOST:PORT[/DB]: the shared tier on one Redis
+  std::vector<std::string> redis_cluster;  // --kvtc-redis-cluster HOST:PORT,...: ... or on a Redis Cluster
 };
 
 // The flags of this process (set by kvtc_server_take_args).
@@ -47,6 +51,10 @@ class kvtc_prompt_cache {
   // slot when it beats the slot's own; false only when restoring failed
   // (the caller then clears the slot and recomputes).
   bool load(server_prompt& prompt, const server_tokens& tokens_new, llama_context* ctx, int32_t id_slot);
+  // A slot finished its task: with a shared tier (Redis) the turn is saved
+  // now, not when the slot is next reused, as the conversation's next turn
+  // may land on another replica. No-op without one.
+  void on_release(const server_prompt& prompt, llama_context* ctx, int32_t id_slot);
   // server_prompt_cache::update: logs the store's state.
   void update();
 

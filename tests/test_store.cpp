@@ -507,3 +507,21 @@ TEST(Store, BadInputIsRefusedOrSkipped) {
   EXPECT_EQ(logs.size(), 3u);
   EXPECT_FALSE(s.take({}, p));
 }
+
+TEST(Store, RawModeKeepsTheCacheExactly) {
+  // StoreOptions::raw (kvtc-server --kvtc-raw, the benchmarks' baseline):
+  // the same pieces and keys, every token raw f16.
+  StoreOptions o = small();
+  o.raw = true;
+  PromptStore s(cal(), lowrank_geometry(), o);
+  PromptStore coded(cal(), lowrank_geometry(), small());
+  EXPECT_NE(s.fingerprint(), coded.fingerprint());
+  const auto p = seq(1000, 300);
+  const KvCapture in = prompt_capture(p);
+  s.put(p, in);
+  auto m = s.take({}, cat(p, seq(3, 3)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 300u);
+  expect_prefix_of(m->cache, in, 300);
+  EXPECT_GT(s.stats().ram_bytes, in.f16_bytes());  // raw, with headers
+}

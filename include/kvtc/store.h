@@ -40,6 +40,7 @@ namespace kvtc {
 
 struct StoreOptions {
   double ratio = 16;            // nominal ratio of the coded tokens
+  bool raw = false;             // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
   uint32_t chunk_tokens = 256;  // tokens per shared chunk (multiple of 16)
   uint32_t sink = 4;            // raw tokens at the start (in the first chunk)
   uint32_t window = 128;        // raw tokens at the end (in the tail)
@@ -56,6 +57,20 @@ struct StoreOptions {
   // value (Linux, per thread; 0 leaves it) and pauses between chunks while a
   // take() decodes, so restores and the caller's own work come first.
   int worker_nice = 10;
+  // The shared tier (docs/store.md "Redis"), below RAM and disk: one Redis
+  // server, redis://[[user]:password@]host[:port][/db], or a Redis Cluster
+  // given by "host:port" seeds; both empty: none. Every store with the same
+  // model, calibration and settings reads what any of them wrote, so any
+  // replica resumes any conversation. Puts are written by the worker thread;
+  // a take asks Redis when the local tiers hold less than the whole prompt
+  // (one round trip to find the longest stored prefix, one to fetch it). A
+  // Redis that is down, a missing or damaged value: a miss, never an error
+  // (counted in stats(), logged at the change); retried after retry_ms.
+  std::string redis_url;
+  std::vector<std::string> redis_cluster;
+  int redis_connect_timeout_ms = 250;
+  int redis_timeout_ms = 2000;  // one round trip at most
+  int redis_retry_ms = 2000;    // after a failure, Redis is not asked for this long
   // Where the store says what happened (a disk tier disabled, a corrupt
   // file dropped, a put skipped); called from the store's threads.
   std::function<void(const std::string&)> log;
@@ -71,9 +86,22 @@ struct StoreStats {
   uint64_t puts_skipped = 0;                       // puts refused (queue full) or failed (bad cache; logged)
   uint64_t pending = 0, pending_bytes = 0;         // puts queued for the worker, and their raw bytes
   uint64_t chunks_written = 0, chunks_shared = 0;  // chunks coded, and chunks a put found stored already
-  uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, misses = 0;
+  uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, hits_redis = 0, misses = 0;
   uint64_t tokens_restored = 0;
   uint64_t corrupt_dropped = 0;  // files or entries refused by checksum or content, dropped
+  // The Redis tier (all zero without one).
+  bool redis_enabled = false;  // configured
+  bool redis_up = false;       // the last exchange with it worked
+  std::string redis_error;     // the last failure
+  std::string redis_where;     // "redis://host:port/db" or "cluster host:port,..."
+  uint64_t redis_lookups = 0;         // takes that asked Redis
+  uint64_t redis_errors = 0;          // exchanges that failed (down, timeout, error reply)
+  uint64_t redis_missing = 0;         // values an index named that were gone (evicted), or chunks a match lacked
+  uint64_t redis_chunks_written = 0, redis_entries_written = 0, redis_entries_dropped = 0;  // dropped: contained in a newer prompt
+  uint64_t redis_bytes_written = 0, redis_bytes_read = 0;
+  uint64_t redis_redirects = 0;    // cluster MOVED/ASK replies followed
+  double redis_lookup_ms = 0;      // takes' time in Redis round trips (finding and fetching), in all
+  double redis_write_ms = 0;       // the worker's time writing to Redis, in all
   double save_ms = 0;            // worker time coding puts, in all
   double restore_ms = 0;         // caller time decoding takes, in all
 };
@@ -102,7 +130,9 @@ class PromptStore {
     std::vector<int32_t> tokens;
     KvCapture cache;
     uint32_t common_prefix = 0;  // with the new prompt
-    const char* tier = "";       // "ram", "pending" or "disk"
+    const char* tier = "";       // "ram", "pending", "disk" or "redis"
+    double redis_ms = 0;         // redis: time in the two round trips (finding, fetching)
+    uint64_t redis_bytes = 0;    // redis: bytes fetched
   };
   std::optional<Match> take(std::span<const int32_t> current, std::span<const int32_t> tokens);
 

@@ -34,6 +34,7 @@
 #include "format/plan.h"
 #include "kvtc/error.h"
 #include "kvtc/files.h"
+#include "store/redis.h"
 
 namespace kvtc {
 namespace {
@@ -231,9 +232,9 @@ struct PromptStore::Impl {
   CompressOptions copt(uint32_t sink, uint32_t window) const {
     CompressOptions o;
     o.sink = sink;
-    o.window = window;
+    o.window = opt.raw ? 1u << 30 : window;  // raw: every token in the raw window
     o.chunk_tokens = C;
-    o.deflate_level = opt.deflate_level;
+    o.deflate_level = opt.raw ? 0 : opt.deflate_level;
     o.precision = opt.precision;
     o.threads = 1;  // the store runs pieces in parallel instead
     return o;
@@ -527,6 +528,334 @@ struct PromptStore::Impl {
     disk.push_back(std::move(e));
   }
 
+  // ---------------------------------------------------------------- Redis tier
+  // Keys (docs/store.md "Redis"): kvtc:<compat>:c:<chunk key> a chunk
+  // container, kvtc:<compat>:e:<entry key> an entry file, and the index
+  // kvtc:<compat>:x:<c_j>, a hash from the key of every entry whose last
+  // full chunk is c_j (c_0: the salt) to its tokens after that chunk. Two
+  // connections: a take never waits behind the worker's writes.
+  std::unique_ptr<detail::Redis> rd_take, rd_put;
+  std::mutex rd_take_mu, rd_put_mu;  // one exchange at a time on each
+  bool rd_up = false;                // under mu
+  std::string rd_error, rd_where;    // under mu
+
+  std::string rkey(char kind, const std::string& k) const { return "kvtc:" + compat + ":" + kind + ":" + k; }
+  const std::string& level_key(const std::vector<std::string>& chunks, size_t j) const { return j == 0 ? salt : chunks[j - 1]; }
+  // An index value: u64 LE write time (ms since the Unix epoch), then the
+  // entry's tokens after its last full chunk (int32 LE).
+  static std::string index_value(std::span<const int32_t> t) {
+    std::string s;
+    s.reserve(8 + 4 * t.size());
+    const uint64_t now = uint64_t(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+    for (int i = 0; i < 8; ++i) s.push_back(char(now >> (8 * i)));
+    for (int32_t x : t)
+      for (int i = 0; i < 4; ++i) s.push_back(char(uint32_t(x) >> (8 * i)));
+    return s;
+  }
+  static bool index_value_ok(const std::string& v) { return v.size() >= 8 && (v.size() - 8) % 4 == 0; }
+  static size_t index_tokens(const std::string& v) { return (v.size() - 8) / 4; }
+  static uint64_t index_time(const std::string& v) { return get64(reinterpret_cast<const uint8_t*>(v.data())); }
+  // How many leading tokens of `t` the index value `v` matches.
+  static size_t value_prefix(const std::string& v, std::span<const int32_t> t) {
+    const size_t n = std::min(index_tokens(v), t.size());
+    size_t i = 0;
+    while (i < n && int32_t(get32(reinterpret_cast<const uint8_t*>(v.data()) + 8 + 4 * i)) == t[i]) ++i;
+    return i;
+  }
+  // Fields one index hash keeps at most: a lookup reads every field of the
+  // levels it visits (up to ~1.5 KB each at chunk 256 + window 128), so a
+  // chunk that thousands of short chats share (a system prompt) must not
+  // make every lookup read megabytes. The oldest go first; their entries
+  // stay reachable through their chunks until LRU evicts them.
+  static constexpr size_t kIndexFieldsMax = 32;
+
+  void redis_fine() {  // under mu
+    if (!rd_up && !rd_error.empty()) log("kvtc store: Redis " + rd_where + " reachable again");
+    rd_up = true;
+  }
+  void redis_failed(const std::string& why) {  // under mu
+    ++st.redis_errors;
+    if (rd_up || rd_error != why) log("kvtc store: Redis unavailable (recomputing instead): " + why);
+    rd_up = false;
+    rd_error = why;
+  }
+  // Fails on an error reply (OOM under maxmemory-policy noeviction, WRONGTYPE).
+  static void check(const std::vector<detail::RedisReply>& r, const char* what) {
+    for (const auto& x : r)
+      if (!x.ok()) throw detail::RedisError(std::string(what) + ": " + x.str);
+  }
+
+  void open_redis() {
+    detail::RedisOptions ro;
+    ro.url = opt.redis_url;
+    ro.cluster = opt.redis_cluster;
+    ro.connect_timeout_ms = opt.redis_connect_timeout_ms;
+    ro.timeout_ms = opt.redis_timeout_ms;
+    ro.retry_ms = opt.redis_retry_ms;
+    rd_take = std::make_unique<detail::Redis>(ro);  // Error on a malformed URL: refused at start
+    rd_put = std::make_unique<detail::Redis>(ro);
+    rd_where = rd_take->describe();
+    try {
+      check(rd_take->run({{"PING"}}), "PING");
+      std::lock_guard<std::mutex> g(mu);
+      redis_fine();
+    } catch (const std::exception& x) {  // not fatal: the store retries later
+      std::lock_guard<std::mutex> g(mu);
+      redis_failed(x.what());
+    }
+  }
+
+  // Writes a stored put to Redis: the chunks it lacks, then the entry, then
+  // the index (data before index; a reader treats a dangling index or a
+  // missing chunk as a shorter match), and drops the entries this prompt
+  // contains. Worker thread; failures are counted and logged, never thrown.
+  void redis_store(const Piece& p, const std::vector<BytesPtr>& chunk_bytes, const Bytes& tail) {
+    if (!rd_put) return;
+    std::lock_guard<std::mutex> rg(rd_put_mu);
+    const auto t0 = Clock::now();
+    const size_t m = p.chunks.size(), n = p.tokens.size();
+    uint64_t chunks = 0, bytes = 0, dropped = 0;
+    try {
+      // 1: which chunks are there (TOUCH refreshes their LRU clock too), and
+      // the entries that may be prefixes of this prompt.
+      std::vector<detail::RedisCommand> q;
+      for (size_t i = 0; i < m; ++i) q.push_back({"TOUCH", rkey('c', p.chunks[i])});
+      for (size_t j = 0; j <= m; ++j) q.push_back({"HGETALL", rkey('x', level_key(p.chunks, j))});
+      const auto r = rd_put->run(q);
+      check(std::vector<detail::RedisReply>(r.begin(), r.begin() + std::ptrdiff_t(m)), "TOUCH");
+      // 2: the missing chunks.
+      q.clear();
+      for (size_t i = 0; i < m; ++i)
+        if (r[i].integer == 0) {
+          q.push_back({"SET", rkey('c', p.chunks[i]), std::string(chunk_bytes[i]->begin(), chunk_bytes[i]->end())});
+          bytes += chunk_bytes[i]->size();
+          ++chunks;
+        }
+      check(rd_put->run(q), "SET chunk");
+      // 3: the entry.
+      const Bytes ef = entry_file(p, tail);
+      check(rd_put->run({{"SET", rkey('e', p.key), std::string(ef.begin(), ef.end())}}), "SET entry");
+      bytes += ef.size();
+      // 4: the index; then the entries this one contains go.
+      q.clear();
+      if (!r[2 * m].ok()) q.push_back({"DEL", rkey('x', level_key(p.chunks, m))});  // not a hash (not ours): replaced
+      q.push_back({"HSET", rkey('x', level_key(p.chunks, m)), p.key, index_value(std::span(p.tokens).subspan(m * C))});
+      for (size_t j = 0; j <= m; ++j) {
+        const auto& h = r[m + j].elements;
+        const auto rest = std::span(p.tokens).subspan(j * C);
+        std::vector<std::pair<uint64_t, std::string>> kept;  // (time, key) of the fields that stay
+        for (size_t f = 0; f + 1 < h.size(); f += 2) {
+          const std::string &key = h[f].str, &v = h[f + 1].str;
+          if (key == p.key) continue;
+          if (!index_value_ok(v)) {  // not ours: cleared
+            q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), key});
+            continue;
+          }
+          if (index_tokens(v) <= rest.size() && value_prefix(v, rest) == index_tokens(v)) {
+            q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), key});
+            q.push_back({"DEL", rkey('e', key)});
+            ++dropped;
+            continue;
+          }
+          kept.emplace_back(index_time(v), key);
+        }
+        if (j == m && kept.size() + 1 > kIndexFieldsMax) {  // the new field counts
+          std::sort(kept.begin(), kept.end());
+          for (size_t i = 0; i + kIndexFieldsMax < kept.size() + 1; ++i) q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), kept[i].second});
+        }
+      }
+      check(rd_put->run(q), "HSET index");
+      std::lock_guard<std::mutex> g(mu);
+      redis_fine();
+      st.redis_chunks_written += chunks;
+      ++st.redis_entries_written;
+      st.redis_entries_dropped += dropped;
+      st.redis_bytes_written += bytes;
+      st.redis_write_ms += ms_since(t0);
+    } catch (const std::exception& x) {
+      std::lock_guard<std::mutex> g(mu);
+      redis_failed(std::string("writing a ") + std::to_string(n) + "-token prompt: " + x.what());
+      st.redis_write_ms += ms_since(t0);
+    }
+  }
+
+  // A Redis match for `tokens` that restores more than `lcp_local` tokens
+  // and beats the slot's own prompt (keep_bar, sim_bar) by llama-server's
+  // rules; nullopt when there is none or Redis fails. Caller's thread,
+  // outside mu.
+  std::optional<Match> redis_take(std::span<const int32_t> tokens, float keep_bar, float sim_bar, size_t lcp_local) {
+    std::lock_guard<std::mutex> rg(rd_take_mu);
+    const auto t0 = Clock::now();
+    const size_t K = tokens.size() / C;
+    const std::vector<std::string> keys = chunk_keys(tokens, uint32_t(K));
+    uint64_t read = 0, missing = 0, corrupt = 0;
+    std::vector<detail::RedisCommand> drop;  // damaged or dangling values
+    auto account = [&](bool ok, const std::string& err) {
+      if (!drop.empty()) {
+        try {
+          (void)rd_take->run(drop);
+        } catch (const std::exception&) {
+        }
+      }
+      std::lock_guard<std::mutex> g(mu);
+      ++st.redis_lookups;
+      st.redis_bytes_read += read;
+      st.redis_missing += missing;
+      st.corrupt_dropped += corrupt;
+      st.redis_lookup_ms += ms_since(t0);
+      st.redis_redirects = rd_take->redirects() + rd_put->redirects();
+      if (ok)
+        redis_fine();
+      else
+        redis_failed(err);
+    };
+    try {
+      // Round trip 1: which chunks of the prompt are stored, and the entries
+      // hanging off each of them.
+      std::vector<detail::RedisCommand> q;
+      for (size_t i = 0; i < K; ++i) q.push_back({"EXISTS", rkey('c', keys[i])});
+      for (size_t j = 0; j <= K; ++j) q.push_back({"HGETALL", rkey('x', level_key(keys, j))});
+      const auto r = rd_take->run(q);
+      // EXISTS cannot fail but for the connection (NOAUTH, LOADING): Redis
+      // is not usable. An index of the wrong type reads as empty.
+      check(std::vector<detail::RedisReply>(r.begin(), r.begin() + std::ptrdiff_t(K)), "EXISTS");
+      size_t run = 0;
+      while (run < K && r[run].integer == 1) ++run;
+      // The candidate that restores the most: chunks alone, or an entry
+      // (whose tail may add up to window + chunk_tokens tokens).
+      size_t best_lcp = run * C, best_level = run;
+      float best_keep = 1.0f;  // chunks alone are kept whole
+      std::string best_entry;
+      for (size_t j = 0; j <= run; ++j) {
+        const auto& h = r[K + j].elements;
+        const auto rest = tokens.subspan(j * C);
+        for (size_t f = 0; f + 1 < h.size(); f += 2) {
+          const std::string& v = h[f + 1].str;
+          if (!index_value_ok(v)) continue;
+          const size_t lcp = j * C + value_prefix(v, rest), whole = j * C + index_tokens(v);
+          const float keep = float(lcp) / float(whole);
+          if (lcp > best_lcp && keep >= 0.25f) {
+            best_lcp = lcp;
+            best_level = j;
+            best_keep = keep;
+            best_entry = h[f].str;
+          }
+        }
+      }
+      if (best_lcp <= lcp_local || !(keep_bar < best_keep && sim_bar < float(best_lcp) / float(tokens.size()))) {
+        account(true, "");
+        return std::nullopt;
+      }
+      // Round trip 2: the chunks the match needs, and the entry when its
+      // tail is.
+      size_t n = best_lcp;
+      const bool want_tail = !best_entry.empty() && n > best_level * C;
+      const size_t need = std::min((n + C - 1) / C, best_level);
+      q.clear();
+      for (size_t i = 0; i < need; ++i) q.push_back({"GET", rkey('c', keys[i])});
+      if (want_tail) q.push_back({"GET", rkey('e', best_entry)});
+      auto g2 = rd_take->run(q);
+      const double round_trips_ms = ms_since(t0);  // both round trips, before any decoding
+      for (size_t i = 0; i < g2.size(); ++i) {
+        read += g2[i].str.size();
+        if (g2[i].type != detail::RedisReply::Type::kString && g2[i].type != detail::RedisReply::Type::kNil) {
+          // Not ours (WRONGTYPE): a miss; the key is cleared for the next writer.
+          log("kvtc store: dropped a Redis value that is not a string: " + q[i][1] + ": " + g2[i].str);
+          drop.push_back({"DEL", q[i][1]});
+          g2[i] = detail::RedisReply{};
+        }
+      }
+      size_t have = 0;  // leading chunks fetched
+      while (have < need && g2[have].type == detail::RedisReply::Type::kString) ++have;
+      if (have < need) {
+        ++missing;  // evicted: a shorter match
+        n = std::min(n, have * C);
+      }
+      Piece p;
+      p.tokens.assign(tokens.begin(), tokens.end());
+      p.chunks.assign(keys.begin(), keys.begin() + have);
+      BytesPtr tail;
+      if (want_tail && n > best_level * C) {
+        const auto& e = g2.back();
+        const std::string where = "redis " + rkey('e', best_entry);
+        if (e.type != detail::RedisReply::Type::kString) {
+          ++missing;
+          drop.push_back({"HDEL", rkey('x', level_key(keys, best_level)), best_entry});
+          n = best_level * C;
+        } else {
+          try {
+            auto tb = std::make_shared<Bytes>();
+            p = parse_entry(Bytes(e.str.begin(), e.str.end()), where, tb.get());
+            require(p.chunks.size() == best_level && p.key == best_entry, where + ": not the entry its index names");
+            tail = std::move(tb);
+          } catch (const std::exception& x) {
+            ++corrupt;
+            log(std::string("kvtc store: dropped a damaged Redis entry: ") + x.what());
+            drop.push_back({"HDEL", rkey('x', level_key(keys, best_level)), best_entry});
+            drop.push_back({"DEL", rkey('e', best_entry)});
+            p.tokens.assign(tokens.begin(), tokens.end());
+            p.chunks.assign(keys.begin(), keys.begin() + have);
+            n = best_level * C;
+          }
+        }
+      }
+      // Decode; a piece that fails its checks ends the match before it.
+      const uint32_t m = uint32_t(p.chunks.size());
+      if (!tail) n = std::min<size_t>(n, size_t(m) * C);
+      const size_t pieces = std::min<size_t>((n + C - 1) / C, m + (tail ? 1 : 0));
+      std::vector<KvCapture> parts(pieces);
+      std::vector<std::string> errs(pieces);
+      detail::parallel_for(pieces, opt.restore_threads, [&](size_t i) {
+        try {
+          const Bytes b = i == m ? *tail : Bytes(g2[i].str.begin(), g2[i].str.end());
+          parts[i] = decode_piece(p, b, uint32_t(i), "kvtc store: redis " + (i == m ? rkey('e', best_entry) : rkey('c', keys[i])));
+        } catch (const std::exception& x) {
+          errs[i] = x.what();
+        }
+      });
+      for (size_t i = 0; i < pieces; ++i) {
+        if (errs[i].empty()) continue;
+        ++corrupt;
+        log("kvtc store: dropped a damaged Redis value: " + errs[i]);
+        if (i == m) {
+          drop.push_back({"HDEL", rkey('x', level_key(keys, best_level)), best_entry});
+          drop.push_back({"DEL", rkey('e', best_entry)});
+        } else {
+          drop.push_back({"DEL", rkey('c', keys[i])});
+        }
+        n = std::min(n, i * C);  // and every damaged piece goes, so that the next writer replaces it
+      }
+      if (n == 0 || n <= lcp_local || !(sim_bar < float(n) / float(tokens.size()))) {
+        account(true, "");
+        return std::nullopt;
+      }
+      parts.resize(std::min(pieces, (n + C - 1) / C));  // n only shrinks
+      Match out;
+      out.cache = join(parts, uint32_t(n));
+      out.tokens = out.cache.tokens;
+      out.common_prefix = uint32_t(n);
+      out.tier = "redis";
+      out.redis_ms = round_trips_ms;
+      out.redis_bytes = read;
+      // The whole entry came: keep it in RAM too.
+      if (tail && have == m && pieces == m + 1 && n == best_lcp) {
+        RamEntry e;
+        static_cast<Piece&>(e) = p;
+        e.tail = tail;
+        e.bytes = tail->size() + 4 * e.tokens.size();
+        std::vector<BytesPtr> cb;
+        for (size_t i = 0; i < m; ++i) cb.push_back(std::make_shared<const Bytes>(g2[i].str.begin(), g2[i].str.end()));
+        std::lock_guard<std::mutex> g(mu);
+        ram_insert(std::move(e), cb);
+      }
+      account(true, "");
+      return out;
+    } catch (const detail::RedisError& x) {
+      account(false, x.what());
+      return std::nullopt;
+    }
+  }
+
   // ---------------------------------------------------------------- storing
   // Codes one queued put and files it in both tiers. Worker thread (or the
   // caller's when not async); errors are logged, never thrown.
@@ -584,6 +913,7 @@ struct PromptStore::Impl {
         chunk_bytes[i] = std::make_shared<const Bytes>(compress(slice(*c, i * C, (i + 1) * C, q.tokens), cal, alloc, copt(i == 0 ? opt.sink : 0, 0)));
       });
       disk_store(p, chunk_bytes, tail);
+      redis_store(p, chunk_bytes, tail);
       RamEntry e;
       static_cast<Piece&>(e) = p;
       e.tail = std::make_shared<const Bytes>(std::move(tail));
@@ -655,27 +985,31 @@ struct PromptStore::Impl {
   }
 
   // ---------------------------------------------------------------- taking
-  // Decodes the pieces that hold the first n tokens of an entry; checks that
-  // each holds the tokens and positions its key promises.
+  // Decodes piece i of an entry (chunk i, or the tail when i is the number
+  // of chunks); checks that it holds the tokens and positions its key
+  // promises.
+  KvCapture decode_piece(const Piece& p, const Bytes& bytes, uint32_t i, const std::string& origin) const {
+    const uint32_t m = uint32_t(p.chunks.size());
+    const bool is_tail = i == m;
+    const std::string where = origin + (is_tail ? " tail" : " chunk " + std::to_string(i));
+    DecompressOptions dopt;
+    dopt.threads = 1;
+    dopt.precision = opt.precision;
+    KvCapture c = decompress(bytes, cal, where, dopt);
+    const uint32_t t0 = i * C, t1 = is_tail ? uint32_t(p.tokens.size()) : t0 + C;
+    require(c.blocks.size() == 1 && c.blocks[0].n_tokens() == t1 - t0 && c.tokens.size() == t1 - t0,
+            where + ": holds " + std::to_string(c.blocks.empty() ? 0 : c.blocks[0].n_tokens()) + " tokens, expected " + std::to_string(t1 - t0));
+    for (uint32_t t = t0; t < t1; ++t)
+      require(c.blocks[0].pos[t - t0] == int32_t(t) && c.tokens[t - t0] == p.tokens[t], where + ": token " + std::to_string(t) + " differs from its key's");
+    return c;
+  }
+  // Decodes the pieces that hold the first n tokens of an entry.
   KvCapture decode(const Piece& p, const std::vector<BytesPtr>& chunk_bytes, const BytesPtr& tail, uint32_t n, const std::string& origin) const {
     const uint32_t m = uint32_t(p.chunks.size());
     const uint32_t pieces = std::min<uint32_t>((n + C - 1) / C, m + 1);
     std::vector<KvCapture> parts(pieces);
-    DecompressOptions dopt;
-    dopt.threads = 1;
-    dopt.precision = opt.precision;
-    detail::parallel_for(pieces, opt.restore_threads, [&](size_t i) {
-      const bool is_tail = i == m;
-      const std::string where = origin + (is_tail ? " tail" : " chunk " + std::to_string(i));
-      parts[i] = decompress(is_tail ? *tail : *chunk_bytes[i], cal, where, dopt);
-      const uint32_t t0 = uint32_t(i) * C, t1 = is_tail ? uint32_t(p.tokens.size()) : t0 + C;
-      const KvCapture& c = parts[i];
-      require(c.blocks.size() == 1 && c.blocks[0].n_tokens() == t1 - t0 && c.tokens.size() == t1 - t0,
-              where + ": holds " + std::to_string(c.blocks.empty() ? 0 : c.blocks[0].n_tokens()) + " tokens, expected " + std::to_string(t1 - t0));
-      for (uint32_t t = t0; t < t1; ++t)
-        require(c.blocks[0].pos[t - t0] == int32_t(t) && c.tokens[t - t0] == p.tokens[t],
-                where + ": token " + std::to_string(t) + " differs from its key's");
-    });
+    detail::parallel_for(pieces, opt.restore_threads,
+                         [&](size_t i) { parts[i] = decode_piece(p, i == m ? *tail : *chunk_bytes[i], uint32_t(i), origin); });
     return join(parts, n);
   }
 };
@@ -694,7 +1028,7 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   I.geom = g;
   I.opt = opt;
   I.C = opt.chunk_tokens;
-  I.ratio_str = ratio_key(opt.ratio);
+  I.ratio_str = opt.raw ? "raw" : ratio_key(opt.ratio);
   I.alloc = allocation_set(cal, opt.ratio);
   const std::string fp = std::string(kStoreScheme) + "\nmodel_sha256=" + g.model_sha256 + "\ncalibration_id=" + cal.id +
                          "\ncontainer_version=" + std::to_string(kContainerVersion) + "\nchunk_tokens=" + std::to_string(I.C) +
@@ -702,6 +1036,7 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   I.salt = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(fp.data()), fp.size()));
   I.compat = I.salt.substr(0, 16);
   if (!opt.disk_dir.empty()) I.open_disk();
+  if (!opt.redis_url.empty() || !opt.redis_cluster.empty()) I.open_redis();
   if (opt.async) I.worker = std::thread([this] { impl_->run(); });
 }
 
@@ -748,8 +1083,9 @@ std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> cur
   // sets the bar; a candidate must keep >= 25% of itself and beat the bar
   // on both the kept share and the similarity; the first (oldest) wins ties.
   const size_t lcp_cur = common_prefix(current, tokens);
-  float keep_best = current.empty() ? -1.0f : float(lcp_cur) / float(current.size());
-  float sim_best = float(lcp_cur) / float(tokens.size());
+  const float keep_bar = current.empty() ? -1.0f : float(lcp_cur) / float(current.size());
+  const float sim_bar = float(lcp_cur) / float(tokens.size());
+  float keep_best = keep_bar, sim_best = sim_bar;
   enum class From { kNone, kRam, kPending, kDisk } from = From::kNone;
   Impl::Piece best;
   size_t lcp_best = 0;
@@ -786,14 +1122,8 @@ std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> cur
     } else if (from == From::kDisk) {
       best = *disk_it;
       I.disk.splice(I.disk.end(), I.disk, disk_it);
-    } else if (from == From::kNone) {
-      ++I.st.misses;
-      return std::nullopt;
     }
   }
-  // The match holds exactly the common prefix: llama-server keeps no more
-  // of a restored prompt (it removes the cells past the common prefix).
-  const uint32_t n = uint32_t(lcp_best);
   struct Taking {  // holds the worker between pieces while this take decodes
     Impl& I;
     explicit Taking(Impl& i) : I(i) {
@@ -808,6 +1138,26 @@ std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> cur
       I.cv_takes.notify_all();
     }
   };
+  // The shared tier, when the local ones hold less than the whole prompt:
+  // another replica may have stored more of this conversation.
+  if (I.rd_take && lcp_best < tokens.size()) {
+    Taking taking(I);
+    if (auto m = I.redis_take(tokens, keep_bar, sim_bar, lcp_best)) {
+      std::lock_guard<std::mutex> g(I.mu);
+      ++I.st.hits_redis;
+      I.st.tokens_restored += m->common_prefix;
+      I.st.restore_ms += ms_since(t0);
+      return m;
+    }
+  }
+  if (from == From::kNone) {
+    std::lock_guard<std::mutex> g(I.mu);
+    ++I.st.misses;
+    return std::nullopt;
+  }
+  // The match holds exactly the common prefix: llama-server keeps no more
+  // of a restored prompt (it removes the cells past the common prefix).
+  const uint32_t n = uint32_t(lcp_best);
   const char* tier = from == From::kRam ? "ram" : from == From::kPending ? "pending" : "disk";
   try {
     Taking taking(I);
@@ -909,6 +1259,10 @@ StoreStats PromptStore::stats() const {
   s.disk_enabled = impl_->disk_on;
   s.disk_error = impl_->disk_error;
   s.pending = impl_->queue.size();
+  s.redis_enabled = bool(impl_->rd_take);
+  s.redis_up = impl_->rd_up;
+  s.redis_error = impl_->rd_error;
+  s.redis_where = impl_->rd_where;
   return s;
 }
 

@@ -1,0 +1,196 @@
+// Real redis-server processes for the tests (Debian's redis-server, which
+// the bootstrap installs): one instance, or a 3-master cluster made with
+// `redis-cli --cluster create`, on free loopback ports, stopped at the end.
+#pragma once
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "store/redis.h"
+
+namespace kvtc::testing {
+
+// A free loopback port; for a cluster node, one whose bus port (+10000)
+// is free too.
+inline bool port_free(int port) {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(uint16_t(port));
+  const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(s);
+  return ok;
+}
+inline int free_cluster_port() {
+  static uint32_t next = 20000 + uint32_t(::getpid()) % 20000;
+  for (int i = 0; i < 20000; ++i) {
+    const int p = int(20000 + (next++ % 35000));
+    if (port_free(p) && port_free(p + 10000)) return p;
+  }
+  throw std::runtime_error("no free port pair for a cluster node");
+}
+inline int free_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(s);
+    throw std::runtime_error("free_port: cannot bind");
+  }
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+// Starts a program (looked up on PATH) with its output thrown away, killed
+// when the test process dies (a crashed test leaves no server behind).
+inline pid_t spawn(const std::vector<std::string>& args) {
+  std::string path;
+  const char* env_path = std::getenv("PATH");
+  std::string dirs = env_path ? env_path : "/usr/bin:/bin";
+  for (size_t a = 0; path.empty();) {
+    const size_t b = dirs.find(':', a);
+    const std::string cand = dirs.substr(a, b == std::string::npos ? std::string::npos : b - a) + "/" + args[0];
+    if (::access(cand.c_str(), X_OK) == 0) path = cand;
+    if (b == std::string::npos) break;
+    a = b + 1;
+  }
+  if (path.empty()) throw std::runtime_error("cannot find " + args[0] + " on PATH (the bootstrap installs redis-server and redis-tools)");
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    const int null = ::open("/dev/null", O_RDWR);
+    ::dup2(null, 1);
+    ::dup2(null, 2);
+    ::execv(path.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+inline int run_wait(const std::vector<std::string>& args) {
+  int st = 0;
+  ::waitpid(spawn(args), &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// One redis-server on 127.0.0.1, without persistence, in its own directory.
+class RedisServer {
+ public:
+  RedisServer(const std::filesystem::path& dir, std::vector<std::string> extra = {}, int port = 0)
+      : dir_(dir), extra_(std::move(extra)), port_(port ? port : free_port()) {
+    start();
+  }
+  ~RedisServer() {
+    stop();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  RedisServer(const RedisServer&) = delete;
+  RedisServer& operator=(const RedisServer&) = delete;
+
+  void start() {
+    std::filesystem::create_directories(dir_);
+    std::vector<std::string> a = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                  "--dir", dir_.string(), "--logfile", (dir_ / "redis.log").string()};
+    a.insert(a.end(), extra_.begin(), extra_.end());
+    pid_ = spawn(a);
+    for (int i = 0; i < 500; ++i) {  // up to 5 s
+      try {
+        detail::RedisOptions o;
+        o.url = url();
+        detail::Redis r(o);
+        (void)r.run1({"PING"});  // any answer (NOAUTH too): it is up
+        return;
+      } catch (const std::exception&) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    throw std::runtime_error("redis-server on port " + std::to_string(port_) + " did not answer; see " + (dir_ / "redis.log").string());
+  }
+  void stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  int port() const { return port_; }
+  std::string url() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+  std::string hostport() const { return "127.0.0.1:" + std::to_string(port_); }
+  // A direct connection (admin commands; in a cluster, this node only).
+  detail::RedisReply cmd(const detail::RedisCommand& c) const {
+    detail::RedisOptions o;
+    o.url = url();
+    o.retry_ms = 0;
+    detail::Redis r(o);
+    return r.run1(c);
+  }
+
+ private:
+  std::filesystem::path dir_;
+  std::vector<std::string> extra_;
+  int port_;
+  pid_t pid_ = -1;
+};
+
+// Three masters, slots spread by redis-cli --cluster create.
+class RedisCluster {
+ public:
+  ~RedisCluster() {
+    nodes.clear();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  explicit RedisCluster(const std::filesystem::path& dir) : dir_(dir) {
+    std::filesystem::create_directories(dir);
+    for (int i = 0; i < 3; ++i) {
+      const int port = free_cluster_port();
+      nodes.push_back(std::make_unique<RedisServer>(dir / ("node" + std::to_string(i)),
+                                                    std::vector<std::string>{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                                                             "--cluster-node-timeout", "5000"},
+                                                    port));
+    }
+    std::vector<std::string> a = {"redis-cli", "--cluster", "create"};
+    for (auto& n : nodes) a.push_back(n->hostport());
+    a.insert(a.end(), {"--cluster-replicas", "0", "--cluster-yes"});
+    // redis-cli prints its plan; keep the test's output readable.
+    a.insert(a.begin(), {"sh", "-c", "\"$0\" \"$@\" >" + (dir / "create.log").string() + " 2>&1"});
+    if (run_wait(a) != 0) throw std::runtime_error("redis-cli --cluster create failed; see " + (dir / "create.log").string());
+    for (int i = 0; i < 1000; ++i) {  // until every node agrees the cluster is up (10 s at most)
+      bool ok = true;
+      for (auto& n : nodes) ok = ok && n->cmd({"CLUSTER", "INFO"}).str.find("cluster_state:ok") != std::string::npos;
+      if (ok) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    throw std::runtime_error("the redis cluster did not come up");
+  }
+  std::vector<std::unique_ptr<RedisServer>> nodes;
+
+ private:
+  std::filesystem::path dir_;
+};
+
+}  // namespace kvtc::testing

@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Two kvtc-server replicas sharing a Redis tier, as a chat service behind a
+round-robin load balancer runs them: the real binary, the real SmolLM2
+model, real documents, a real HTTP client (requests) and real redis-server
+processes (one instance, and a 3-master cluster) on loopback ports.
+Covered: turn 1 on replica A, turn 2 on replica B restored from Redis (single
+and cluster); Redis stopped mid-run and back; a corrupted value; a replica
+killed while it writes; settings that must not share entries."""
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import unittest
+
+from kvtc_testlib import SMOL, run
+from test_server import conversation, docs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from serverlib import Redis, RedisCluster, Server  # noqa: E402
+
+SERVER = os.environ["KVTC_SERVER_BIN"]
+
+
+class KvtcServerRedis(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="kvtc-server-redis-test-")
+        cls.cal = os.path.join(cls.tmp, "cal.safetensors")
+        # A small real calibration (the test is about the tier, not quality).
+        run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512", "--ratios", "16",
+            "-o", cls.cal, check=0)
+        cls.docs = docs("prose", 4, 1000, 2600)  # ~600 tokens: 2 chunks of 256 and a tail each
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def redis(self, name, *extra):
+        r = Redis(os.path.join(self.tmp, name), extra)
+        self.addCleanup(r.stop)
+        return r
+
+    def replica(self, name, *tier, ratio=16):
+        s = Server(SERVER, SMOL, ["--kvtc-calib", self.cal, "--kvtc-ratio", str(ratio), "--cache-ram", "64", "--parallel", "1", *tier],
+                   os.path.join(self.tmp, name + ".log"))
+        self.assertTrue(s.wait_ready(), s.log()[-3000:])
+        self.addCleanup(s.stop)
+        return s
+
+    def written(self, s, n=1, timeout=120):
+        """Waits until `s` wrote n prompts to Redis; its metrics."""
+        t0 = time.time()
+        while True:
+            m = s.metrics()
+            if m.get("kvtc:redis_prompts_written_total", 0) >= n and m.get("kvtc:pending", 0) == 0:
+                return m
+            if time.time() - t0 > timeout:
+                self.fail(f"no Redis write after {timeout} s: {m}\n{s.log()[-2000:]}")
+            time.sleep(0.1)
+
+    def two_turns(self, a, b, doc, question="Name one person or place it mentions."):
+        """Turn 1 on a, turn 2 on b; (t1 timings, t2 timings, reply 2, reply 2 recomputed on b)."""
+        msgs = conversation(doc)
+        r1, t1, _ = a.chat(msgs)
+        self.written(a)
+        msgs2 = msgs + [{"role": "assistant", "content": r1}, {"role": "user", "content": question}]
+        r2, t2, _ = b.chat(msgs2, max_tokens=12)
+        ref, t_ref, _ = b.chat(msgs2, max_tokens=12, cache_prompt=False)
+        self.assertEqual(t_ref.get("cache_n", 0), 0, t_ref)
+        return t1, t2, r2, ref
+
+    def assert_resumed(self, b, t1, t2, r2, ref):
+        # B never saw turn 1: it came from Redis, and only the new turn was computed.
+        self.assertGreaterEqual(t2["cache_n"], t1["prompt_n"], t2)
+        self.assertLess(t2["prompt_n"], 40, t2)
+        m = b.metrics()
+        self.assertEqual(m['kvtc:hits_total{tier="redis"}'], 1, m)
+        self.assertGreater(m["kvtc:redis_bytes_read_total"], 0)
+        self.assertEqual(m["kvtc:restore_failures_total"], 0)
+        self.assertEqual(m["kvtc:redis_up"], 1)
+        # ... and continues as a recompute does.
+        self.assertTrue(r2.strip())
+        self.assertEqual(r2.split()[:2], ref.split()[:2], (r2, ref))
+        self.assertIn("from the redis tier", b.log())
+
+    # ---- any replica resumes any conversation -----------------------------------
+    def test_turn_two_on_another_replica(self):
+        r = self.redis("one")
+        a = self.replica("one-a", "--kvtc-redis", r.url)
+        b = self.replica("one-b", "--kvtc-redis", r.url)
+        t1, t2, r2, ref = self.two_turns(a, b, self.docs[0])
+        self.assert_resumed(b, t1, t2, r2, ref)
+        ma = a.metrics()
+        self.assertGreaterEqual(ma["kvtc:redis_chunks_written_total"], 2)
+        self.assertEqual(ma["kvtc:redis_errors_total"], 0)
+        keys = r.cli("KEYS", "kvtc:*").split()
+        self.assertTrue(any(":e:" in k for k in keys) and any(":c:" in k for k in keys), keys)
+
+    def test_turn_two_on_another_replica_through_a_cluster(self):
+        cl = RedisCluster(os.path.join(self.tmp, "cluster"))
+        self.addCleanup(cl.stop)
+        a = self.replica("cl-a", "--kvtc-redis-cluster", cl.nodes[0].hostport)
+        b = self.replica("cl-b", "--kvtc-redis-cluster", cl.seeds)
+        t1, t2, r2, ref = self.two_turns(a, b, self.docs[1])
+        self.assert_resumed(b, t1, t2, r2, ref)
+        self.assertGreater(sum(int(n.cli("DBSIZE")) for n in cl.nodes), 0)
+
+    # ---- faults -----------------------------------------------------------------
+    def test_redis_stopped_mid_run_then_back(self):
+        r = self.redis("down")
+        a = self.replica("down-a", "--kvtc-redis", r.url)
+        b = self.replica("down-b", "--kvtc-redis", r.url)
+        r.stop()
+        msgs = conversation(self.docs[2])
+        r1, t1, _ = a.chat(msgs)  # served; the write fails
+        time.sleep(1)
+        r2, t2, _ = b.chat(msgs + [{"role": "assistant", "content": r1}, {"role": "user", "content": "And in a few words?"}])
+        self.assertTrue(r1.strip() and r2.strip())
+        self.assertLess(t2.get("cache_n", 0), t1["prompt_n"] // 2, t2)  # recomputed
+        for s in (a, b):
+            m = s.metrics()
+            self.assertEqual(m["kvtc:redis_up"], 0, m)
+            self.assertGreaterEqual(m["kvtc:redis_errors_total"], 1, m)
+            self.assertEqual(m["kvtc:restore_failures_total"], 0)
+        self.assertIn("Redis unavailable", a.log())
+        r.start()  # back (empty): used again after the retry interval (2 s)
+        time.sleep(2.5)
+        t1, t2, r2, ref = self.two_turns(a, b, self.docs[3])
+        self.assertGreaterEqual(t2["cache_n"], t1["prompt_n"], t2)
+        self.assertEqual(b.metrics()["kvtc:redis_up"], 1)
+        self.assertIn("reachable again", b.log())
+
+    def test_a_corrupted_value_is_dropped_and_recomputed(self):
+        r = self.redis("corrupt")
+        a = self.replica("corrupt-a", "--kvtc-redis", r.url)
+        b = self.replica("corrupt-b", "--kvtc-redis", r.url)
+        msgs = conversation(self.docs[0])
+        r1, t1, _ = a.chat(msgs)
+        self.written(a)
+        chunks = [k for k in r.cli("KEYS", "kvtc:*:c:*").split()]
+        self.assertGreaterEqual(len(chunks), 2)
+        at = {k: int(r.cli("STRLEN", k)) // 2 for k in chunks}
+        for k in chunks:  # a few bytes overwritten in the middle of every chunk
+            r.cli("SETRANGE", k, at[k], "kvtc-garbage")
+        msgs2 = msgs + [{"role": "assistant", "content": r1}, {"role": "user", "content": "And in a few words?"}]
+        r2, t2, _ = b.chat(msgs2, max_tokens=12)
+        ref, _, _ = b.chat(msgs2, max_tokens=12, cache_prompt=False)
+        self.assertLess(t2.get("cache_n", 0), 256, t2)  # nothing of the damaged chunks restored
+        self.assertEqual(r2.split()[:2], ref.split()[:2], (r2, ref))
+        m = b.metrics()
+        self.assertGreaterEqual(m["kvtc:dropped_damaged_total"], 1, m)
+        self.assertEqual(m["kvtc:restore_failures_total"], 0)
+        self.assertIn("damaged Redis value", b.log())
+        # The damaged chunks were deleted, and B's own save of this turn wrote them again, whole.
+        self.written(b)
+        for k in chunks:
+            self.assertNotEqual(r.cli("GETRANGE", k, at[k], at[k] + 11).strip(), "kvtc-garbage", k)
+
+    def test_a_replica_killed_while_writing(self):
+        # SIGKILL right after the reply, while the turn is compressed and
+        # written: whatever reached Redis, B restores a complete prefix or
+        # recomputes — never a partial entry.
+        r = self.redis("kill")
+        b = self.replica("kill-b", "--kvtc-redis", r.url)
+        for i, doc in enumerate(self.docs[:3]):
+            a = self.replica(f"kill-a{i}", "--kvtc-redis", r.url)
+            msgs = conversation(doc)
+            r1, _, _ = a.chat(msgs)
+            time.sleep(0.05 * i)
+            a.proc.send_signal(signal.SIGKILL)
+            a.proc.wait()
+            msgs2 = msgs + [{"role": "assistant", "content": r1}, {"role": "user", "content": "And in a few words?"}]
+            r2, _, _ = b.chat(msgs2, max_tokens=12)
+            ref, _, _ = b.chat(msgs2, max_tokens=12, cache_prompt=False)
+            self.assertEqual(r2.split()[:2], ref.split()[:2], (i, r2, ref))
+        m = b.metrics()
+        self.assertEqual(m["kvtc:restore_failures_total"], 0, m)
+        self.assertEqual(m["kvtc:dropped_damaged_total"], 0, m)
+
+    def test_other_settings_never_share_entries(self):
+        # Another ratio changes the store's salt (as another model or
+        # calibration does; tests/test_store_redis.cpp covers those).
+        r = self.redis("compat")
+        a = self.replica("compat-a", "--kvtc-redis", r.url)
+        b = self.replica("compat-b", "--kvtc-redis", r.url, ratio=32)
+        msgs = conversation(self.docs[1])
+        r1, t1, _ = a.chat(msgs)
+        self.written(a)
+        _, t2, _ = b.chat(msgs + [{"role": "assistant", "content": r1}, {"role": "user", "content": "And in a few words?"}])
+        self.assertLess(t2.get("cache_n", 0), t1["prompt_n"] // 2, t2)
+        m = b.metrics()
+        self.assertEqual(m['kvtc:hits_total{tier="redis"}'], 0)
+        self.assertEqual(m["kvtc:redis_errors_total"], 0)
+
+    def test_bad_redis_flags_are_refused_at_start(self):
+        for flags, want in ((["--kvtc-redis", "http://127.0.0.1:1"], "redis URL"),
+                            (["--kvtc-redis", "redis://127.0.0.1:1", "--kvtc-redis-cluster", "127.0.0.1:2"], "give one of them")):
+            s = Server(SERVER, SMOL, ["--kvtc-calib", self.cal, "--cache-ram", "64", *flags], os.path.join(self.tmp, "bad.log"))
+            self.assertFalse(s.wait_ready(), flags)
+            self.assertNotEqual(s.wait_exit(), 0)
+            self.assertIn(want, s.log())
+        # An unreachable Redis is not fatal: the server starts and retries.
+        s = self.replica("unreachable", "--kvtc-redis", "redis://127.0.0.1:1")
+        self.assertIn("unreachable for now", s.log())
+        self.assertTrue(s.chat(conversation(self.docs[0][:400]))[0].strip())
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

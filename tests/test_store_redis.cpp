@@ -1,0 +1,492 @@
+// The prompt store's Redis tier (docs/store.md "Redis") against real
+// redis-server processes — one instance, and a 3-master cluster — with
+// synthetic caches (tests/synthetic.h: the tests are about the tier's keys,
+// rules and faults, not a model; tests/test_server.py runs two kvtc-server
+// replicas over Redis on a real one). Two stores on one Redis stand for two
+// server replicas.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "core/util.h"
+#include "kvtc/kvtc.h"
+#include "redis_procs.h"
+#include "store/redis.h"
+#include "synthetic.h"
+
+using namespace kvtc;
+using kvtc::testing::RedisCluster;
+using kvtc::testing::RedisServer;
+namespace fs = std::filesystem;
+
+namespace {
+
+const Calibration& cal() {
+  static const Calibration c = fitted();
+  return c;
+}
+
+fs::path tmp(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("kvtc-test-redis-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(p);
+  return p;
+}
+
+// As in test_store.cpp: 64-token chunks, sink 4, window 32, ratio 8, f32.
+StoreOptions small() {
+  StoreOptions o;
+  o.ratio = 8;
+  o.chunk_tokens = 64;
+  o.sink = 4;
+  o.window = 32;
+  o.precision = Precision::kF32;
+  o.async = false;  // puts are in Redis when put() returns
+  o.threads = 2;
+  o.redis_retry_ms = 100;
+  o.redis_timeout_ms = 1000;
+  return o;
+}
+StoreOptions on(const RedisServer& r) {
+  StoreOptions o = small();
+  o.redis_url = r.url();
+  return o;
+}
+
+std::vector<int32_t> seq(int32_t first, size_t n) {
+  std::vector<int32_t> v(n);
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions& o) {
+  CompressOptions c;
+  c.sink = o.sink;
+  c.window = o.window;
+  c.precision = o.precision;
+  const std::vector<uint8_t> bytes = compress(prompt_capture(tokens), cal(), allocation_set(cal(), o.ratio), c);
+  DecompressOptions d;
+  d.precision = o.precision;
+  return decompress(bytes, cal(), "whole", d);
+}
+
+// The first n tokens of `got` are bit for bit those of `full`.
+::testing::AssertionResult same_prefix(const KvCapture& got, const KvCapture& full, uint32_t n) {
+  const KvBlock& a = got.blocks.at(0);
+  const KvBlock& b = full.blocks.at(0);
+  if (a.n_tokens() != n || b.n_tokens() < n) return ::testing::AssertionFailure() << "tokens " << a.n_tokens() << ", expected " << n;
+  for (uint32_t l = 0; l < a.n_layer(); ++l)
+    for (uint32_t h = 0; h < a.n_head_kv; ++h)
+      for (uint32_t t = 0; t < n; ++t) {
+        if (a.pos[t] != b.pos[t]) return ::testing::AssertionFailure() << "pos " << t;
+        for (uint32_t d = 0; d < a.head_dim; ++d)
+          if (a.k[a.index(l, h, t, d)] != b.k[b.index(l, h, t, d)] || a.v[a.index(l, h, t, d)] != b.v[b.index(l, h, t, d)])
+            return ::testing::AssertionFailure() << "l" << l << " h" << h << " t" << t << " d" << d;
+      }
+  return ::testing::AssertionSuccess();
+}
+
+// Keys of one kind ('c', 'e', 'x') in a store's namespace.
+std::vector<std::string> keys_of(const RedisServer& r, const PromptStore& s, char kind) {
+  const auto rep = r.cmd({"KEYS", "kvtc:" + s.fingerprint().substr(0, 16) + ":" + kind + ":*"});
+  std::vector<std::string> out;
+  for (const auto& e : rep.elements) out.push_back(e.str);
+  return out;
+}
+
+// The chain key c_{i+1} of the chunks of `tokens` (docs/store.md "Keys"),
+// and the Redis key of that chunk or of its index hash.
+std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
+  std::string h = s.fingerprint();
+  for (size_t j = 0; j <= i; ++j) {
+    std::vector<uint8_t> b = {uint8_t('c')};
+    b.insert(b.end(), h.begin(), h.end());
+    for (size_t t = j * C; t < (j + 1) * C; ++t)
+      for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(tokens[t]) >> (8 * k)));
+    h = sha256_bytes(b);
+  }
+  return h;
+}
+std::string chunk_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
+  return "kvtc:" + s.fingerprint().substr(0, 16) + ":c:" + chain_key(s, tokens, i, C);
+}
+std::string index_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
+  return "kvtc:" + s.fingerprint().substr(0, 16) + ":x:" + chain_key(s, tokens, i, C);
+}
+
+}  // namespace
+
+TEST(RedisClient, UrlsAreCheckedAtStart) {
+  for (const std::string bad : {"http://127.0.0.1:6379", "redis://", "redis://host:0", "redis://host:99999", "redis://host:12/x", "redis://host:port"}) {
+    detail::RedisOptions o;
+    o.url = bad;
+    try {
+      detail::Redis r(o);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("redis"), std::string::npos) << e.what();
+    }
+  }
+  StoreOptions o = small();
+  o.redis_url = "redis//nowhere";
+  EXPECT_THROW(PromptStore(cal(), lowrank_geometry(), o), Error);
+}
+
+TEST(StoreRedis, AnyReplicaResumesAnyConversation) {
+  RedisServer redis(tmp("replicas"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o), b(cal(), lowrank_geometry(), o);
+  EXPECT_TRUE(a.stats().redis_up);
+  const auto p = seq(1000, 300);  // 4 chunks of 64 + a 44-token tail
+  a.put(p, prompt_capture(p));
+  EXPECT_EQ(a.stats().redis_entries_written, 1u);
+  EXPECT_EQ(a.stats().redis_chunks_written, 4u);
+  EXPECT_EQ(keys_of(redis, a, 'c').size(), 4u);
+  EXPECT_EQ(keys_of(redis, a, 'e').size(), 1u);
+  const KvCapture ref = whole_roundtrip(p, o);
+
+  // Turn 2 lands on B, which never saw turn 1: restored from Redis, the
+  // same bits A would restore.
+  auto m = b.take({}, cat(p, seq(7, 30)));
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "redis");
+  EXPECT_EQ(m->common_prefix, 300u);
+  EXPECT_EQ(m->tokens, p);
+  EXPECT_TRUE(same_prefix(m->cache, ref, 300));
+  StoreStats st = b.stats();
+  EXPECT_EQ(st.hits_redis, 1u);
+  EXPECT_EQ(st.redis_lookups, 1u);
+  EXPECT_GT(st.redis_bytes_read, 0u);
+  // ... and kept in B's RAM: the next turn there needs no Redis.
+  EXPECT_EQ(st.entries, 1u);
+  m = b.take({}, cat(p, seq(9, 10)));
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "ram");
+
+  // A prompt that leaves the stored one inside its third chunk: the two
+  // chunks before it, found by their chained keys alone (a replica cannot
+  // restore part of a chunk it has not got).
+  PromptStore c(cal(), lowrank_geometry(), o);
+  m = c.take({}, cat(seq(1000, 150), seq(5, 100)));
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "redis");
+  EXPECT_EQ(m->common_prefix, 128u);
+  EXPECT_TRUE(same_prefix(m->cache, ref, 128));
+}
+
+TEST(StoreRedis, ContainedEntriesAreDroppedSharedChunksWrittenOnce) {
+  RedisServer redis(tmp("contained"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o), b(cal(), lowrank_geometry(), o);
+  const auto t1 = seq(1000, 300), t2 = cat(t1, seq(50, 100)), t3 = cat(t2, seq(60, 90));
+  a.put(t1, prompt_capture(t1));
+  b.put(t2, prompt_capture(t2));  // another replica, the next turn: contains turn 1
+  a.put(t3, prompt_capture(t3));
+  EXPECT_EQ(keys_of(redis, a, 'e').size(), 1u);  // only the newest entry
+  EXPECT_EQ(a.stats().redis_entries_dropped + b.stats().redis_entries_dropped, 2u);
+  // Chunks written once: 4 by A, 2 more by B (t2: (400-32)/64 = 5 chunks), 2 by A.
+  EXPECT_EQ(a.stats().redis_chunks_written + b.stats().redis_chunks_written, size_t((490 - 32) / 64));
+  EXPECT_EQ(keys_of(redis, a, 'c').size(), size_t((490 - 32) / 64));
+  // Twenty chats over one system prompt share its chunks in Redis.
+  const auto sys = seq(30000, 256);
+  for (int i = 0; i < 20; ++i) {
+    const auto p = cat(sys, seq(40000 + 1000 * i, 60));
+    (i % 2 ? a : b).put(p, prompt_capture(p));
+  }
+  EXPECT_EQ(keys_of(redis, a, 'c').size(), 7u + 4u);  // (316-32)/64 = 4 chunks each, the system prompt's, stored once
+  EXPECT_EQ(keys_of(redis, a, 'e').size(), 21u);
+}
+
+TEST(StoreRedis, AnIndexKeepsItsNewest32Fields) {
+  RedisServer redis(tmp("cap"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o);
+  const auto sys = seq(30000, 64);  // one chunk all share; tails of 40..80 tokens after it
+  std::vector<std::vector<int32_t>> ps;
+  for (int i = 0; i < 40; ++i) {
+    ps.push_back(cat(sys, seq(50000 + 1000 * i, 40 + size_t(i))));
+    a.put(ps.back(), prompt_capture(ps.back()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // distinct write times
+  }
+  EXPECT_EQ(redis.cmd({"HLEN", index_key(a, sys, 0, 64)}).integer, 32);
+  PromptStore b(cal(), lowrank_geometry(), o);
+  auto m = b.take({}, cat(ps.back(), seq(3, 3)));  // the newest: whole
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, ps.back().size());
+  m = b.take({}, cat(ps.front(), seq(3, 3)));  // the oldest: its chunk only
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 64u);
+}
+
+TEST(StoreRedis, RedisDownMeansRecomputingThenBack) {
+  RedisServer redis(tmp("down"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o), b(cal(), lowrank_geometry(), o);
+  std::vector<std::string> logs;
+  const auto p = seq(1000, 300), q = seq(5000, 200);
+  redis.stop();
+  a.put(p, prompt_capture(p));  // not in Redis, but in A's RAM; no throw
+  EXPECT_FALSE(b.take({}, p));  // a miss: B recomputes
+  StoreStats sa = a.stats(), sb = b.stats();
+  EXPECT_FALSE(sa.redis_up);
+  EXPECT_GE(sa.redis_errors, 1u);
+  EXPECT_FALSE(sb.redis_up);
+  EXPECT_NE(sb.redis_error.find("127.0.0.1"), std::string::npos) << sb.redis_error;
+  EXPECT_EQ(sa.entries, 1u);
+  auto m = a.take({}, p);  // A still serves its RAM
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "ram");
+
+  redis.start();  // back, empty (no persistence)
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past redis_retry_ms
+  a.put(q, prompt_capture(q));
+  EXPECT_TRUE(a.stats().redis_up);
+  m = b.take({}, q);
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "redis");
+  EXPECT_TRUE(b.stats().redis_up);
+}
+
+TEST(StoreRedis, DamagedValuesAreDroppedAndTheRestUsed) {
+  RedisServer redis(tmp("damaged"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300);
+  a.put(p, prompt_capture(p));
+  const KvCapture ref = whole_roundtrip(p, o);
+  const std::string c3 = chunk_key(a, p, 2, 64);
+  ASSERT_EQ(redis.cmd({"EXISTS", c3}).integer, 1);
+
+  // One flipped byte in the middle of chunk 3: refused by its checksum,
+  // deleted; the two chunks before it are restored.
+  const std::string v = redis.cmd({"GET", c3}).str;
+  std::string bad = v;
+  bad[bad.size() / 2] = char(bad[bad.size() / 2] ^ 0x5a);
+  redis.cmd({"SET", c3, bad});
+  {
+    PromptStore b(cal(), lowrank_geometry(), o);
+    auto m = b.take({}, cat(p, seq(3, 10)));
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->common_prefix, 128u);
+    EXPECT_TRUE(same_prefix(m->cache, ref, 128));
+    EXPECT_EQ(b.stats().corrupt_dropped, 1u);
+    EXPECT_EQ(redis.cmd({"EXISTS", c3}).integer, 0);
+  }
+  // A truncated entry (as a writer that died mid-value would leave, if SET
+  // were not atomic): refused by its checksum, dropped with its index field.
+  redis.cmd({"SET", c3, v});
+  const auto ek = keys_of(redis, a, 'e');
+  ASSERT_EQ(ek.size(), 1u);
+  const std::string e = redis.cmd({"GET", ek[0]}).str;
+  redis.cmd({"SET", ek[0], e.substr(0, e.size() - 100)});
+  {
+    PromptStore b(cal(), lowrank_geometry(), o);
+    auto m = b.take({}, cat(p, seq(3, 10)));
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->common_prefix, 256u);  // the chunks, without the tail
+    EXPECT_TRUE(same_prefix(m->cache, ref, 256));
+    EXPECT_EQ(b.stats().corrupt_dropped, 1u);
+    EXPECT_EQ(keys_of(redis, a, 'e').size(), 0u);
+    EXPECT_EQ(redis.cmd({"HLEN", index_key(a, p, 3, 64)}).integer, 0);
+  }
+  // A value of the wrong type where a chunk should be: a miss, not an
+  // error, and Redis is not taken for down.
+  redis.cmd({"DEL", chunk_key(a, p, 0, 64)});
+  redis.cmd({"HSET", chunk_key(a, p, 0, 64), "f", "v"});
+  PromptStore b(cal(), lowrank_geometry(), o);
+  EXPECT_FALSE(b.take({}, cat(p, seq(3, 10))));
+  EXPECT_TRUE(b.stats().redis_up);
+  EXPECT_EQ(redis.cmd({"EXISTS", chunk_key(a, p, 0, 64)}).integer, 0);  // dropped
+}
+
+TEST(StoreRedis, MissingPiecesGiveAShorterPrefixNeverAPartialEntry) {
+  RedisServer redis(tmp("missing"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300);
+  a.put(p, prompt_capture(p));
+  const KvCapture ref = whole_roundtrip(p, o);
+  // A writer killed after its chunks and before its entry leaves chunks
+  // that no entry names (and, at worst, an index naming nothing).
+  const auto ek = keys_of(redis, a, 'e');
+  ASSERT_EQ(ek.size(), 1u);
+  redis.cmd({"DEL", ek[0]});
+  {
+    PromptStore b(cal(), lowrank_geometry(), o);
+    auto m = b.take({}, cat(p, seq(3, 10)));
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->common_prefix, 256u);
+    EXPECT_TRUE(same_prefix(m->cache, ref, 256));
+    EXPECT_EQ(b.stats().redis_missing, 1u);
+  }
+  // An evicted middle chunk: the chunks before it.
+  redis.cmd({"DEL", chunk_key(a, p, 1, 64)});
+  PromptStore b(cal(), lowrank_geometry(), o);
+  auto m = b.take({}, cat(p, seq(3, 10)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 64u);
+  EXPECT_TRUE(same_prefix(m->cache, ref, 64));
+  redis.cmd({"DEL", chunk_key(a, p, 0, 64)});
+  EXPECT_FALSE(b.take({}, cat(p, seq(3, 10))));
+}
+
+TEST(StoreRedis, MaxmemoryEvictionOnlyShortensMatches) {
+  // Redis's own LRU evicting under a budget below what is stored (~1 MB
+  // put, 600 KB allowed): every take is a miss or a correct prefix, never
+  // an error.
+  RedisServer redis(tmp("lru"), {"--maxmemory-policy", "allkeys-lru"});
+  const std::string mem = redis.cmd({"INFO", "memory"}).str;
+  const long long used = std::stoll(mem.substr(mem.find("used_memory:") + 12));
+  ASSERT_TRUE(redis.cmd({"CONFIG", "SET", "maxmemory", std::to_string(used + 600000)}).ok());  // ~60% of the 1 MB put
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 40; ++i) {
+    // Redis's LRU clock ticks once a second: four batches a second apart,
+    // so that the older batches are the ones evicted.
+    if (i % 10 == 0 && i) std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+    prompts.push_back(cat(seq(1000, 128), seq(100000 + 1000 * i, 200 + 7 * i)));  // a shared 2-chunk prefix
+    a.put(prompts.back(), prompt_capture(prompts.back()));
+  }
+  const std::string info = redis.cmd({"INFO", "stats"}).str;
+  const size_t at = info.find("evicted_keys:");
+  ASSERT_NE(at, std::string::npos);
+  EXPECT_GT(std::stoll(info.substr(at + 13)), 0) << "nothing was evicted; the test needs a smaller maxmemory";
+  PromptStore b(cal(), lowrank_geometry(), o);
+  size_t hits = 0, whole = 0;
+  for (const auto& p : prompts) {
+    auto m = b.take({}, cat(p, seq(9, 5)));
+    if (!m) continue;
+    ++hits;
+    whole += m->common_prefix == p.size();
+    ASSERT_LE(m->common_prefix, p.size());
+    ASSERT_EQ(m->common_prefix % 64 == 0 || m->common_prefix == p.size(), true) << m->common_prefix;
+    ASSERT_TRUE(same_prefix(m->cache, whole_roundtrip(p, o), m->common_prefix));
+  }
+  // Which keys go is Redis's sampled choice (keys written within one LRU
+  // second are alike to it), so how many prompts survive whole varies from
+  // run to run; that some came back shorter, and none wrong, does not.
+  EXPECT_GT(hits, 0u);                // the shared chunks, touched by every put, stay
+  EXPECT_LT(whole, prompts.size());  // evicted pieces shortened the rest
+  EXPECT_EQ(b.stats().redis_errors, 0u);
+}
+
+TEST(StoreRedis, OtherModelsCalibrationsAndSettingsNeverMix) {
+  RedisServer redis(tmp("compat"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300);
+  a.put(p, prompt_capture(p));
+  FitOptions f;
+  f.ratios = {8};
+  const Calibration other = fit_calibration({lowrank_capture(300, 60), lowrank_capture(300, 61)}, {lowrank_capture(200, 62)}, f);
+  PromptStore b(other, lowrank_geometry(), o);
+  EXPECT_FALSE(b.take({}, p));
+  StoreOptions o4 = o;
+  o4.ratio = 4;
+  PromptStore c(cal(), lowrank_geometry(), o4);
+  EXPECT_FALSE(c.take({}, p));
+  EXPECT_EQ(b.stats().redis_errors + c.stats().redis_errors, 0u);
+  // An entry of another namespace copied under this one's key is refused
+  // by its salt (the keys would never collide; a copy is the worst case).
+  b.put(p, prompt_capture(p));
+  const auto eb = keys_of(redis, b, 'e'), ea = keys_of(redis, a, 'e');
+  ASSERT_EQ(eb.size(), 1u);
+  ASSERT_EQ(ea.size(), 1u);
+  redis.cmd({"SET", ea[0], redis.cmd({"GET", eb[0]}).str});
+  PromptStore d(cal(), lowrank_geometry(), o);
+  auto m = d.take({}, cat(p, seq(3, 3)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 256u);  // the chunks; the foreign entry dropped
+  EXPECT_EQ(d.stats().corrupt_dropped, 1u);
+}
+
+TEST(StoreRedis, PasswordAndDatabase) {
+  RedisServer redis(tmp("auth"), {"--requirepass", "s3cret"});
+  StoreOptions o = small();
+  o.redis_url = "redis://:s3cret@127.0.0.1:" + std::to_string(redis.port()) + "/3";
+  PromptStore a(cal(), lowrank_geometry(), o), b(cal(), lowrank_geometry(), o);
+  EXPECT_TRUE(a.stats().redis_up) << a.stats().redis_error;
+  const auto p = seq(1000, 300);
+  a.put(p, prompt_capture(p));
+  auto m = b.take({}, p);
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "redis");
+  o.redis_url = "redis://:wrong@127.0.0.1:" + std::to_string(redis.port());
+  PromptStore c(cal(), lowrank_geometry(), o);
+  EXPECT_FALSE(c.stats().redis_up);
+  EXPECT_NE(c.stats().redis_error.find("WRONGPASS"), std::string::npos) << c.stats().redis_error;
+  EXPECT_FALSE(c.take({}, p));
+}
+
+TEST(StoreRedisCluster, KeySlotsMatchTheServers) {
+  RedisCluster cl(tmp("slots"));
+  std::mt19937 rng(5);
+  for (int i = 0; i < 300; ++i) {
+    std::string k = "kvtc:" + std::to_string(rng());
+    if (i % 3 == 0) k += "{tag" + std::to_string(i % 7) + "}x";
+    if (i % 10 == 0) k += "{}";
+    EXPECT_EQ(detail::Redis::key_slot(k), cl.nodes[0]->cmd({"CLUSTER", "KEYSLOT", k}).integer) << k;
+  }
+}
+
+TEST(StoreRedisCluster, ReplicasShareAClusterThroughMigrations) {
+  RedisCluster cl(tmp("cluster"));
+  StoreOptions o = small();
+  o.redis_cluster = {cl.nodes[0]->hostport()};  // one seed: the client learns the rest
+  PromptStore a(cal(), lowrank_geometry(), o);
+  o.redis_cluster = {cl.nodes[2]->hostport(), cl.nodes[1]->hostport()};
+  PromptStore b(cal(), lowrank_geometry(), o);
+  std::vector<std::vector<int32_t>> ps;
+  for (int i = 0; i < 6; ++i) {
+    ps.push_back(seq(1000 * (i + 1), 300 + 20 * i));
+    a.put(ps.back(), prompt_capture(ps.back()));
+  }
+  EXPECT_TRUE(a.stats().redis_up) << a.stats().redis_error;
+  // The keys spread over all three masters.
+  for (auto& n : cl.nodes) EXPECT_GT(n->cmd({"DBSIZE"}).integer, 0);
+  auto m = b.take({}, cat(ps[0], seq(3, 5)));
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "redis");
+  EXPECT_TRUE(same_prefix(m->cache, whole_roundtrip(ps[0], o), uint32_t(ps[0].size())));
+
+  // Move the slot of ps[1]'s first chunk to another master, as a resharding
+  // does: first half-way (ASK), then for good (MOVED).
+  const std::string key = chunk_key(a, ps[1], 0, 64);
+  const long long slot = cl.nodes[0]->cmd({"CLUSTER", "KEYSLOT", key}).integer;
+  int src = -1;
+  for (int i = 0; i < 3; ++i)
+    if (cl.nodes[size_t(i)]->cmd({"CLUSTER", "COUNTKEYSINSLOT", std::to_string(slot)}).integer > 0) src = i;
+  ASSERT_GE(src, 0);
+  const int dst = (src + 1) % 3;
+  const std::string src_id = cl.nodes[size_t(src)]->cmd({"CLUSTER", "MYID"}).str, dst_id = cl.nodes[size_t(dst)]->cmd({"CLUSTER", "MYID"}).str;
+  ASSERT_TRUE(cl.nodes[size_t(dst)]->cmd({"CLUSTER", "SETSLOT", std::to_string(slot), "IMPORTING", src_id}).ok());
+  ASSERT_TRUE(cl.nodes[size_t(src)]->cmd({"CLUSTER", "SETSLOT", std::to_string(slot), "MIGRATING", dst_id}).ok());
+  const auto mig = cl.nodes[size_t(src)]->cmd({"MIGRATE", "127.0.0.1", std::to_string(cl.nodes[size_t(dst)]->port()), "", "0", "5000", "KEYS", key});
+  ASSERT_TRUE(mig.ok()) << mig.str;
+  PromptStore b2(cal(), lowrank_geometry(), o);  // a replica with a fresh slot map
+  m = b2.take({}, cat(ps[1], seq(3, 5)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, ps[1].size());
+  EXPECT_GE(b2.stats().redis_redirects, 1u);  // ASK followed
+  for (auto& n : cl.nodes) ASSERT_TRUE(n->cmd({"CLUSTER", "SETSLOT", std::to_string(slot), "NODE", dst_id}).ok());
+  const uint64_t before = b.stats().redis_redirects;
+  m = b.take({}, cat(ps[1], seq(3, 5)));  // b's map is stale: MOVED, refreshed
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, ps[1].size());
+  EXPECT_TRUE(same_prefix(m->cache, whole_roundtrip(ps[1], o), uint32_t(ps[1].size())));
+  EXPECT_GT(b.stats().redis_redirects, before);
+
+  // A master down: a miss for what it held, and the store keeps serving.
+  cl.nodes[1]->stop();
+  PromptStore b3(cal(), lowrank_geometry(), o);
+  for (const auto& p : ps) (void)b3.take({}, p);  // no throw, no hang
+  EXPECT_GE(b3.stats().redis_errors, 1u);
+}

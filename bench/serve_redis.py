@@ -45,10 +45,18 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else 0.0
 
 
-def fit(points):
-    """(intercept, slope) of a least-squares line through (x, y) points."""
+def fit(points, nonnegative_intercept=False):
+    """(intercept, slope) of a least-squares line through (x, y) points; with
+    nonnegative_intercept, a line through the origin when the free fit's
+    intercept is negative (prefill is not linear in the tokens: attention
+    grows with them, which pulls the intercept below zero)."""
     if len(points) < 2:
         return None
+    if nonnegative_intercept:
+        f = fit(points)
+        if f and f[0] < 0:
+            return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+        return f
     mx = statistics.fmean(x for x, _ in points)
     my = statistics.fmean(y for _, y in points)
     sxx = sum((x - mx) ** 2 for x, _ in points)
@@ -168,7 +176,7 @@ def main():
         infos[name] = info
     # Break-even: restore time (whole, on the loop) against tokens restored,
     # per Redis mode; prefill time against tokens computed (every request).
-    prefill = fit([(r["prompt_n"], r["prompt_ms"]) for r in records if r["prompt_n"] and r["prompt_ms"] and r["prompt_n"] >= 64])
+    prefill = fit([(r["prompt_n"], r["prompt_ms"]) for r in records if r["prompt_n"] and r["prompt_ms"] and r["prompt_n"] >= 64], True)
     breakeven = {}
     for name, info in infos.items():
         f = fit([(x["tokens"], x["ms"]) for x in info["restores"] if x["tier"] == "redis"])

@@ -31,7 +31,9 @@ def main():
                "restore on the loop = the whole restore (round trips, decoding, loading the state into the slot).\n")
     pf = j.get("prefill_fit_ms")
     if pf:
-        out.append(f"Prefill on this machine (all requests, linear fit): {pf[0]:.0f} ms + {pf[1]:.2f} ms per token computed.")
+        out.append(f"Prefill on this machine (all requests of >= 64 tokens computed, least squares; through the origin when the free fit's "
+                   f"intercept is negative): {pf[0]:.0f} ms + {pf[1]:.2f} ms per token computed. Restore: the restores from Redis, "
+                   f"their whole time on the loop against the tokens restored. Break-even = where the two lines cross.\n")
     for name, b in j.get("breakeven", {}).items():
         a, s = b["restore_fit_ms"]
         n = b["tokens"]

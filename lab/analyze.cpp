@@ -709,7 +709,7 @@ Action add_analyze(CLI::App& app) {
   a->corpus = default_corpus();
   CLI::App* sub =
       app.add_subcommand("analyze", "The paper's evidence on a model: head similarity, error vs calibration size, position and domain; PNG + JSON");
-  sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
+  model_option(sub, a->model, "GGUF model");
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--what", a->what, "Analyses: procrustes, calib-size, position, bits, domain")->delimiter(',')->capture_default_str();
   sub->add_option("--calib", a->calib, "Calibration for position and bits")->capture_default_str();

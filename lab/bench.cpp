@@ -452,7 +452,7 @@ Action add_bench(CLI::App& app) {
   a->model = default_model();
   a->corpus = default_corpus();
   CLI::App* sub = app.add_subcommand("bench", "Codec speed (fixed columns) with restore vs recompute, GEMM peak and memcpy as yardsticks");
-  sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
+  model_option(sub, a->model, "GGUF model");
   sub->add_option("--calib", a->calib, "Calibration file")->required();
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--context", a->contexts, "Context lengths (past the model's trained length: the real capture tiled, codec only)")

@@ -378,7 +378,7 @@ Action add_eval(CLI::App& app) {
   a->model = default_model();
   a->corpus = default_corpus();
   CLI::App* sub = app.add_subcommand("eval", "Quality after compress -> restore -> continue (ppl, kld, agree, niah, vt, kvr), method by method");
-  sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
+  model_option(sub, a->model, "GGUF model");
   sub->add_option("--calib", a->calib, "Calibration file (needed by kvtc and svd methods)");
   sub->add_option("--calib-extra", a->calib_extra, "More calibrations as NAME=FILE, used by kvtc-<R>x@NAME (ablations)");
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();

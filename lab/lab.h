@@ -14,6 +14,7 @@
 namespace kvtc::lab {
 
 using cli::Action;
+using cli::model_option;
 
 Action add_eval(CLI::App& app);
 Action add_bench(CLI::App& app);

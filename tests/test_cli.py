@@ -101,6 +101,19 @@ class CliTest(unittest.TestCase):
         self.assertEqual(sorted(j["corpus"]["calib"]["kinds"]), ["code", "docs", "math", "prose"])
         self.assertIn("features", j["cpu"])
 
+    def test_models_by_name(self):
+        j = json.loads(run("info", "--json", check=0).stdout)
+        names = {m["name"]: m for m in j["models"]}
+        self.assertEqual(sorted(names), ["gemma3", "qwen", "smollm2"])
+        self.assertTrue(names["smollm2"]["present"] and names["gemma3"]["present"])
+        self.assertEqual(names["qwen"]["fetched_by"], "make models-large")
+        j = json.loads(run("info", "--json", "--model", "gemma3", check=0).stdout)
+        self.assertEqual(j["default_model"]["path"], names["gemma3"]["path"])
+        if not names["qwen"]["present"]:  # not fetched by make test: the name says how to get it
+            p = run("info", "--model", "qwen")
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn("make models-large", p.stderr + p.stdout)
+
     def test_tokens(self):
         doc = eval_doc("math", 1024)
         j = json.loads(run("tokens", doc, check=0).stdout)

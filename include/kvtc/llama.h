@@ -37,6 +37,19 @@ void set_llama_verbose(bool on);
 std::string default_model_path();
 std::string default_corpus_dir();
 
+// The models the bootstrap provides, by short name: "smollm2" (the
+// default; scripts/bootstrap.sh), "gemma3" (the iSWA test model) and
+// "qwen" (Qwen2.5-Coder-1.5B-Instruct; make models-large). Paths under
+// .deps/models of the build's source tree; `present` when the file is there.
+struct NamedModel {
+  std::string name, path, what, how;  // how: the command that fetches it
+  bool present = false;
+};
+std::vector<NamedModel> named_models();
+// A short name's path, anything else unchanged. Error for a known name whose
+// file is missing (naming the command that fetches it).
+std::string resolve_model(const std::string& name_or_path);
+
 struct ModelInfo {
   std::string path;
   std::string arch;  // general.architecture

@@ -188,9 +188,35 @@ void fill_from_model(const llama_model* md, uint32_t swa_period, ModelInfo& mi) 
 
 }  // namespace
 
+std::vector<NamedModel> named_models() {
+  const std::string dir = KVTC_MODELS_DIR;
+  std::vector<NamedModel> v = {
+      {"smollm2", dir + "/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct Q4_1 (llama, the default)", "make bootstrap"},
+      {"gemma3", dir + "/gemma-3-270m-q4_k_m.gguf", "Gemma 3 270M Q4_K_M (gemma3, sliding-window layers)", "make bootstrap"},
+      {"qwen", dir + "/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 32K context)", "make models-large"},
+  };
+  for (NamedModel& m : v) {
+    std::error_code ec;
+    m.present = std::filesystem::is_regular_file(m.path, ec);
+  }
+  return v;
+}
+
+std::string resolve_model(const std::string& name_or_path) {
+  for (const NamedModel& m : named_models())
+    if (m.name == name_or_path) {
+      require(m.present, "model '" + m.name + "' (" + m.what + ") is not fetched yet: run `" + m.how + "` (" + m.path + ")");
+      return m.path;
+    }
+  return name_or_path;
+}
+
 std::string default_model_path() {
   const char* e = std::getenv("KVTC_MODEL");
-  return e && *e ? e : KVTC_DEFAULT_MODEL;
+  if (!e || !*e) return KVTC_DEFAULT_MODEL;
+  for (const NamedModel& m : named_models())
+    if (m.name == e) return m.path;  // a missing file is reported where it is opened
+  return e;
 }
 
 std::string default_corpus_dir() {

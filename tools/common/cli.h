@@ -21,6 +21,25 @@ namespace kvtc::cli {
 using Action = std::function<int()>;
 using Subcommand = Action (*)(CLI::App&);
 
+// -m/--model: a GGUF path or one of the bootstrap's short names (kvtc info
+// lists them), resolved to its path as the option is parsed.
+inline CLI::Option* model_option(CLI::App* sub, std::string& target, const std::string& help) {
+  std::string names;
+  for (const NamedModel& m : named_models()) names += (names.empty() ? "" : ", ") + m.name;
+  return sub->add_option("-m,--model", target, help + "; a path or a name: " + names)
+      ->capture_default_str()
+      ->transform(CLI::Validator(
+          [](std::string& s) {
+            try {
+              s = resolve_model(s);
+              return std::string();
+            } catch (const std::exception& e) {
+              return std::string(e.what());
+            }
+          },
+          "", "model"));
+}
+
 inline int run(const std::string& prog, const std::string& description, const std::vector<Subcommand>& subcommands, int argc, char** argv) {
   CLI::App app{description};
   app.require_subcommand(1);

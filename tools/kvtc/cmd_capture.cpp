@@ -114,7 +114,7 @@ Action add_capture(CLI::App& app) {
   auto a = std::make_shared<CaptureArgs>();
   CLI::App* sub = app.add_subcommand("capture", "Run a model over a text and write its KV cache (safetensors)");
   a->model = default_model();
-  sub->add_option("-m,--model", a->model, "GGUF model")->capture_default_str();
+  model_option(sub, a->model, "GGUF model");
   sub->add_option("-t,--text", a->text, "UTF-8 text file to prefill")->required();
   sub->add_option("-o,--output", a->out, "Output .safetensors path")->required();
   sub->add_option("--max-tokens", a->max_tokens, "Keep only the first N tokens of the text")->check(CLI::PositiveNumber);

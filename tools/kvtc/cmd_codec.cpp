@@ -75,7 +75,7 @@ Action add_calibrate(CLI::App& app) {
   o->model_path = default_model();
   o->corpus_dir = default_corpus();
   CLI::App* sub = app.add_subcommand("calibrate", "PCA basis and bit-allocation tables from the calibration corpus");
-  sub->add_option("-m,--model", o->model_path, "GGUF model")->capture_default_str();
+  model_option(sub, o->model_path, "GGUF model");
   sub->add_option("--corpus", o->corpus_dir, "Corpus root (manifest.json, calib/)")->capture_default_str();
   sub->add_option("--tokens", o->n_tokens, "Tokens for the PCA fit")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--heldout", o->heldout_tokens, "Held-out tokens for the block errors")->capture_default_str()->check(CLI::PositiveNumber);

@@ -88,13 +88,17 @@ Action add_info(CLI::App& app) {
   auto model = std::make_shared<std::string>(default_model());
   CLI::App* sub = app.add_subcommand("info", "Version, llama.cpp commit, default model, corpus and CPU features");
   sub->add_flag("--json", *json, "JSON output");
-  sub->add_option("-m,--model", *model, "Model to describe")->capture_default_str();
+  model_option(sub, *model, "Model to describe");
   return [json, model] {
     nlohmann::ordered_json j;
     const LibraryInfo li = library_info();
     j["kvtc_version"] = li.version;
     j["llama_cpp_commit"] = kLlamaCppCommit;
     j["default_model"] = model_summary(*model);
+    nlohmann::ordered_json named = nlohmann::ordered_json::array();
+    for (const NamedModel& m : named_models())
+      named.push_back({{"name", m.name}, {"path", m.path}, {"what", m.what}, {"present", m.present}, {"fetched_by", m.how}});
+    j["models"] = named;
     j["corpus"] = corpus_summary(default_corpus());
     j["cpu"] = {{"brand", li.cpu}, {"features", li.cpu_features}};
     j["bf16_projection"] = li.bf16 ? li.bf16_projection : "unavailable: " + li.bf16_projection;
@@ -110,6 +114,11 @@ Action add_info(CLI::App& app) {
                     m["n_ctx_train"].get<unsigned>(), m["rope_type"].get<std::string>().c_str());
       else
         std::printf("        unavailable: %s\n", m["error"].get<std::string>().c_str());
+      for (const auto& m : j["models"])
+        std::printf("%-7s %-8s %s: %s\n", &m == &j["models"][0] ? "models" : "", m["name"].get<std::string>().c_str(),
+                    m["what"].get<std::string>().c_str(),
+                    m["present"].get<bool>() ? m["path"].get<std::string>().c_str()
+                                             : ("not fetched (" + m["fetched_by"].get<std::string>() + ")").c_str());
       std::printf("corpus  %s (%s)\n", j["corpus"]["root"].get<std::string>().c_str(),
                   j["corpus"]["built"].get<bool>() ? "built" : "not built: make corpus");
       std::string feats;
@@ -126,7 +135,7 @@ Action add_tokens(CLI::App& app) {
   auto model = std::make_shared<std::string>(default_model());
   CLI::App* sub = app.add_subcommand("tokens", "Count tokens of text files (JSON lines: path, tokens)");
   sub->add_option("files", *files, "Text files")->required();
-  sub->add_option("-m,--model", *model, "Tokenizer model")->capture_default_str();
+  model_option(sub, *model, "Tokenizer model");
   return [files, model] {
     auto m = Model::load(*model, /*vocab_only=*/true);
     for (const auto& p : *files) {

@@ -118,7 +118,7 @@ Action add_restore(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("restore", "Load a capture into llama.cpp and continue generating");
   a->model = default_model();
   sub->add_option("input", a->in, "Capture file (.safetensors) from `kvtc capture`")->required();
-  sub->add_option("-m,--model", a->model, "GGUF model (must be the one the capture came from)")->capture_default_str();
+  model_option(sub, a->model, "GGUF model (must be the one the capture came from)");
   sub->add_option("-n,--generate", a->generate, "Greedy tokens to generate after the restore")->check(CLI::Range(1, 4096))->capture_default_str();
   sub->add_flag("--verify", a->verify, "Also recompute the prefix and compare logits and greedy tokens (exit 3 on a mismatch)");
   sub->add_flag("--ignore-model-hash", a->ignore_model_hash, "Restore even if the model file's sha256 differs from the capture's");

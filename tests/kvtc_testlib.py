@@ -52,3 +52,10 @@ def eval_doc(kind, min_tokens):
         m = json.load(f)
     d = next(d for d in m["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= min_tokens)
     return os.path.join(CORPUS, d["file"])
+
+
+def small_calibration(path):
+    """A small real calibration of SmolLM2 at 16x (3,000 tokens): for the
+    server tests, which are about the server, not quality."""
+    run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512", "--ratios", "16",
+        "-o", path, check=0)

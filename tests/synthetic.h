@@ -96,6 +96,31 @@ inline Calibration fitted() {
   return fit_calibration(fit, held, o);
 }
 
+// Token sequences for the store tests: first, first+1, ...; a then b.
+inline std::vector<int32_t> seq(int32_t first, size_t n) {
+  std::vector<int32_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = first + int32_t(i);
+  return v;
+}
+inline std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// What the codec gives for a whole prompt in one container with a store's
+// sink, window, ratio and precision: the store must restore exactly this,
+// as the codes are per token and chunking changes nothing.
+inline KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions& o, const Calibration& cal) {
+  CompressOptions c;
+  c.sink = o.sink;
+  c.window = o.window;
+  c.precision = o.precision;
+  const std::vector<uint8_t> bytes = compress(prompt_capture(tokens), cal, allocation_set(cal, o.ratio), c);
+  DecompressOptions d;
+  d.precision = o.precision;
+  return decompress(bytes, cal, "whole", d);
+}
+
 inline std::string error_of(const std::function<void()>& f) {
   try {
     f();

@@ -20,7 +20,7 @@ import unittest
 
 import requests
 
-from kvtc_testlib import CORPUS, SMOL, run
+from kvtc_testlib import CORPUS, SMOL, small_calibration
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 from serverlib import Server  # noqa: E402
@@ -51,9 +51,7 @@ class KvtcServer(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="kvtc-server-test-")
         cls.cal = os.path.join(cls.tmp, "cal.safetensors")
-        # A small real calibration of the model (the test is about the server, not quality).
-        run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512", "--ratios", "16",
-            "-o", cls.cal, check=0)
+        small_calibration(cls.cal)
         # ~600-token documents: 2 chunks of 256 and a tail each (prefill ~2 s on 2 cores).
         cls.docs = docs("prose", 4, 1000, 2600)
 
@@ -134,8 +132,9 @@ class KvtcServer(unittest.TestCase):
         self.assertGreaterEqual(m["kvtc:saves_total"], n)
         # Every chat after the first found the prefix's chunks stored already.
         self.assertGreaterEqual(m["kvtc:chunks_shared_total"], 3 * (n - 1), m)
-        # A chat restored the shared prefix from its neighbour instead of recomputing it.
-        self.assertGreaterEqual(m['kvtc:hits_total{tier="ram"}'], n - 1, m)
+        # A chat restored the shared prefix from its neighbour instead of recomputing it
+        # (from RAM, or from the queue when the neighbour was still being compressed).
+        self.assertGreaterEqual(m['kvtc:hits_total{tier="ram"}'] + m['kvtc:hits_total{tier="pending"}'], n - 1, m)
         self.assertLessEqual(m["kvtc:ram_chunks"], 3 + 2 * n, m)
 
     # ---- faults and bad input --------------------------------------------------

@@ -14,7 +14,7 @@ import tempfile
 import time
 import unittest
 
-from kvtc_testlib import SMOL, run
+from kvtc_testlib import SMOL, small_calibration
 from test_server import conversation, docs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
@@ -28,9 +28,7 @@ class KvtcServerRedis(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="kvtc-server-redis-test-")
         cls.cal = os.path.join(cls.tmp, "cal.safetensors")
-        # A small real calibration (the test is about the tier, not quality).
-        run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512", "--ratios", "16",
-            "-o", cls.cal, check=0)
+        small_calibration(cls.cal)
         cls.docs = docs("prose", 4, 1000, 2600)  # ~600 tokens: 2 chunks of 256 and a tail each
 
     @classmethod

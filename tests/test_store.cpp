@@ -52,28 +52,8 @@ StoreOptions small(bool async = false) {
   return o;
 }
 
-std::vector<int32_t> seq(int32_t first, size_t n) {
-  std::vector<int32_t> v(n);
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
-std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// What the codec gives for the whole prompt in one container with the
-// store's sink and window: the store must restore exactly this, as the
-// codes are per token and chunking changes nothing.
 KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions& o) {
-  CompressOptions c;
-  c.sink = o.sink;
-  c.window = o.window;
-  c.precision = o.precision;
-  const std::vector<uint8_t> bytes = compress(prompt_capture(tokens), cal(), allocation_set(cal(), o.ratio), c);
-  DecompressOptions d;
-  d.precision = o.precision;
-  return decompress(bytes, cal(), "whole", d);
+  return kvtc::whole_roundtrip(tokens, o, cal());
 }
 
 void expect_prefix_of(const KvCapture& got, const KvCapture& full, uint32_t n) {

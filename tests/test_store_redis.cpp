@@ -56,25 +56,8 @@ StoreOptions on(const RedisServer& r) {
   return o;
 }
 
-std::vector<int32_t> seq(int32_t first, size_t n) {
-  std::vector<int32_t> v(n);
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
-std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions& o) {
-  CompressOptions c;
-  c.sink = o.sink;
-  c.window = o.window;
-  c.precision = o.precision;
-  const std::vector<uint8_t> bytes = compress(prompt_capture(tokens), cal(), allocation_set(cal(), o.ratio), c);
-  DecompressOptions d;
-  d.precision = o.precision;
-  return decompress(bytes, cal(), "whole", d);
+  return kvtc::whole_roundtrip(tokens, o, cal());
 }
 
 // The first n tokens of `got` are bit for bit those of `full`.

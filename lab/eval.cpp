@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "eval_tasks.h"
 #include "kvtc/corpus.h"
@@ -192,9 +193,9 @@ int run_eval(const EvalArgs& a) {
     Session s(*model, so);
     std::map<std::string, std::unique_ptr<Session>> native;  // q8_0 / q4_0 contexts
     for (const auto& m : methods)
-      if (!m->native_cache_type().empty()) {
+      if (!m->native_cache_types().first.empty()) {
         SessionOptions qo = so;
-        qo.cache_type_k = qo.cache_type_v = m->native_cache_type();
+        std::tie(qo.cache_type_k, qo.cache_type_v) = m->native_cache_types();
         native[m->name()] = std::make_unique<Session>(*model, qo);
       }
     // Per method: per-prompt scores; KL and agreement are against vanilla.
@@ -231,7 +232,7 @@ int run_eval(const EvalArgs& a) {
           bytes[m.name()].second += stored;
           continue;
         }
-        if (!m.native_cache_type().empty()) {
+        if (!m.native_cache_types().first.empty()) {
           run = native.at(m.name()).get();
           run->clear();
           run->decode(P.tokens, 0);

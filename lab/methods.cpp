@@ -7,7 +7,7 @@
 namespace kvtc::lab {
 
 const char* const kMethodHelp =
-    "vanilla, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0, q4_0, streaming-<R>x, svd-<R>x, zstd, deflate";
+    "vanilla, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, svd-<R>x, zstd, deflate";
 
 namespace {
 
@@ -99,16 +99,35 @@ class Lossless : public Method {
   bool ratio_only() const override { return true; }
 };
 
+// "q8_0", "q4_0", or with "-k" / "-v" only the keys or the values quantized:
+// llama.cpp's own cache types, to tell apart what each side costs.
 class Native : public Method {
  public:
-  explicit Native(const std::string& type) : Method(type) {}
-  // ggml blocks of 32 values: q8_0 34 bytes, q4_0 18.
+  explicit Native(const std::string& name) : Method(name) {
+    type_ = name.substr(0, 4);
+    const std::string side = name.size() > 4 ? name.substr(5) : "";
+    k_ = side == "v" ? "f16" : type_;
+    v_ = side == "k" ? "f16" : type_;
+  }
+  // ggml blocks of 32 values: q8_0 34 bytes, q4_0 18 (f16: 64).
   KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
-    *bytes = c.f16_bytes() / 64 * (name() == "q8_0" ? 34 : 18);
+    const uint64_t half = c.f16_bytes() / 2;  // K or V in f16
+    auto side = [&](const std::string& t) { return t == "f16" ? half : half / 64 * (t == "q8_0" ? 34 : 18); };
+    *bytes = side(k_) + side(v_);
     return c;
   }
-  std::string native_cache_type() const override { return name(); }
+  std::pair<std::string, std::string> native_cache_types() const override { return {k_, v_}; }
+
+ private:
+  std::string type_, k_, v_;
 };
+
+bool is_native(const std::string& n) {
+  for (const char* t : {"q8_0", "q4_0"})
+    for (const char* side : {"", "-k", "-v"})
+      if (n == std::string(t) + side) return true;
+  return false;
+}
 
 class Streaming : public Method {
  public:
@@ -163,8 +182,7 @@ class Svd : public Method {
 MethodSpec parse_method(const std::string& name) {
   MethodSpec m;
   m.name = name;
-  if (name == "vanilla" || name == "fp8" || name == "kivi-2" || name == "kivi-4" || name == "zstd" || name == "deflate" || name == "q8_0" ||
-      name == "q4_0")
+  if (name == "vanilla" || name == "fp8" || name == "kivi-2" || name == "kivi-4" || name == "zstd" || name == "deflate" || is_native(name))
     return m;
   if (starts(name, "streaming-")) {
     ratio_of(name, name.substr(10));
@@ -186,7 +204,7 @@ std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::
   if (n == "fp8") return std::make_unique<Fp8>();
   if (n == "kivi-2" || n == "kivi-4") return std::make_unique<Kivi>(n == "kivi-2" ? 2 : 4);
   if (n == "zstd" || n == "deflate") return std::make_unique<Lossless>(n);
-  if (n == "q8_0" || n == "q4_0") return std::make_unique<Native>(n);
+  if (is_native(n)) return std::make_unique<Native>(n);
   if (starts(n, "streaming-")) return std::make_unique<Streaming>(n, ratio_of(n, n.substr(10)));
   auto it = cals.find(spec.calibration);
   require(it != cals.end(), "eval: method " + n + " needs " + (spec.calibration.empty() ? "--calib" : "--calib-extra " + spec.calibration + "=FILE"));

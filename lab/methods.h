@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "kvtc/kvtc.h"
 
@@ -22,10 +23,11 @@ class Method {
   // Lossless coders: only the size is measured (the cache would come back
   // bit for bit, so running the model again would repeat vanilla).
   virtual bool ratio_only() const { return false; }
-  // llama.cpp's own quantized caches ("q8_0", "q4_0") run natively in a
-  // context of that cache type, prefilled from the prompt; apply() then
-  // only reports their size. Empty for methods that restore apply()'s cache.
-  virtual std::string native_cache_type() const { return ""; }
+  // llama.cpp's own quantized caches ("q8_0", "q4_0"; "-k" / "-v": keys or
+  // values only, the other f16) run natively in a context of those cache
+  // types (K, V), prefilled from the prompt; apply() then only reports
+  // their size. Empty for methods that restore apply()'s cache.
+  virtual std::pair<std::string, std::string> native_cache_types() const { return {}; }
   // The vanilla reference (no compression).
   bool is_reference() const { return name_ == "vanilla"; }
 
@@ -37,7 +39,7 @@ class Method {
 };
 
 // What a method name asks for, checked before any model is loaded: names
-// are vanilla, fp8, kivi-2, kivi-4, zstd, deflate, q8_0, q4_0,
+// are vanilla, fp8, kivi-2, kivi-4, zstd, deflate, q8_0[-k|-v], q4_0[-k|-v],
 // streaming-<R>x, svd-<R>x, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME].
 struct MethodSpec {
   std::string name;

@@ -241,8 +241,8 @@ class Codec(unittest.TestCase):
     def test_eval_tasks_and_baselines(self):
         # Retrieval tasks and every other method kind, machinery only.
         p = run_lab("eval", "-m", SMOL, "--calib", self.cal, "--calib-extra", "rope=" + self.cal2, "--context", "320", "--samples", "1",
-                "--tasks", "niah", "vt", "kvr", "--methods", "vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "streaming-8x",
-                "svd-16x", "--json", check=0)
+                "--tasks", "niah", "vt", "kvr", "--methods", "vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "q4_0-v",
+                "streaming-8x", "svd-16x", "--json", check=0)
         j = json.loads(p.stdout)
         (c,) = j["contexts"]
         self.assertEqual([x["task"] for x in c["prompts"]], ["niah", "vt", "kvr"])
@@ -250,9 +250,10 @@ class Codec(unittest.TestCase):
             self.assertLessEqual(x["tokens"], 320)
             self.assertGreater(x["tokens"], 320 - 64)
         m = {x["name"]: x for x in c["methods"]}
-        self.assertEqual(set(m), {"vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "streaming-8x", "svd-16x"})
+        self.assertEqual(set(m), {"vanilla", "kvtc-16x-all", "kvtc-16x@rope", "q8_0", "q4_0", "q4_0-v", "streaming-8x", "svd-16x"})
         self.assertAlmostEqual(m["q8_0"]["ratio"], 64 / 34, places=6)  # ggml block: 32 values in 34 bytes
         self.assertAlmostEqual(m["q4_0"]["ratio"], 64 / 18, places=6)
+        self.assertAlmostEqual(m["q4_0-v"]["ratio"], 128 / (64 + 18), places=6)  # keys stay f16
         self.assertGreater(m["streaming-8x"]["ratio"], 7.0)
         self.assertLessEqual(m["streaming-8x"]["ratio"], 8.0)
         self.assertGreater(m["svd-16x"]["ratio"], 1.0)

@@ -133,22 +133,41 @@ def run_mode(name, args, a, sessions, reference, log_dir):
                      "raw_mib_per_prompt": statistics.fmean(per) if per else 0.0, "kvtc_peak": peak}
 
 
-def summarise(name, budget, records, info, turns):
+def hit_rate(records):
+    """The share of turns 2.. whose previous turn's prompt (its whole history,
+    90% of it at least) came back from a cache."""
     later = [r for r in records if r["turn"] > 0]
     prev = {(r["session"], r["turn"]): r for r in records}
     hits = 0
     for r in later:
         p = prev[(r["session"], r["turn"] - 1)]
-        # The previous turn's prompt (its whole history) came back from the cache.
         if (r["cache_n"] or 0) >= 0.9 * (p["prompt_n"] + (p["cache_n"] or 0)):
             hits += 1
+    return hits / len(later) if later else 0.0
+
+
+def add_workload_args(ap):
+    """The options every serving benchmark shares: the server, model,
+    calibration, corpus and the chat workload."""
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--calib", required=True)
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 4000], metavar=("LO", "HI"))
+    ap.add_argument("--max-tokens", type=int, default=24)
+
+
+def summarise(name, budget, records, info, turns):
+    later = [r for r in records if r["turn"] > 0]
     ttft = sorted(r["ttft_s"] for r in records)
     ttft_later = sorted(r["ttft_s"] for r in later)
     m = info["metrics"]
     upd = info["cache_update_ms"]
     row = {
         "mode": name, "budget_mib": budget, "requests": len(records),
-        "hit_rate": hits / len(later) if later else 0.0,
+        "hit_rate": hit_rate(records),
         "prompt_tokens_recomputed": sum(r["prompt_n"] or 0 for r in records),
         "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": ttft[int(0.95 * (len(ttft) - 1))], "ttft_mean_s": statistics.fmean(ttft),
         "ttft_later_mean_s": statistics.fmean(ttft_later) if ttft_later else 0.0,
@@ -178,16 +197,9 @@ def summarise(name, budget, records, info, turns):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--corpus", required=True)
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 4000], metavar=("LO", "HI"))
+    add_workload_args(ap)
     ap.add_argument("--budgets", type=int, nargs="+", default=[128, 512], help="--cache-ram MiB")
     ap.add_argument("--modes", nargs="+", default=["none", "raw", "kvtc16", "kvtc32d"])
-    ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--ctx", type=int, default=16384, help="tokens in all (two slots)")
     ap.add_argument("--work", required=True, help="logs and the disk tier")
     ap.add_argument("--out-json", required=True)

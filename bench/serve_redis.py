@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-from serve import QUESTIONS, stream_chat, workload  # noqa: E402
+from serve import QUESTIONS, add_workload_args, hit_rate, stream_chat, workload  # noqa: E402
 from serverlib import Redis, Server  # noqa: E402
 
 RESTORE = re.compile(r"kvtc: restored (\d+) tokens \(common prefix\) from the (\w+) tier in ([\d.]+) ms"
@@ -117,16 +117,13 @@ def run_mode(name, flags, a, sessions, reference):
 
 def summarise(name, records, info):
     later = [r for r in records if r["turn"] > 0]
-    prev = {(r["session"], r["turn"]): r for r in records}
-    hits = sum(1 for r in later
-               if (r["cache_n"] or 0) >= 0.9 * (prev[(r["session"], r["turn"] - 1)]["prompt_n"] + (prev[(r["session"], r["turn"] - 1)]["cache_n"] or 0)))
     ttft = [r["ttft_s"] for r in records]
     ttft_later = [r["ttft_s"] for r in later]
     red = [x for x in info["restores"] if x["tier"] == "redis"]
     rt = [x["redis_ms"] for x in red]
     moved = sum(x["redis_mib"] for x in red)
     return {
-        "mode": name, "requests": len(records), "hit_rate": hits / len(later) if later else 0.0,
+        "mode": name, "requests": len(records), "hit_rate": hit_rate(records),
         "prompt_tokens_computed": sum(r["prompt_n"] or 0 for r in records),
         "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95), "ttft_later_p50_s": pct(ttft_later, 0.5),
         "ttft_later_p95_s": pct(ttft_later, 0.95), "wall_s": info["wall_s"],
@@ -146,16 +143,9 @@ def summarise(name, records, info):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--corpus", required=True)
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 4000], metavar=("LO", "HI"))
+    add_workload_args(ap)
     ap.add_argument("--modes", nargs="+", default=["local", "raw-redis", "kvtc16-redis"])
     ap.add_argument("--cache-ram", type=int, default=512, help="each replica's RAM tier, MiB")
-    ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--ctx", type=int, default=8192, help="tokens per replica (one slot)")
     ap.add_argument("--work", required=True)
     ap.add_argument("--out-json", required=True)

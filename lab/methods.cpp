@@ -182,8 +182,7 @@ class Svd : public Method {
 MethodSpec parse_method(const std::string& name) {
   MethodSpec m;
   m.name = name;
-  if (name == "vanilla" || name == "fp8" || name == "kivi-2" || name == "kivi-4" || name == "zstd" || name == "deflate" || is_native(name))
-    return m;
+  if (name == "vanilla" || name == "fp8" || name == "kivi-2" || name == "kivi-4" || name == "zstd" || name == "deflate" || is_native(name)) return m;
   if (starts(name, "streaming-")) {
     ratio_of(name, name.substr(10));
   } else if (starts(name, "svd-")) {

@@ -121,8 +121,9 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         p.threads = std::stoi(val, &used);
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
       } else {
-        err = a + ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window, --kvtc-redis, "
-                  "--kvtc-redis-cluster, --kvtc-raw)";
+        err = a +
+              ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window, --kvtc-redis, "
+              "--kvtc-redis-cluster, --kvtc-raw)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -206,8 +207,8 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
     p->times.restore_max_ms = std::max(p->times.restore_max_ms, ms);
   }
   if (m->redis_bytes)
-    SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms (Redis round trips %.2f ms, %.3f MiB)\n", m->common_prefix,
-            m->tier, ms, m->redis_ms, m->redis_bytes / 1048576.0);
+    SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms (Redis round trips %.2f ms, %.3f MiB)\n", m->common_prefix, m->tier,
+            ms, m->redis_ms, m->redis_bytes / 1048576.0);
   else
     SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms\n", m->common_prefix, m->tier, ms);
   return true;
@@ -278,7 +279,8 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
             cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
             s.disk_enabled ? (" (" + std::to_string(s.disk_entries) + " prompts read back)").c_str() : s.disk_error.c_str());
     if (s.redis_enabled)
-      SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(), s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
+      SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(),
+              s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
     cache->kvtc = std::make_unique<kvtc_prompt_cache>();
     cache->kvtc->p = I;
     std::lock_guard<std::mutex> g(g_mu);
@@ -331,7 +333,8 @@ std::string kvtc_server_metrics() {
   if (s.redis_enabled) {
     item("redis_up", "gauge", "1 when the last exchange with Redis worked", s.redis_up ? 1 : 0);
     if (!s.redis_error.empty()) item("redis_last_error", "gauge", "The last Redis failure (the label)", 1, label(s.redis_error));
-    item("redis_errors_total", "counter", "Redis exchanges that failed (down, timeout, error reply); the prompt was recomputed", double(s.redis_errors));
+    item("redis_errors_total", "counter", "Redis exchanges that failed (down, timeout, error reply); the prompt was recomputed",
+         double(s.redis_errors));
     item("redis_lookups_total", "counter", "Lookups that asked Redis", double(s.redis_lookups));
     item("redis_missing_total", "counter", "Redis values an index named that were gone (evicted): shorter matches", double(s.redis_missing));
     item("redis_chunks_written_total", "counter", "Prefix chunks written to Redis", double(s.redis_chunks_written));

@@ -21,12 +21,12 @@ struct server_prompt_cache;
 struct server_tokens;
 
 struct kvtc_server_params {
-  std::string calib;     // --kvtc-calib FILE: enables kvtc
-  double ratio = 16;     // --kvtc-ratio R
-  std::string disk;      // --kvtc-disk DIR: the disk tier
-  int64_t disk_mib = 0;  // --kvtc-disk-mib N: its budget (0: no limit)
-  int threads = 1;       // --kvtc-threads N: compression threads beside inference
-  int window = 128;      // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
+  std::string calib;                       // --kvtc-calib FILE: enables kvtc
+  double ratio = 16;                       // --kvtc-ratio R
+  std::string disk;                        // --kvtc-disk DIR: the disk tier
+  int64_t disk_mib = 0;                    // --kvtc-disk-mib N: its budget (0: no limit)
+  int threads = 1;                         // --kvtc-threads N: compression threads beside inference
+  int window = 128;                        // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
   bool raw = false;                        // --kvtc-raw: store raw f16 through the same tiers (a benchmark baseline)
   std::string redis;                       // --kvtc-redis redis://HOST:PORT[/DB]: the shared tier on one Redis
   std::vector<std::string> redis_cluster;  // --kvtc-redis-cluster HOST:PORT,...: ... or on a Redis Cluster

@@ -3,9 +3,9 @@
 // `redis-cli --cluster create`, on free loopback ports, stopped at the end.
 #pragma once
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -114,8 +114,9 @@ class RedisServer {
 
   void start() {
     std::filesystem::create_directories(dir_);
-    std::vector<std::string> a = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                  "--dir", dir_.string(), "--logfile", (dir_ / "redis.log").string()};
+    std::vector<std::string> a = {
+        "redis-server", "--port",    std::to_string(port_),        "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
+        dir_.string(),  "--logfile", (dir_ / "redis.log").string()};
     a.insert(a.end(), extra_.begin(), extra_.end());
     pid_ = spawn(a);
     for (int i = 0; i < 500; ++i) {  // up to 5 s
@@ -168,10 +169,9 @@ class RedisCluster {
     std::filesystem::create_directories(dir);
     for (int i = 0; i < 3; ++i) {
       const int port = free_cluster_port();
-      nodes.push_back(std::make_unique<RedisServer>(dir / ("node" + std::to_string(i)),
-                                                    std::vector<std::string>{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                                                             "--cluster-node-timeout", "5000"},
-                                                    port));
+      nodes.push_back(std::make_unique<RedisServer>(
+          dir / ("node" + std::to_string(i)),
+          std::vector<std::string>{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"}, port));
     }
     std::vector<std::string> a = {"redis-cli", "--cluster", "create"};
     for (auto& n : nodes) a.push_back(n->hostport());

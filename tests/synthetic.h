@@ -4,6 +4,8 @@
 // calibration fitted to it.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -119,6 +121,23 @@ inline KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const Store
   DecompressOptions d;
   d.precision = o.precision;
   return decompress(bytes, cal, "whole", d);
+}
+
+// The first n tokens of `got` are bit for bit those of `full`.
+inline ::testing::AssertionResult same_prefix(const KvCapture& got, const KvCapture& full, uint32_t n) {
+  if (got.blocks.size() != 1) return ::testing::AssertionFailure() << got.blocks.size() << " blocks, expected 1";
+  const KvBlock& a = got.blocks.at(0);
+  const KvBlock& b = full.blocks.at(0);
+  if (a.n_tokens() != n || b.n_tokens() < n) return ::testing::AssertionFailure() << "tokens " << a.n_tokens() << ", expected " << n;
+  for (uint32_t l = 0; l < a.n_layer(); ++l)
+    for (uint32_t h = 0; h < a.n_head_kv; ++h)
+      for (uint32_t t = 0; t < n; ++t) {
+        if (a.pos[t] != b.pos[t]) return ::testing::AssertionFailure() << "pos " << t;
+        for (uint32_t d = 0; d < a.head_dim; ++d)
+          if (a.k[a.index(l, h, t, d)] != b.k[b.index(l, h, t, d)] || a.v[a.index(l, h, t, d)] != b.v[b.index(l, h, t, d)])
+            return ::testing::AssertionFailure() << "l" << l << " h" << h << " t" << t << " d" << d;
+      }
+  return ::testing::AssertionSuccess();
 }
 
 inline std::string error_of(const std::function<void()>& f) {

@@ -60,22 +60,6 @@ KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions
   return kvtc::whole_roundtrip(tokens, o, cal());
 }
 
-// The first n tokens of `got` are bit for bit those of `full`.
-::testing::AssertionResult same_prefix(const KvCapture& got, const KvCapture& full, uint32_t n) {
-  const KvBlock& a = got.blocks.at(0);
-  const KvBlock& b = full.blocks.at(0);
-  if (a.n_tokens() != n || b.n_tokens() < n) return ::testing::AssertionFailure() << "tokens " << a.n_tokens() << ", expected " << n;
-  for (uint32_t l = 0; l < a.n_layer(); ++l)
-    for (uint32_t h = 0; h < a.n_head_kv; ++h)
-      for (uint32_t t = 0; t < n; ++t) {
-        if (a.pos[t] != b.pos[t]) return ::testing::AssertionFailure() << "pos " << t;
-        for (uint32_t d = 0; d < a.head_dim; ++d)
-          if (a.k[a.index(l, h, t, d)] != b.k[b.index(l, h, t, d)] || a.v[a.index(l, h, t, d)] != b.v[b.index(l, h, t, d)])
-            return ::testing::AssertionFailure() << "l" << l << " h" << h << " t" << t << " d" << d;
-      }
-  return ::testing::AssertionSuccess();
-}
-
 // Keys of one kind ('c', 'e', 'x') in a store's namespace.
 std::vector<std::string> keys_of(const RedisServer& r, const PromptStore& s, char kind) {
   const auto rep = r.cmd({"KEYS", "kvtc:" + s.fingerprint().substr(0, 16) + ":" + kind + ":*"});
@@ -107,7 +91,8 @@ std::string index_key(const PromptStore& s, const std::vector<int32_t>& tokens, 
 }  // namespace
 
 TEST(RedisClient, UrlsAreCheckedAtStart) {
-  for (const std::string bad : {"http://127.0.0.1:6379", "redis://", "redis://host:0", "redis://host:99999", "redis://host:12/x", "redis://host:port"}) {
+  for (const std::string bad :
+       {"http://127.0.0.1:6379", "redis://", "redis://host:0", "redis://host:99999", "redis://host:12/x", "redis://host:port"}) {
     detail::RedisOptions o;
     o.url = bad;
     try {
@@ -227,7 +212,7 @@ TEST(StoreRedis, RedisDownMeansRecomputingThenBack) {
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "ram");
 
-  redis.start();  // back, empty (no persistence)
+  redis.start();                                                // back, empty (no persistence)
   std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past redis_retry_ms
   a.put(q, prompt_capture(q));
   EXPECT_TRUE(a.stats().redis_up);
@@ -356,7 +341,7 @@ TEST(StoreRedis, MaxmemoryEvictionOnlyShortensMatches) {
   // Which keys go is Redis's sampled choice (keys written within one LRU
   // second are alike to it), so how many prompts survive whole varies from
   // run to run; that some came back shorter, and none wrong, does not.
-  EXPECT_GT(hits, 0u);                // the shared chunks, touched by every put, stay
+  EXPECT_GT(hits, 0u);               // the shared chunks, touched by every put, stay
   EXPECT_LT(whole, prompts.size());  // evicted pieces shortened the rest
   EXPECT_EQ(b.stats().redis_errors, 0u);
 }

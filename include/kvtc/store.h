@@ -94,14 +94,14 @@ struct StoreStats {
   bool redis_up = false;       // the last exchange with it worked
   std::string redis_error;     // the last failure
   std::string redis_where;     // "redis://host:port/db" or "cluster host:port,..."
-  uint64_t redis_lookups = 0;         // takes that asked Redis
-  uint64_t redis_errors = 0;          // exchanges that failed (down, timeout, error reply)
-  uint64_t redis_missing = 0;         // values an index named that were gone (evicted), or chunks a match lacked
+  uint64_t redis_lookups = 0;  // takes that asked Redis
+  uint64_t redis_errors = 0;   // exchanges that failed (down, timeout, error reply)
+  uint64_t redis_missing = 0;  // values an index named that were gone (evicted), or chunks a match lacked
   uint64_t redis_chunks_written = 0, redis_entries_written = 0, redis_entries_dropped = 0;  // dropped: contained in a newer prompt
   uint64_t redis_bytes_written = 0, redis_bytes_read = 0;
-  uint64_t redis_redirects = 0;    // cluster MOVED/ASK replies followed
-  double redis_lookup_ms = 0;      // takes' time in Redis round trips (finding and fetching), in all
-  double redis_write_ms = 0;       // the worker's time writing to Redis, in all
+  uint64_t redis_redirects = 0;  // cluster MOVED/ASK replies followed
+  double redis_lookup_ms = 0;    // takes' time in Redis round trips (finding and fetching), in all
+  double redis_write_ms = 0;     // the worker's time writing to Redis, in all
   double save_ms = 0;            // worker time coding puts, in all
   double restore_ms = 0;         // caller time decoding takes, in all
 };

@@ -323,7 +323,7 @@ Rope rope_of(const ModelInfo& mi, bool swa) {
 
 CacheGeometry geometry_of(const ModelInfo& mi, const std::string& sha256) {
   require(mi.head_dim_k == mi.head_dim_v, mi.path + ": K head_dim " + std::to_string(mi.head_dim_k) + " differs from V head_dim " +
-                                                    std::to_string(mi.head_dim_v) + "; not supported by capture format v1");
+                                              std::to_string(mi.head_dim_v) + "; not supported by capture format v1");
   CacheGeometry g;
   g.model_sha256 = sha256;
   std::vector<int32_t> base, swa;

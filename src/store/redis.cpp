@@ -71,8 +71,7 @@ RedisReply convert(const redisReply* r) {
       o.type = RedisReply::Type::kArray;
       for (size_t i = 0; i < r->elements; ++i) o.elements.push_back(convert(r->element[i]));
       break;
-    default:
-      o.type = RedisReply::Type::kNil;
+    default: o.type = RedisReply::Type::kNil;
   }
   return o;
 }

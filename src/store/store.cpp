@@ -465,8 +465,7 @@ struct PromptStore::Impl {
 
   // Writes a stored put to disk: chunks not there yet, then the entry file
   // (data before index). Outside mu except for the index updates.
-  void disk_store(const Piece& p, const std::vector<BytesPtr>& chunk_bytes, const Bytes& tail) {
-    const Bytes ef = entry_file(p, tail);
+  void disk_store(const Piece& p, const std::vector<BytesPtr>& chunk_bytes, const Bytes& ef) {
     std::vector<size_t> fresh;
     uint64_t need = ef.size();
     {
@@ -609,7 +608,7 @@ struct PromptStore::Impl {
   // the index (data before index; a reader treats a dangling index or a
   // missing chunk as a shorter match), and drops the entries this prompt
   // contains. Worker thread; failures are counted and logged, never thrown.
-  void redis_store(const Piece& p, const std::vector<BytesPtr>& chunk_bytes, const Bytes& tail) {
+  void redis_store(const Piece& p, const std::vector<BytesPtr>& chunk_bytes, const Bytes& ef) {
     if (!rd_put) return;
     std::lock_guard<std::mutex> rg(rd_put_mu);
     const auto t0 = Clock::now();
@@ -633,7 +632,6 @@ struct PromptStore::Impl {
         }
       check(rd_put->run(q), "SET chunk");
       // 3: the entry.
-      const Bytes ef = entry_file(p, tail);
       check(rd_put->run({{"SET", rkey('e', p.key), std::string(ef.begin(), ef.end())}}), "SET entry");
       bytes += ef.size();
       // 4: the index; then the entries this one contains go.
@@ -807,7 +805,8 @@ struct PromptStore::Impl {
       std::vector<std::string> errs(pieces);
       detail::parallel_for(pieces, opt.restore_threads, [&](size_t i) {
         try {
-          const Bytes b = i == m ? *tail : Bytes(g2[i].str.begin(), g2[i].str.end());
+          const auto b = i == m ? std::span<const uint8_t>(*tail)
+                                : std::span(reinterpret_cast<const uint8_t*>(g2[i].str.data()), g2[i].str.size());
           parts[i] = decode_piece(p, b, uint32_t(i), "kvtc store: redis " + (i == m ? rkey('e', best_entry) : rkey('c', keys[i])));
         } catch (const std::exception& x) {
           errs[i] = x.what();
@@ -912,8 +911,11 @@ struct PromptStore::Impl {
         const uint32_t i = uint32_t(todo[j]);
         chunk_bytes[i] = std::make_shared<const Bytes>(compress(slice(*c, i * C, (i + 1) * C, q.tokens), cal, alloc, copt(i == 0 ? opt.sink : 0, 0)));
       });
-      disk_store(p, chunk_bytes, tail);
-      redis_store(p, chunk_bytes, tail);
+      if (!opt.disk_dir.empty() || rd_put) {  // the entry file: the same bytes on disk and in Redis
+        const Bytes ef = entry_file(p, tail);
+        disk_store(p, chunk_bytes, ef);
+        redis_store(p, chunk_bytes, ef);
+      }
       RamEntry e;
       static_cast<Piece&>(e) = p;
       e.tail = std::make_shared<const Bytes>(std::move(tail));
@@ -988,7 +990,7 @@ struct PromptStore::Impl {
   // Decodes piece i of an entry (chunk i, or the tail when i is the number
   // of chunks); checks that it holds the tokens and positions its key
   // promises.
-  KvCapture decode_piece(const Piece& p, const Bytes& bytes, uint32_t i, const std::string& origin) const {
+  KvCapture decode_piece(const Piece& p, std::span<const uint8_t> bytes, uint32_t i, const std::string& origin) const {
     const uint32_t m = uint32_t(p.chunks.size());
     const bool is_tail = i == m;
     const std::string where = origin + (is_tail ? " tail" : " chunk " + std::to_string(i));
@@ -1000,7 +1002,8 @@ struct PromptStore::Impl {
     require(c.blocks.size() == 1 && c.blocks[0].n_tokens() == t1 - t0 && c.tokens.size() == t1 - t0,
             where + ": holds " + std::to_string(c.blocks.empty() ? 0 : c.blocks[0].n_tokens()) + " tokens, expected " + std::to_string(t1 - t0));
     for (uint32_t t = t0; t < t1; ++t)
-      require(c.blocks[0].pos[t - t0] == int32_t(t) && c.tokens[t - t0] == p.tokens[t], where + ": token " + std::to_string(t) + " differs from its key's");
+      require(c.blocks[0].pos[t - t0] == int32_t(t) && c.tokens[t - t0] == p.tokens[t],
+              where + ": token " + std::to_string(t) + " differs from its key's");
     return c;
   }
   // Decodes the pieces that hold the first n tokens of an entry.

@@ -115,10 +115,9 @@ Action add_info(CLI::App& app) {
       else
         std::printf("        unavailable: %s\n", m["error"].get<std::string>().c_str());
       for (const auto& m : j["models"])
-        std::printf("%-7s %-8s %s: %s\n", &m == &j["models"][0] ? "models" : "", m["name"].get<std::string>().c_str(),
-                    m["what"].get<std::string>().c_str(),
-                    m["present"].get<bool>() ? m["path"].get<std::string>().c_str()
-                                             : ("not fetched (" + m["fetched_by"].get<std::string>() + ")").c_str());
+        std::printf(
+            "%-7s %-8s %s: %s\n", &m == &j["models"][0] ? "models" : "", m["name"].get<std::string>().c_str(), m["what"].get<std::string>().c_str(),
+            m["present"].get<bool>() ? m["path"].get<std::string>().c_str() : ("not fetched (" + m["fetched_by"].get<std::string>() + ")").c_str());
       std::printf("corpus  %s (%s)\n", j["corpus"]["root"].get<std::string>().c_str(),
                   j["corpus"]["built"].get<bool>() ? "built" : "not built: make corpus");
       std::string feats;

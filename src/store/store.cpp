@@ -805,8 +805,7 @@ struct PromptStore::Impl {
       std::vector<std::string> errs(pieces);
       detail::parallel_for(pieces, opt.restore_threads, [&](size_t i) {
         try {
-          const auto b = i == m ? std::span<const uint8_t>(*tail)
-                                : std::span(reinterpret_cast<const uint8_t*>(g2[i].str.data()), g2[i].str.size());
+          const auto b = i == m ? std::span<const uint8_t>(*tail) : std::span(reinterpret_cast<const uint8_t*>(g2[i].str.data()), g2[i].str.size());
           parts[i] = decode_piece(p, b, uint32_t(i), "kvtc store: redis " + (i == m ? rkey('e', best_entry) : rkey('c', keys[i])));
         } catch (const std::exception& x) {
           errs[i] = x.what();

@@ -9,6 +9,10 @@ tools write.
     python3 bench/plots.py bits RATIO_JSON OUT_DIR
         ratio.json (bench/ratio.py) -> OUT_DIR/bits_per_component_keys.png
         and OUT_DIR/bits_per_component_values.png (the paper's Figure 6)
+    python3 bench/plots.py tradeoff OUT_PNG LABEL=JSON@CONTEXT ...
+        quality JSONs (kvtc-lab eval, bench/quality_records.py) -> OUT_PNG:
+        whole-cache ratio (log) against KL and each task's score, one line
+        per method family, one row per JSON
 
 Each PNG is written to a temporary file beside it and renamed into place;
 the paths written are printed. A missing JSON file, or one without what a
@@ -393,8 +397,115 @@ def cmd_bits(ratio_json, out_dir):
     return [save(fig, out_dir, name) for name, fig in figs]
 
 
+# ---- quality JSON: ratio against quality, one line per method family ---------------
+
+# Method families of `kvtc-lab eval` (lab/methods.cpp) drawn as lines;
+# ablations (kvtc-16x@name, -all, -joint, one-sided q4_0) and the lossless
+# codecs (no scores) are left out.
+FAMILIES = [
+    ("kvtc", r"kvtc-\d+(\.\d+)?x", "C0", "o"),
+    ("KIVI", r"kivi-\d", "C1", "s"),
+    ("fp8 (E4M3)", r"fp8", "C2", "D"),
+    ("llama.cpp cache q8_0 / q4_0", r"q(8|4)_0", "C3", "^"),
+    ("StreamingLLM", r"streaming-.*", "C4", "v"),
+    ("per-prompt SVD", r"svd-.*", "C5", "P"),
+]
+TRADEOFF_METRICS = [("kld", "KL from vanilla (nats/token)"), ("niah", "needle (%)"), ("vt", "variable tracking (%)"),
+                    ("kvr", "key-value retrieval (%)"), ("code", "code next line, exact (%)"), ("code_es", "code next line, edit sim. (%)")]
+
+
+def tradeoff_series(res, ctx, where):
+    """{metric: {"vanilla": y, family: [(ratio, y, n)]}} of one context of a quality JSON."""
+    import re
+    cs = [c for c in need(res, "contexts", where) if c.get("context") == ctx]
+    if not cs:
+        raise PlotError(f"{where}: no context {ctx} (has {[c.get('context') for c in res['contexts']]})")
+    out = {}
+    for m in need(cs[0], "methods", f"{where}: context {ctx}"):
+        name, ratio, scores = m.get("name"), m.get("ratio"), m.get("scores") or {}
+        for metric, _ in TRADEOFF_METRICS:
+            if metric not in scores:
+                continue
+            y = number(scores[metric], f"{where}: {name}.scores.{metric}")
+            n = (m.get("n") or {}).get(metric, cs[0].get("samples"))  # eval JSON: one count per task
+            d = out.setdefault(metric, {})
+            if name == "vanilla":
+                d["vanilla"] = (y, n)
+                continue
+            for fam, pat, _, _ in FAMILIES:
+                if re.fullmatch(pat, name):
+                    d.setdefault(fam, []).append((number(ratio, f"{where}: {name}.ratio"), y, n))
+    return out
+
+
+def fig_tradeoff(mpl, panels):
+    """panels: [(label, series)] (one row per model); columns: the metrics any has."""
+    Figure, ticker = mpl
+    metrics = [(k, t) for k, t in TRADEOFF_METRICS if any(k in s for _, s in panels)]
+    fig = Figure(figsize=(3.3 * len(metrics), 3.0 * len(panels) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), len(metrics), squeeze=False)
+    for r, (label, series) in enumerate(panels):
+        for c, (metric, title) in enumerate(metrics):
+            ax = axes[r][c]
+            ax.set_xscale("log")
+            ax.grid(True, color="0.9")
+            d = series.get(metric)
+            if not d:
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="0.5")
+            else:
+                if "vanilla" in d and metric != "kld":
+                    ax.axhline(d["vanilla"][0], color="k", ls="--", lw=1, label="vanilla (1x)")
+                for fam, _, color, marker in FAMILIES:
+                    pts = sorted(d.get(fam, []))
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=5, lw=1.5, label=fam)
+                if metric == "kld":
+                    ax.set_yscale("log")
+                ns = sorted({p[2] for v in d.values() if isinstance(v, list) for p in v if p[2]})
+                if ns:
+                    ax.text(0.02, 0.02, "n = " + (f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}–{ns[-1]}") + " prompts",
+                            transform=ax.transAxes, fontsize=7, color="0.4")
+            ax.set_xlim(1.5, 80)
+            ax.xaxis.set_major_locator(ticker.FixedLocator([2, 4, 8, 16, 32, 64]))
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+            ax.set_title(title, fontsize=9)
+            if c == 0:
+                ax.set_ylabel(label, fontsize=9)
+            if r == len(panels) - 1:
+                ax.set_xlabel("whole-cache ratio (log)", fontsize=8)
+    handles = {}
+    for row in axes:
+        for ax in row:
+            for h, l in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(l, h)
+    # Beside the top-right panel (Debian 12's matplotlib 3.6 has no "outside" figure legends).
+    axes[0][-1].legend(list(handles.values()), list(handles.keys()), loc="upper left", bbox_to_anchor=(1.03, 1.0), fontsize=8)
+    return fig
+
+
+def cmd_tradeoff(out_png, specs):
+    """specs: LABEL=JSON@CONTEXT, one row each."""
+    panels = []
+    for spec in specs:
+        if "=" not in spec or "@" not in spec.split("=", 1)[1]:
+            raise PlotError(f"{spec}: expected LABEL=JSON@CONTEXT")
+        label, rest = spec.split("=", 1)
+        path, ctx = rest.rsplit("@", 1)
+        res = load_json(path)
+        panels.append((f"{label}\n{int(ctx) // 1024}K context", tradeoff_series(res, int(ctx), path)))
+    out_dir, name = os.path.split(out_png)
+    check_name(name, out_png)
+    mpl = import_matplotlib()
+    return [save(fig_tradeoff(mpl, panels), out_dir or ".", name)]
+
+
 USAGE = """usage: plots.py analyze DIR                 figures of DIR/analyze.json, into DIR
-       plots.py bits RATIO_JSON OUT_DIR      bits_per_component_{keys,values}.png from ratio.json"""
+       plots.py bits RATIO_JSON OUT_DIR      bits_per_component_{keys,values}.png from ratio.json
+       plots.py tradeoff OUT_PNG LABEL=JSON@CONTEXT ...
+                                             whole-cache ratio against KL and task scores, one line per
+                                             method family, one row per quality JSON (eval or
+                                             quality_records.py) at that context"""
 
 
 def main(argv):
@@ -408,6 +519,8 @@ def main(argv):
             cmd_analyze(argv[1])
         elif len(argv) == 3 and argv[0] == "bits":
             cmd_bits(argv[1], argv[2])
+        elif len(argv) >= 3 and argv[0] == "tradeoff":
+            cmd_tradeoff(argv[1], argv[2:])
         else:
             print(USAGE, file=sys.stderr)
             return 2

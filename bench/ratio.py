@@ -3,10 +3,12 @@
 caches, and the bits-per-component plots (the paper's Figure 6).
 
     python3 bench/ratio.py --calib CAL.safetensors [--docs-per-kind 2] [--tokens 4096]
+                           [--model NAME_OR_GGUF] [--name ratio]
 
-Writes bench/results/ratio.md, bench/results/ratio.json (with the
+Writes bench/results/NAME.md, bench/results/NAME.json (with the
 calibration's bits per component, `bits_per_component`) and
-bench/results/bits_per_component_{keys,values}.png. Only the standard
+bench/results/bits_per_component_{keys,values}.png (NAME ratio) or
+NAME_bits_{keys,values}.png. Only the standard
 library here; the PNGs are drawn from ratio.json by bench/plots.py
 (matplotlib), which this script runs.
 """
@@ -68,11 +70,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvtc", default=os.path.join(TOP, "build", "kvtc"))
     ap.add_argument("--calib", required=True)
+    ap.add_argument("--model", default="smollm2", help="GGUF model: a path or a name (smollm2, gemma3, qwen); the calibration's")
+    ap.add_argument("--name", default="ratio", help="result name: bench/results/NAME.{md,json}")
     ap.add_argument("--docs-per-kind", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--work", default=os.path.join(TOP, "out", "bench-ratio"))
     ap.add_argument("--results", default=os.path.join(TOP, "bench", "results"))
     a = ap.parse_args()
+    if a.name != "ratio":
+        a.work = os.path.join(a.work, a.name)
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.results, exist_ok=True)
     corpus = os.path.join(TOP, ".deps", "corpus")
@@ -88,7 +94,7 @@ def main():
     for d in docs:
         cap = os.path.join(a.work, os.path.basename(d["file"]) + f".{a.tokens}.safetensors")
         if not os.path.exists(cap):
-            run(a.kvtc, "capture", "--text", os.path.join(corpus, d["file"]), "--max-tokens", str(a.tokens), "-o", cap)
+            run(a.kvtc, "capture", "--model", a.model, "--text", os.path.join(corpus, d["file"]), "--max-tokens", str(a.tokens), "-o", cap)
         for r in RATIOS:
             out = os.path.join(a.work, f"c{r}.kvtc")
             c = json.loads(run(a.kvtc, "compress", cap, "--calib", a.calib, "-r", str(r), "-o", out, "--json"))
@@ -114,6 +120,8 @@ def main():
     commit = subprocess.run(["git", "-C", TOP, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", TOP, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     cmd = "python3 bench/ratio.py --calib " + os.path.relpath(a.calib, TOP) + f" --docs-per-kind {a.docs_per_kind} --tokens {a.tokens}"
+    if a.model != "smollm2" or a.name != "ratio":
+        cmd += f" --model {a.model} --name {a.name}"
     result = {"command": cmd, "commit": commit + ("+dirty" if dirty else ""), "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
               "calibration_id": cal_meta.get("calibration_id"), "calib_tokens": cal_meta.get("calib_tokens"), "documents": [d["id"] for d in docs],
               "tokens_per_document": a.tokens, "deflate_levels": levels, "ratios": []}
@@ -129,22 +137,29 @@ def main():
             "per_kind_ratio_compressed_tokens": {k: sum(v) / len(v) for k, v in row["per_kind"].items()},
         })
     result["bits_per_component"] = bits
-    with open(os.path.join(a.results, "ratio.json.tmp"), "w") as f:
+    rjson = os.path.join(a.results, f"{a.name}.json")
+    with open(rjson + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
-    os.replace(os.path.join(a.results, "ratio.json.tmp"), os.path.join(a.results, "ratio.json"))
+    os.replace(rjson + ".tmp", rjson)
 
-    # Figure 6: bits per component from the calibration's tables, drawn from ratio.json.
-    p = subprocess.run([sys.executable, os.path.join(TOP, "bench", "plots.py"), "bits", os.path.join(a.results, "ratio.json"), a.results])
+    # Figure 6: bits per component from the calibration's tables, drawn from the JSON.
+    p = subprocess.run([sys.executable, os.path.join(TOP, "bench", "plots.py"), "bits", rjson, a.results])
     if p.returncode != 0:
         sys.exit("bench/plots.py bits failed (see above)")
+    png = {k: f"bits_per_component_{k}.png" for k in ("keys", "values")}
+    if a.name != "ratio":  # plots.py writes the fixed names; keep ratio.md's figures
+        for k in png:
+            os.replace(os.path.join(a.results, png[k]), os.path.join(a.results, f"{a.name}_bits_{k}.png"))
+            png[k] = f"{a.name}_bits_{k}.png"
 
+    p_features = json.loads(cal_meta["k.info"])["p"]
     L = [
         "# kvtc compression ratio on evaluation-corpus caches",
         "",
         f"- command: `{cmd}`",
         f"- commit: {result['commit']}",
         f"- machine: {result['machine']}",
-        f"- model: SmolLM2-135M-Instruct (p = 5,760 features per token for K and for V)",
+        f"- model: {cal_meta.get('model_name', cal_meta.get('arch', '?'))} (p = {p_features:,} features per token for K and for V)",
         f"- calibration: {cal_meta.get('calib_tokens')} tokens from {cal_meta.get('calib_documents')} calibration documents, "
         f"{cal_meta.get('heldout_tokens')} held-out tokens, id {str(cal_meta.get('calibration_id'))[:16]}…",
         f"- data: {len(docs)} evaluation documents ({a.docs_per_kind} per kind: prose, docs, code, math), first {a.tokens} tokens each; "
@@ -189,13 +204,14 @@ def main():
         "",
         "From the calibration's DP tables: code bits per principal component (0 = dropped), by nominal ratio.",
         "",
-        "![keys](bits_per_component_keys.png)",
+        f"![keys]({png['keys']})",
         "",
-        "![values](bits_per_component_values.png)",
+        f"![values]({png['values']})",
     ]
-    with open(os.path.join(a.results, "ratio.md.tmp"), "w") as f:
+    rmd = os.path.join(a.results, f"{a.name}.md")
+    with open(rmd + ".tmp", "w") as f:
         f.write("\n".join(L) + "\n")
-    os.replace(os.path.join(a.results, "ratio.md.tmp"), os.path.join(a.results, "ratio.md"))
+    os.replace(rmd + ".tmp", rmd)
     print("\n".join(L[9:16]))
 
 

@@ -7,9 +7,16 @@
 // kld (mean next-token KL divergence from vanilla over those tokens), agree
 // (of 64 greedy tokens, how many match vanilla before the first difference,
 // and the share of samples where all 64 match) on real text of the
-// evaluation split; niah, vt, kvr (eval_tasks.h), scored in percent. Each
-// task has its own prompts and prefill; every method runs on the same
-// prompts, so differences are paired. Methods: see parse_method.
+// evaluation split; niah, vt, kvr and code (eval_tasks.h), scored in
+// percent. Each task has its own prompts and prefill; every method runs on
+// the same prompts, so differences are paired. Methods: see parse_method.
+//
+// --records FILE keeps one JSON line per (prompt, method) as each prompt
+// finishes (fsynced), and a later run with the same file computes only the
+// prompts it lacks: long evaluations survive a stop and grow over sessions;
+// bench/quality_records.py turns the records into tables.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,6 +25,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -33,7 +41,7 @@ namespace kvtc::lab {
 namespace {
 
 struct EvalArgs {
-  std::string model, calib, corpus, out_json, out_md;
+  std::string model, calib, corpus, out_json, out_md, records, record_tag;
   std::vector<std::string> tasks{"ppl", "kld", "agree"};
   std::vector<std::string> methods{"vanilla", "kvtc-8x", "kvtc-16x", "kvtc-32x", "kvtc-64x"};
   std::vector<uint32_t> contexts{2048};
@@ -72,6 +80,7 @@ void log_softmax(const float* l, size_t n, std::vector<double>& out) {
 // A prompt of one task: text (ppl/kld/agree share it) or a retrieval task.
 struct Prompt {
   std::string task, id;  // task "text" for the ppl/kld/agree group
+  uint32_t index = 0;    // within its task at this context (the records' key)
   std::vector<int32_t> tokens, cont;
   TaskPrompt gen;
 };
@@ -90,6 +99,7 @@ std::vector<Prompt> text_prompts(const Model& m, const Corpus& corpus, uint32_t 
     if (!w) break;
     Prompt p;
     p.task = "text";
+    p.index = uint32_t(out.size());
     p.id = w->doc.id;
     p.tokens.assign(w->tokens.begin(), w->tokens.begin() + ctx);
     p.cont.assign(w->tokens.begin() + ctx, w->tokens.end());
@@ -120,6 +130,7 @@ std::vector<Prompt> task_prompts(const Model& m, const Corpus& corpus, const std
     }
     Prompt p;
     p.task = task;
+    p.index = i;
     p.gen = make_task_prompt(m, task, text, id, ctx, seed, i);
     p.id = p.gen.id;
     p.tokens = p.gen.tokens;
@@ -128,13 +139,102 @@ std::vector<Prompt> task_prompts(const Model& m, const Corpus& corpus, const std
   return out;
 }
 
+// Code completion: Python files of the evaluation split holding ctx tokens
+// (by the manifest's count), cycled; each prompt its own target line.
+std::vector<Prompt> code_prompts(const Model& m, const Corpus& corpus, uint32_t ctx, uint32_t n, uint64_t seed) {
+  std::vector<CorpusDoc> docs = corpus.docs("eval", {"code"}, ctx);
+  require(!docs.empty(), "eval: no code evaluation document holds " + std::to_string(ctx) + " tokens");
+  std::mt19937_64 rng(seed);
+  shuffle_docs(docs, rng);
+  std::vector<Prompt> out;
+  for (uint32_t i = 0; i < n; ++i) {
+    const CorpusDoc& d = docs[i % docs.size()];
+    Prompt p;
+    p.task = "code";
+    p.index = i;
+    p.gen = make_code_prompt(m, corpus_text(d), d.id, ctx, seed, i);
+    p.id = p.gen.id;
+    p.tokens = p.gen.tokens;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// Greedy tokens until the first non-blank line is complete (or n tokens,
+// or end of generation): a code completion's answer is one line.
+std::string greedy_line(Session& s, const Model& m, uint32_t n) {
+  std::string out;
+  for (uint32_t i = 0; i < n; ++i) {
+    const int32_t t = s.argmax();
+    if (m.is_eog(t)) break;
+    out += m.token_text(t);
+    const size_t a = out.find_first_not_of(" \t\r\n");
+    if (a != std::string::npos && out.find('\n', a) != std::string::npos) break;
+    if (i + 1 < n) s.decode({t}, s.pos_max() + 1);
+  }
+  return out;
+}
+
+// The records file (--records): what identifies a result across runs.
+struct RecordKey {
+  std::string model, calib, method, task;
+  uint64_t seed;
+  uint32_t cont, greedy, ctx, index;
+  auto tie() const { return std::tie(model, calib, method, task, seed, cont, greedy, ctx, index); }
+  bool operator<(const RecordKey& o) const { return tie() < o.tie(); }
+};
+
+RecordKey record_key(const nlohmann::json& r) {
+  return {r.at("model_sha256"), r.at("calibration_id"), r.at("method"),  r.at("task"), r.at("seed"),
+          r.at("continuation"), r.at("greedy"),         r.at("context"), r.at("index")};
+}
+
+// Keys of the records already in `path` (absent file: none). A torn last
+// line (a run killed while writing) is skipped with a note.
+std::set<RecordKey> read_record_keys(const std::string& path) {
+  std::set<RecordKey> keys;
+  std::ifstream f(path);
+  std::string line;
+  size_t n = 0, bad = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (line.empty()) continue;
+    try {
+      keys.insert(record_key(nlohmann::json::parse(line)));
+    } catch (const std::exception&) {
+      ++bad;
+    }
+  }
+  if (bad) std::fprintf(stderr, "[eval] %s: %zu of %zu lines are not records (a torn write?); skipped\n", path.c_str(), bad, n);
+  return keys;
+}
+
+// Appends lines and makes them durable before the next prompt starts. A
+// torn last line (no line break) is closed first, so it cannot swallow the
+// first new record.
+void append_records(const std::string& path, const std::string& lines) {
+  std::string out = lines;
+  {
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (in && in.tellg() > 0) {
+      in.seekg(-1, std::ios::end);
+      if (in.get() != '\n') out.insert(out.begin(), '\n');
+    }
+  }
+  FILE* f = std::fopen(path.c_str(), "a");
+  require(f != nullptr, path + ": cannot open the records file for appending");
+  const bool ok = std::fwrite(out.data(), 1, out.size(), f) == out.size() && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
+  std::fclose(f);
+  require(ok, path + ": writing records failed (disk full?)");
+}
+
 int run_eval(const EvalArgs& a) {
   using clock = std::chrono::steady_clock;
   const auto t_start = clock::now();
   auto has = [&](const std::string& t) { return std::find(a.tasks.begin(), a.tasks.end(), t) != a.tasks.end(); };
   for (const auto& t : a.tasks)
-    require(t == "ppl" || t == "kld" || t == "agree" || t == "niah" || t == "vt" || t == "kvr",
-            "eval: unknown task '" + t + "' (ppl, kld, agree, niah, vt, kvr)");
+    require(t == "ppl" || t == "kld" || t == "agree" || t == "niah" || t == "vt" || t == "kvr" || t == "code",
+            "eval: unknown task '" + t + "' (ppl, kld, agree, niah, vt, kvr, code)");
   // Method names and calibrations are checked before minutes of prefill.
   std::vector<MethodSpec> specs;
   for (const auto& n : a.methods) specs.push_back(parse_method(n));
@@ -177,6 +277,10 @@ int run_eval(const EvalArgs& a) {
   std::vector<double> lp_ref, lp;
   bool vanilla_exact = true;
   const Corpus corpus = Corpus::load(a.corpus);
+  const std::string calib_id = cals.count("") ? cals.at("").id : "";
+  std::set<RecordKey> have;
+  if (!a.records.empty()) have = read_record_keys(a.records);
+  size_t skipped = 0;
   require(a.samples.size() == 1 || a.samples.size() == a.contexts.size(), "eval: --samples takes one count or one per --context");
   for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
     const uint32_t ctx = a.contexts[ci], n_samples = a.samples[a.samples.size() == 1 ? 0 : ci];
@@ -188,6 +292,10 @@ int run_eval(const EvalArgs& a) {
         auto p = task_prompts(*model, corpus, t, ctx, n_samples, a.seed + ctx);
         prompts.insert(prompts.end(), p.begin(), p.end());
       }
+    if (has("code")) {
+      auto p = code_prompts(*model, corpus, ctx, n_samples, a.seed + ctx);
+      prompts.insert(prompts.end(), p.begin(), p.end());
+    }
     SessionOptions so;
     so.n_ctx = ctx + a.cont + std::max(a.greedy, 64u) + 16;
     Session s(*model, so);
@@ -204,6 +312,36 @@ int run_eval(const EvalArgs& a) {
     for (size_t pi = 0; pi < prompts.size(); ++pi) {
       const Prompt& P = prompts[pi];
       const uint32_t n = uint32_t(P.tokens.size());
+      auto key_of = [&](const std::string& method) {
+        return RecordKey{model->sha256(), calib_id, method, P.task, a.seed, a.cont, a.greedy, ctx, P.index};
+      };
+      if (!a.records.empty() && std::all_of(methods.begin(), methods.end(), [&](const auto& m) { return have.count(key_of(m->name())) > 0; })) {
+        ++skipped;
+        continue;  // every method has its record: no prefill
+      }
+      std::string lines;  // this prompt's new records
+      auto record = [&](const Method& m, uint64_t f16, uint64_t stored, const nlohmann::json& scores, const std::string& output) {
+        if (a.records.empty() || have.count(key_of(m.name()))) return;
+        nlohmann::ordered_json r;
+        r["model_sha256"] = model->sha256();
+        r["calibration_id"] = calib_id;
+        r["method"] = m.name();
+        r["task"] = P.task;
+        r["seed"] = a.seed;
+        r["continuation"] = a.cont;
+        r["greedy"] = a.greedy;
+        r["context"] = ctx;
+        r["index"] = P.index;
+        r["id"] = P.id;
+        r["tokens"] = n;
+        r["f16_bytes"] = f16;
+        r["stored_bytes"] = stored;
+        r["scores"] = scores;
+        if (!output.empty()) r["output"] = output.substr(0, 240);
+        if (!P.gen.answers.empty()) r["expected"] = P.gen.answers;
+        if (!a.record_tag.empty()) r["run"] = a.record_tag;
+        lines += r.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+      };
       s.clear();
       s.decode(P.tokens, 0);
       KvCapture cap = s.capture();
@@ -230,6 +368,7 @@ int run_eval(const EvalArgs& a) {
           m.apply(cap, &stored);
           bytes[m.name()].first += cap.f16_bytes();
           bytes[m.name()].second += stored;
+          record(m, cap.f16_bytes(), stored, nlohmann::json::object(), "");
           continue;
         }
         if (!m.native_cache_types().first.empty()) {
@@ -261,8 +400,11 @@ int run_eval(const EvalArgs& a) {
             for (size_t v = 0; v < nv; ++v) k += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
             kl += k;
           }
-          sc[m.name()]["ppl"].x.push_back(std::exp(nll / double(P.cont.size())));
-          sc[m.name()]["kld"].x.push_back(kl / double(P.cont.size()));
+          nlohmann::json js;
+          js["ppl"] = std::exp(nll / double(P.cont.size()));
+          js["kld"] = kl / double(P.cont.size());
+          sc[m.name()]["ppl"].x.push_back(js["ppl"]);
+          sc[m.name()]["kld"].x.push_back(js["kld"]);
           if (has("agree")) {
             run->remove_from(int32_t(n) - 1);
             run->decode({P.tokens.back()}, int32_t(n) - 1);
@@ -272,18 +414,33 @@ int run_eval(const EvalArgs& a) {
             while (k < g.size() && g[k] == ref_greedy[k]) ++k;
             sc[m.name()]["agree"].x.push_back(k);
             sc[m.name()]["agree_all"].x.push_back(k == g.size() ? 1.0 : 0.0);
+            js["agree"] = k;
+            js["agree_all"] = k == g.size() ? 1.0 : 0.0;
           }
+          record(m, cap.f16_bytes(), stored, js, "");
+        } else if (P.task == "code") {
+          run->decode({P.tokens.back()}, int32_t(n) - 1);
+          const std::string out = greedy_line(*run, *model, P.gen.gen_tokens);
+          const CodeLineScore c = score_code_line(P.gen.answers.front(), out);
+          sc[m.name()]["code"].x.push_back(100.0 * c.exact);
+          sc[m.name()]["code_es"].x.push_back(100.0 * c.edit_similarity);
+          record(m, cap.f16_bytes(), stored, {{"code", 100.0 * c.exact}, {"code_es", 100.0 * c.edit_similarity}}, first_code_line(out));
+          if (a.verbose_tasks)
+            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f / %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), first_code_line(out).c_str(),
+                         100.0 * c.exact, 100.0 * c.edit_similarity, P.gen.answers.front().c_str());
         } else {
           run->decode({P.tokens.back()}, int32_t(n) - 1);
           const std::string out = text_of(*model, run->greedy(int(P.gen.gen_tokens)));
           // Scores in percent, as RULER reports them.
           sc[m.name()][P.task].x.push_back(100.0 * score_generation(P.gen, out));
+          record(m, cap.f16_bytes(), stored, {{P.task, 100.0 * score_generation(P.gen, out)}}, out);
           if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) std::fprintf(stderr, "%s\n", text_of(*model, P.tokens).c_str());
           if (a.verbose_tasks)
             std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), out.c_str(),
                          100.0 * score_generation(P.gen, out), P.gen.answers.front().c_str());
         }
       }
+      if (!lines.empty()) append_records(a.records, lines);
       std::fprintf(stderr, "[eval] context %u, prompt %zu/%zu (%s, %s) done, %.0f s\n", ctx, pi + 1, prompts.size(), P.task.c_str(), P.id.c_str(),
                    std::chrono::duration<double>(clock::now() - t_start).count());
     }
@@ -304,7 +461,9 @@ int run_eval(const EvalArgs& a) {
         cj["methods"].push_back(m);
         continue;
       }
-      for (const std::string& t : a.tasks) {
+      std::vector<std::string> cols = a.tasks;
+      if (has("code")) cols.push_back("code_es");  // the second score of code
+      for (const std::string& t : cols) {
         m["scores"][t] = sc[method][t].mean();
         m["half_width"][t] = sc[method][t].half();
         if (t == "agree") m["scores"]["agree_all"] = sc[method]["agree_all"].mean();
@@ -317,6 +476,11 @@ int run_eval(const EvalArgs& a) {
     }
     result["contexts"].push_back(cj);
   }
+  if (!a.records.empty()) {
+    result["records"] = a.records;
+    result["prompts_already_recorded"] = skipped;
+    std::fprintf(stderr, "[eval] %zu prompts were in %s already (skipped)\n", skipped, a.records.c_str());
+  }
   result["vanilla_equals_no_restore"] = vanilla_exact;
   result["seconds"] = std::chrono::duration<double>(clock::now() - t_start).count();
   if (!a.out_json.empty()) {
@@ -324,23 +488,25 @@ int run_eval(const EvalArgs& a) {
     write_file_atomic(a.out_json, {reinterpret_cast<const uint8_t*>(js.data()), js.size()});
   }
   std::ostringstream md;
+  std::vector<std::string> cols = a.tasks;
+  if (has("code")) cols.push_back("code_es");
   for (const auto& cj : result["contexts"]) {
     md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>()
        << " samples per task\n\n| method | ratio (whole cache) |";
-    for (const auto& t : a.tasks) md << " " << t << " |";
+    for (const auto& t : cols) md << " " << t << " |";
     md << "\n|---|---|";
-    for (size_t i = 0; i < a.tasks.size(); ++i) md << "---|";
+    for (size_t i = 0; i < cols.size(); ++i) md << "---|";
     md << "\n";
     for (const auto& m : cj["methods"]) {
       char b[96];
       std::snprintf(b, sizeof b, "%.2fx", m["ratio"].get<double>());
       md << "| " << m["name"].get<std::string>() << " | " << b << " |";
       if (m["scores"].empty()) {  // lossless: ratio only
-        for (size_t i = 0; i < a.tasks.size(); ++i) md << " (lossless) |";
+        for (size_t i = 0; i < cols.size(); ++i) md << " (lossless) |";
         md << "\n";
         continue;
       }
-      for (const auto& t : a.tasks) {
+      for (const auto& t : cols) {
         const double v = m["scores"][t].get<double>(), h = m["half_width"][t].get<double>();
         if (t == "ppl" || t == "kld")
           std::snprintf(b, sizeof b, " %.4g ± %.2g", v, h);
@@ -378,12 +544,14 @@ Action add_eval(CLI::App& app) {
   auto a = std::make_shared<EvalArgs>();
   a->model = default_model();
   a->corpus = default_corpus();
-  CLI::App* sub = app.add_subcommand("eval", "Quality after compress -> restore -> continue (ppl, kld, agree, niah, vt, kvr), method by method");
+  CLI::App* sub =
+      app.add_subcommand("eval", "Quality after compress -> restore -> continue (ppl, kld, agree, niah, vt, kvr, code), method by method");
   model_option(sub, a->model, "GGUF model");
   sub->add_option("--calib", a->calib, "Calibration file (needed by kvtc and svd methods)");
   sub->add_option("--calib-extra", a->calib_extra, "More calibrations as NAME=FILE, used by kvtc-<R>x@NAME (ablations)");
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
-  sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval)")->capture_default_str();
+  sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval); code (next-line completion)")
+      ->capture_default_str();
   sub->add_option("--methods", a->methods, std::string("Methods (vanilla first, the reference): ") + kMethodHelp)->capture_default_str();
   sub->add_option("--context", a->contexts, "Context lengths in tokens")->capture_default_str();
   sub->add_option("--samples", a->samples, "Samples per task: one count, or one per --context")->capture_default_str()->check(CLI::PositiveNumber);
@@ -392,6 +560,9 @@ Action add_eval(CLI::App& app) {
   sub->add_option("--seed", a->seed, "Seed for document and window choice")->capture_default_str();
   sub->add_option("--out-json", a->out_json, "Write the JSON result here");
   sub->add_option("--out-md", a->out_md, "Write the markdown table here");
+  sub->add_option("--records", a->records,
+                  "Append one JSON line per prompt and method here; prompts every method already has a record for are skipped (resume)");
+  sub->add_option("--record-tag", a->record_tag, "Stored in each new record as \"run\" (commit, machine)");
   sub->add_flag("--json", a->json, "Print JSON instead of the table");
   sub->add_flag("--show-generations", a->verbose_tasks, "Print each retrieval generation and its score to stderr");
   return [a] { return run_eval(*a); };

@@ -164,6 +164,101 @@ TaskPrompt make_task_prompt(const Model& m, const std::string& task, const std::
   return p;
 }
 
+namespace {
+
+std::string strip(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n"), b = s.find_last_not_of(" \t\r\n");
+  return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
+}
+
+// A line worth predicting: 8+ characters of code, not a comment; a lone
+// docstring quote or bracket is not a prediction either.
+bool code_target(const std::string& line) {
+  const std::string t = strip(line);
+  return t.size() >= 8 && t[0] != '#' && t.rfind("\"\"\"", 0) != 0 && t.rfind("'''", 0) != 0;
+}
+
+}  // namespace
+
+TaskPrompt make_code_prompt(const Model& m, const std::string& code, const std::string& file_id, uint32_t ctx, uint64_t seed, uint32_t index) {
+  std::mt19937_64 rng(seed * 1000003 + index * 7919 + std::hash<std::string>{}("code") % 1000);
+  std::vector<size_t> starts{0};  // line starts (bytes)
+  for (size_t i = 0; i + 1 < code.size(); ++i)
+    if (code[i] == '\n') starts.push_back(i + 1);
+  // Tokens before each line start, from the pieces' byte offsets (one
+  // tokenization of the file; the prompt itself is re-tokenized below).
+  std::vector<size_t> tok_end;  // byte offset after each text token
+  size_t off = 0;
+  for (int32_t id : m.tokenize(code, false, false)) {
+    off += m.token_text(id).size();
+    tok_end.push_back(off);
+  }
+  auto tokens_before = [&](size_t byte) { return size_t(std::upper_bound(tok_end.begin(), tok_end.end(), byte) - tok_end.begin()); };
+  std::vector<size_t> full, any;  // candidate target lines
+  for (size_t l = 1; l < starts.size(); ++l) {
+    const size_t e = code.find('\n', starts[l]);
+    if (!code_target(code.substr(starts[l], e == std::string::npos ? std::string::npos : e - starts[l]))) continue;
+    any.push_back(l);
+    if (tokens_before(starts[l]) + 16 >= ctx) full.push_back(l);
+  }
+  require(!any.empty(), "eval: " + file_id + " has no line to complete");
+  const std::vector<size_t>& cand = full.empty() ? any : full;
+  const size_t l = full.empty() ? any.back() : cand[size_t(draw(rng, cand.size()))];
+  const size_t e = code.find('\n', starts[l]);
+  TaskPrompt p;
+  p.task = "code";
+  p.answers = {strip(code.substr(starts[l], e == std::string::npos ? std::string::npos : e - starts[l]))};
+  p.gen_tokens = 64;  // a line; generation stops at its end (eval.cpp)
+  // The window: whole lines before the target, the most that fit in ctx.
+  const size_t want = tokens_before(starts[l]) > ctx - 8 ? tokens_before(starts[l]) - (ctx - 8) : 0;
+  size_t first = size_t(std::lower_bound(starts.begin(), starts.begin() + long(l), want ? tok_end[want - 1] : 0) - starts.begin());
+  first = std::min(first, l - 1);  // at least the line before the target
+  while (true) {
+    p.tokens = m.tokenize(code.substr(starts[first], starts[l] - starts[first]));
+    if (p.tokens.size() <= ctx || first + 1 >= l) break;
+    ++first;
+  }
+  require(p.tokens.size() <= ctx, "eval: code prompt of " + file_id + " does not fit the context");
+  char idb[200];
+  std::snprintf(idb, sizeof idb, "code %s line %zu", file_id.c_str(), l + 1);
+  p.id = idb;
+  return p;
+}
+
+std::string first_code_line(const std::string& generated) {
+  size_t a = 0;
+  while (a < generated.size()) {
+    size_t e = generated.find('\n', a);
+    if (e == std::string::npos) e = generated.size();
+    const std::string t = strip(generated.substr(a, e - a));
+    if (!t.empty()) return t;
+    a = e + 1;
+  }
+  return {};
+}
+
+CodeLineScore score_code_line(const std::string& target, const std::string& generated) {
+  const std::string a = strip(target), b = first_code_line(generated);
+  CodeLineScore s;
+  s.exact = a == b ? 1 : 0;
+  if (a.empty() && b.empty()) {
+    s.edit_similarity = 1;
+    return s;
+  }
+  // LCS by one rolling row (lines are short: O(|a| |b|) is microseconds).
+  std::vector<size_t> row(b.size() + 1, 0);
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = 0;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = a[i - 1] == b[j - 1] ? diag + 1 : std::max(row[j], row[j - 1]);
+      diag = up;
+    }
+  }
+  s.edit_similarity = 2.0 * double(row[b.size()]) / double(a.size() + b.size());
+  return s;
+}
+
 double score_generation(const TaskPrompt& p, const std::string& generated) {
   if (p.answers.empty()) return 0;
   size_t hit = 0;

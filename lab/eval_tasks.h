@@ -9,6 +9,10 @@
 //   the value. Scored by the share of chain variables it names.
 // - kvr: key-value retrieval ("Lost in the Middle"): a JSON object of
 //   5-letter keys and 6-digit values, the asked key in the middle third.
+// - code: repository-level code completion (LongBench's LCC, RepoBench-P):
+//   a window of a Python file of the evaluation split that ends at a line
+//   break, then the model writes the next line; exact match and edit
+//   similarity of its first non-empty line against the file's.
 // Thread safety: pure functions; Model::tokenize is read-only.
 #pragma once
 
@@ -34,5 +38,26 @@ TaskPrompt make_task_prompt(const Model& m, const std::string& task, const std::
 
 // Score in [0, 1] of a generated text: the share of answers it contains.
 double score_generation(const TaskPrompt& p, const std::string& generated);
+
+// A code-completion prompt (task "code"): `code` is a whole source file;
+// index picks the target line among those with at least 8 non-blank
+// characters that are not comments and have ctx tokens of the file before
+// them (else the longest such prefix). tokens = the lines before the target
+// (at most ctx tokens, starting at a line start, ending with its line
+// break); answers = {the target line, stripped}. Throws when the file has
+// no such line.
+TaskPrompt make_code_prompt(const Model& m, const std::string& code, const std::string& file_id, uint32_t ctx, uint64_t seed, uint32_t index);
+
+// The line a completion proposes: the first line of `generated` with a
+// non-blank character, stripped of surrounding white space.
+std::string first_code_line(const std::string& generated);
+
+// Both in [0, 1]: exact match of the stripped lines, and edit similarity as
+// LongBench and RepoBench score it (fuzzywuzzy's ratio): 2 LCS / (|a| + |b|),
+// over bytes; 1 when both are empty.
+struct CodeLineScore {
+  double exact = 0, edit_similarity = 0;
+};
+CodeLineScore score_code_line(const std::string& target, const std::string& generated);
 
 }  // namespace kvtc::lab

@@ -6,10 +6,14 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import unittest
 
 from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, run, run_lab
+
+TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Codec(unittest.TestCase):
@@ -262,6 +266,66 @@ class Codec(unittest.TestCase):
                 self.assertGreaterEqual(x["scores"][t], 0)
                 self.assertLessEqual(x["scores"][t], 100)
         self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x", "--context", "256", "--samples", "1"), "needs --calib")
+
+    def test_eval_records_and_code(self):
+        # --records: one line per prompt and method, a rerun computes only
+        # what is missing, a torn last line is skipped; the code task's
+        # scores follow from its recorded line (LongBench's edit similarity).
+        rec = self.path("records.jsonl")
+        args = ["eval", "-m", SMOL, "--calib", self.cal, "--context", "320", "--continuation", "16", "--tasks", "code", "niah",
+                "--methods", "vanilla", "kvtc-16x", "--records", rec, "--record-tag", "test", "--json"]
+
+        def lines():
+            with open(rec) as f:
+                return [json.loads(x) for x in f if x.strip()]
+
+        j = json.loads(run_lab(*args, "--samples", "2", check=0).stdout)
+        self.assertEqual(len(lines()), 8)  # 2 tasks x 2 prompts x 2 methods
+        self.assertEqual(j["prompts_already_recorded"], 0)
+        j = json.loads(run_lab(*args, "--samples", "2", check=0).stdout)
+        self.assertEqual(j["prompts_already_recorded"], 4)
+        self.assertEqual(len(lines()), 8)
+        with open(rec, "a") as f:
+            f.write('{"method": "vanilla", "tas')  # a run killed mid-write
+        p = run_lab(*args, "--samples", "3", check=0)
+        self.assertIn("not records", p.stderr)
+        self.assertEqual(json.loads(p.stdout)["prompts_already_recorded"], 4)
+        with open(rec) as f:
+            raw = f.read().splitlines()
+        self.assertIn('{"method": "vanilla", "tas', raw)  # the torn line stays alone
+        recs = [json.loads(x) for x in raw if x.endswith("}")]
+        self.assertEqual(len(recs), 12)
+        code = [r for r in recs if r["task"] == "code"]
+        self.assertEqual(sorted({r["index"] for r in code}), [0, 1, 2])
+        for r in code:
+            self.assertLessEqual(r["tokens"], 320)
+            self.assertEqual(r["run"], "test")
+            (want,) = r["expected"]
+            got = r.get("output", "")
+            self.assertNotIn("\n", got)
+            self.assertEqual(r["scores"]["code"], 100.0 if got == want else 0.0)
+            lcs = [0] * (len(got.encode()) + 1)
+            a, b = want.encode(), got.encode()
+            for x in a:
+                diag = 0
+                for k, y in enumerate(b, 1):
+                    diag, lcs[k] = lcs[k], diag + 1 if x == y else max(lcs[k], lcs[k - 1])
+            es = 100.0 if not a and not b else 200.0 * lcs[len(b)] / (len(a) + len(b))
+            self.assertAlmostEqual(r["scores"]["code_es"], es, places=6)
+        # The report reads the records as one evaluation.
+        res = self.path("results")
+        subprocess.run([sys.executable, os.path.join(TOP, "bench", "quality_records.py"), "t", rec, "--results", res], check=True,
+                       capture_output=True)
+        with open(os.path.join(res, "t.json")) as f:
+            t = json.load(f)
+        (c,) = t["contexts"]
+        self.assertEqual(c["prompts_per_task"], {"code": 3, "niah": 3})
+        van, kv = c["methods"]
+        self.assertEqual(van["name"], "vanilla")
+        self.assertEqual(kv["paired_diff"]["code_es"]["n"], 3)
+        self.assertGreater(kv["ratio"], 1.5)
+        self.assertEqual(van["ratio"], 1.0)
+        self.assertIn("code (edit sim.)", open(os.path.join(res, "t.md")).read())
 
     def test_must_fail_containers(self):
         good = self.path("good.kvtc")

@@ -146,7 +146,10 @@ struct FitOptions {
   bool keep_rope = false;
 };
 
-// stage: "prefill", "pca", "dp"; done / total in that stage's units.
+// stage: "prefill" (the model's forward pass over a document), "stream"
+// (that document's rows into the covariances), "pca" (finish: PCA, held-out
+// errors, DP tables); done / total in that stage's units. Called after the
+// stage's step, so the time since the previous call belongs to `stage`.
 using ProgressFn = std::function<void(const std::string& stage, uint64_t done, uint64_t total)>;
 
 // Streams K/V caches into a calibration without keeping them: the fit

@@ -42,6 +42,11 @@ Calibration calibrate_from_corpus(const CorpusCalibrateOptions& opt, const Progr
     s.decode(toks, 0);
     const KvCapture c = s.capture();
     if (capture_meta.empty()) capture_meta = c.meta;
+    const uint64_t total = opt.n_tokens + opt.heldout_tokens;
+    const auto done = [&] { return std::min(fitter.fit_tokens(), opt.n_tokens) + std::min(fitter.heldout_tokens(), opt.heldout_tokens); };
+    // Two stages per document so a caller can time them apart: the model's
+    // prefill, then streaming the capture into the covariances.
+    if (progress) progress("prefill", done(), total);
     if (to_held) {
       fitter.add_heldout(c);
       ++docs_held;
@@ -49,9 +54,7 @@ Calibration calibrate_from_corpus(const CorpusCalibrateOptions& opt, const Progr
       fitter.add(c);
       ++docs_fit;
     }
-    if (progress)
-      progress("prefill", std::min(fitter.fit_tokens(), opt.n_tokens) + std::min(fitter.heldout_tokens(), opt.heldout_tokens),
-               opt.n_tokens + opt.heldout_tokens);
+    if (progress) progress("stream", done(), total);
   }
   require(fitter.fit_tokens() >= 2 && fitter.heldout_tokens() > 0, "calibrate: the corpus yielded " + std::to_string(fitter.fit_tokens()) +
                                                                        " fit and " + std::to_string(fitter.heldout_tokens()) +

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -95,7 +96,14 @@ Action add_calibrate(CLI::App& app) {
     check_output_path(*out);
     const bool tty = ::isatty(2);
     auto t0 = std::chrono::steady_clock::now();
+    // Seconds per stage (ProgressFn: the time since the previous call
+    // belongs to the stage named), so the summary says how much was prefill.
+    std::map<std::string, double> stage_s;
+    double last_ms = 0;
     ProgressFn prog = [&](const std::string& stage, uint64_t done, uint64_t total) {
+      const double now = ms_since(t0);
+      stage_s[stage] += (now - last_ms) / 1000;
+      last_ms = now;
       if (!tty) return;
       std::fprintf(stderr, "\r[calibrate] %-8s %3.0f%% (%llu/%llu) %.0f s   ", stage.c_str(), total ? 100.0 * done / total : 100.0,
                    (unsigned long long)done, (unsigned long long)total, ms_since(t0) / 1000);
@@ -106,10 +114,13 @@ Action add_calibrate(CLI::App& app) {
     calibration_save(*out, cal);
     nlohmann::ordered_json j = calib_summary(cal, *out);
     j["seconds"] = ms_since(t0) / 1000;
+    j["stage_seconds"] = stage_s;
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
-      std::printf("calibration %s… written to %s (%.0f s)\n", cal.id.substr(0, 16).c_str(), out->c_str(), ms_since(t0) / 1000);
+      std::printf("calibration %s… written to %s (%.0f s", cal.id.substr(0, 16).c_str(), out->c_str(), ms_since(t0) / 1000);
+      for (const auto& [st, sec] : stage_s) std::printf("; %s %.0f s", st.c_str(), sec);
+      std::printf(")\n");
       std::printf("  %s fit tokens from %s documents, %s held-out tokens\n", cal.meta["calib_tokens"].c_str(), cal.meta["calib_documents"].c_str(),
                   cal.meta["heldout_tokens"].c_str());
       for (const auto& x : j["blocks"]) {

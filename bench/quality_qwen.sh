@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Quality on Qwen2.5-Coder-1.5B-Instruct (issue 14): `kvtc-lab eval
+# --records`, so the hours it takes spread over runs and sessions — every
+# finished prompt is kept, a rerun computes only what the records lack —
+# then the tables are rebuilt from all records:
+#   bench/results/quality-qwen.records.jsonl   (the data: one line per prompt and method)
+#   bench/results/quality-qwen.{md,json}       (bench/quality_records.py)
+#   bench/results/quality-tradeoff.png         (with SmolLM2's bench/results/quality.json)
+# Usage: bench/quality_qwen.sh [PART ...]       (no PART: the report only)
+# Needs make models-large and make calibrate-qwen. PARTs, in the order that
+# answers the 1-point question first (times on 2 EPYC cores: ~50 s per 4K prefill):
+#   paired-4k  vanilla, kvtc-16x, kvtc-32x on niah, kvr, code: 100 prompts each (~5 h)
+#   tasks-4k   every method on niah, vt, kvr, code: 8 prompts each (~1 h)
+#   text-4k    every method on ppl, kld, agree: 8 prompts (~30 min)
+#   8k         every method on every task: 4 prompts each (~1.5 h)
+# KVTC_QWEN_PAIRED=N sets paired-4k's count (the same prompts, first N).
+set -euo pipefail
+top=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=bench/lib.sh
+. "$top/bench/lib.sh"
+name=quality-qwen
+rec="$res/$name.records.jsonl"
+calib=${KVTC_QWEN_CALIB:-$top/.deps/calib/qwen-160k.safetensors}
+all=(vanilla kvtc-8x kvtc-16x kvtc-32x kvtc-64x fp8 kivi-4 kivi-2 q8_0 q4_0 streaming-8x svd-16x)
+part_args() {
+  case $1 in
+    paired-4k) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --methods vanilla kvtc-16x kvtc-32x" ;;
+    tasks-4k) echo "--context 4096 --samples 8 --tasks niah vt kvr code --methods ${all[*]}" ;;
+    text-4k) echo "--context 4096 --samples 8 --tasks ppl kld agree --methods ${all[*]}" ;;
+    8k) echo "--context 8192 --samples 4 --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
+    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k)" >&2; return 2 ;;
+  esac
+}
+for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked before hours of work
+[ $# -eq 0 ] || [ -f "$calib" ] || { echo "bench/quality_qwen.sh: $calib missing: run make calibrate-qwen" >&2; exit 2; }
+tag="commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
+for part in "$@"; do
+  # shellcheck disable=SC2046  # the part's arguments are words
+  "$lab" eval --model qwen --calib "$calib" --records "$rec" --record-tag "$tag" $(part_args "$part") >/dev/null
+done
+[ -s "$rec" ] || { echo "bench/quality_qwen.sh: no records yet ($rec)" >&2; exit 2; }
+{
+  echo "- command: \`bench/quality_qwen.sh PART ...\` (records appended by every run; this report rebuilt from all of them)"
+  echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
+  echo "- calibration: $(basename "$calib") (make calibrate-qwen: 160K tokens, documents cut at 8,192 tokens)"
+  echo "- parts: $(for p in paired-4k tasks-4k text-4k 8k; do printf '%s = `%s`; ' "$p" "$(part_args $p)"; done)"
+  echo "- commit and machine of each run: the \"run\" field of every record, listed under each context below"
+} >"$res/$name.header.part"
+notes=()
+[ -f "$top/bench/$name-notes.md" ] && notes=(--notes "$top/bench/$name-notes.md")
+python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}"
+rm -f "$res/$name.header.part"
+# The figure: both models, at the context each has most prompts at.
+python3 "$top/bench/plots.py" tradeoff "$res/quality-tradeoff.png" "SmolLM2-135M=$res/quality.json@2048" "Qwen2.5-Coder-1.5B=$res/$name.json@4096"

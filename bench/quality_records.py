@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Tables from `kvtc-lab eval --records` files: every (prompt, method)
+result of every run that wrote to them, so an evaluation spread over
+sessions reads as one.
+
+    python3 bench/quality_records.py NAME RECORDS.jsonl [...] [--header FILE] [--notes FILE]
+
+Writes bench/results/NAME.md and NAME.json. The JSON has the shape of
+`kvtc-lab eval --out-json` (contexts -> methods -> ratio, scores,
+half_width, paired_diff), plus per method and task the prompt count `n`,
+so bench/plots.py reads both. --header is markdown put under the title
+(command, commit, machine of the runs), --notes markdown put at the end.
+
+Records are grouped by model, calibration, seed, continuation and greedy
+settings, which must agree (one evaluation per file set); a record written
+twice (an interrupted run resumed) counts once. Scores: mean and 95%
+half-width over prompts (normal approximation, as kvtc-lab eval); a
+method's paired difference from vanilla uses only the prompts both have.
+The whole-cache ratio of a method is the f16 bytes over the stored bytes
+summed over all its prompts at that context.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RES = os.path.join(TOP, "bench", "results")
+# Columns in this order; a task's scores (code has two).
+COLUMNS = [("text", "ppl"), ("text", "kld"), ("text", "agree"), ("niah", "niah"), ("vt", "vt"), ("kvr", "kvr"), ("code", "code"), ("code", "code_es")]
+LABEL = {"code": "code (exact)", "code_es": "code (edit sim.)"}
+
+
+def mean_half(xs):
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, 1.96 * math.sqrt(var / len(xs))
+
+
+def load(paths):
+    recs, settings, dup, bad = {}, set(), 0, 0
+    for p in paths:
+        with open(p) as f:
+            for ln, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    r = json.loads(line)
+                    key = (r["method"], r["task"], r["context"], r["index"])
+                    setting = (r["model_sha256"], r["calibration_id"], r["seed"], r["continuation"], r["greedy"])
+                except (ValueError, KeyError) as e:
+                    bad += 1
+                    print(f"{p}:{ln}: not a record ({e}); skipped", file=sys.stderr)
+                    continue
+                settings.add(setting)
+                if key in recs:
+                    dup += 1
+                    continue
+                recs[key] = r
+    if len(settings) > 1:
+        sys.exit("records mix settings (model, calibration, seed, continuation, greedy): " + "; ".join(map(str, sorted(settings))))
+    if not recs:
+        sys.exit("no records in " + ", ".join(paths))
+    return recs, dup, bad
+
+
+def summarize(recs):
+    by_ctx = defaultdict(list)
+    for r in recs.values():
+        by_ctx[r["context"]].append(r)
+    out = []
+    for ctx in sorted(by_ctx):
+        rs = by_ctx[ctx]
+        methods = []
+        for r in rs:  # first-seen order, vanilla first
+            if r["method"] not in methods:
+                methods.append(r["method"])
+        methods.sort(key=lambda m: m != "vanilla")
+        # scores[method][(task, score)][index] = value
+        scores = defaultdict(lambda: defaultdict(dict))
+        f16, stored, runs = defaultdict(int), defaultdict(int), set()
+        for r in rs:
+            f16[r["method"]] += r["f16_bytes"]
+            stored[r["method"]] += r["stored_bytes"]
+            if "run" in r:
+                runs.add(r["run"])
+            for s, v in r["scores"].items():
+                scores[r["method"]][(r["task"], s)][r["index"]] = v
+        prompts = {t: len({r["index"] for r in rs if r["task"] == t}) for t in {r["task"] for r in rs}}
+        cj = {"context": ctx, "prompts_per_task": prompts, "runs": sorted(runs), "methods": []}
+        ref = scores.get("vanilla", {})
+        for m in methods:
+            mj = {"name": m, "ratio": f16[m] / stored[m] if stored[m] else None, "scores": {}, "half_width": {}, "paired_diff": {}, "n": {}}
+            for task, s in COLUMNS + [("text", "agree_all")]:
+                vals = scores[m].get((task, s))
+                if not vals:
+                    continue
+                mean, half = mean_half(list(vals.values()))
+                mj["scores"][s], mj["half_width"][s], mj["n"][s] = mean, half, len(vals)
+                rv = ref.get((task, s), {})
+                common = sorted(set(vals) & set(rv))
+                if m != "vanilla" and common:
+                    dm, dh = mean_half([vals[i] - rv[i] for i in common])
+                    mj["paired_diff"][s] = {"mean": dm, "half_width": dh, "n": len(common)}
+            cj["methods"].append(mj)
+        out.append(cj)
+    return out
+
+
+def fmt(v, h, s):
+    if v is None:
+        return "–"
+    if s in ("ppl", "kld"):
+        return f"{v:.4g}" + (f" ± {h:.2g}" if h is not None else "")
+    return f"{v:.1f}" + (f" ± {h:.1f}" if h is not None else "")
+
+
+def markdown(name, contexts, header, notes, dup):
+    L = [f"# kvtc quality: {name}", ""]
+    if header:
+        L += [header.rstrip(), ""]
+    L += ["Each cell: mean ± 95% half-width over the prompts (n), and for every method but vanilla",
+          "[Δ paired difference from vanilla ± its half-width]. Scores in percent except ppl (perplexity of",
+          "the continuation) and kld (nats per token); agree = greedy tokens equal to vanilla's before the first difference.",
+          f"Ratio: f16 K+V bytes of the whole cache over the bytes at rest, summed over every prompt of the method."
+          + (f" {dup} duplicate records (resumed runs) counted once." if dup else ""), ""]
+    for cj in contexts:
+        cols = [s for _, s in COLUMNS if any(s in m["scores"] for m in cj["methods"])]
+        counts = ", ".join(f"{t}: {n}" for t, n in sorted(cj["prompts_per_task"].items()))
+        runs = "; ".join(cj["runs"]) or "not recorded"
+        L += [f"## context {cj['context']} tokens", "", f"Prompts per task: {counts}. Written by: {runs}.", "",
+              "| method | ratio (whole cache) | " + " | ".join(LABEL.get(c, c) for c in cols) + " |",
+              "|---|---|" + "---|" * len(cols)]
+        for m in cj["methods"]:
+            cells = []
+            for c in cols:
+                if c not in m["scores"]:
+                    cells.append("(lossless)" if not m["scores"] else "–")
+                    continue
+                cell = fmt(m["scores"][c], m["half_width"][c], c) + f" (n {m['n'][c]})"
+                if c == "agree" and "agree_all" in m["scores"]:
+                    cell += f" (all: {100 * m['scores']['agree_all']:.0f}%)"
+                d = m["paired_diff"].get(c)
+                if d and c != "kld":
+                    cell += f" [Δ {d['mean']:+.3g}" + (f" ± {d['half_width']:.2g}" if d["half_width"] is not None else "") + "]"
+                cells.append(cell)
+            ratio = f"{m['ratio']:.2f}x" if m["ratio"] else "–"
+            L.append(f"| {m['name']} | {ratio} | " + " | ".join(cells) + " |")
+        L.append("")
+    if notes:
+        L += [notes.rstrip(), ""]
+    return "\n".join(L)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("name")
+    ap.add_argument("records", nargs="+")
+    ap.add_argument("--header")
+    ap.add_argument("--notes")
+    ap.add_argument("--results", default=RES)
+    a = ap.parse_args()
+    recs, dup, bad = load(a.records)
+    contexts = summarize(recs)
+    any_rec = next(iter(recs.values()))
+    result = {"records": [os.path.relpath(p, TOP) for p in a.records], "model_sha256": any_rec["model_sha256"],
+              "calibration_id": any_rec["calibration_id"], "seed": any_rec["seed"], "continuation_tokens": any_rec["continuation"],
+              "greedy_tokens": any_rec["greedy"], "records_counted": len(recs), "duplicates": dup, "unreadable_lines": bad, "contexts": contexts}
+    header = open(a.header).read() if a.header else ""
+    notes = open(a.notes).read() if a.notes else ""
+    os.makedirs(a.results, exist_ok=True)
+    for ext, text in (("json", json.dumps(result, indent=1) + "\n"), ("md", markdown(a.name, contexts, header, notes, dup) + "\n")):
+        path = os.path.join(a.results, f"{a.name}.{ext}")
+        with open(path + ".part", "w") as f:
+            f.write(text)
+        os.replace(path + ".part", path)
+    print(f"wrote {os.path.join(a.results, a.name)}.md and .json ({len(recs)} records)")
+
+
+if __name__ == "__main__":
+    main()

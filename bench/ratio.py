@@ -66,6 +66,24 @@ def bits_per_component(cal_meta):
     return out
 
 
+def calib_run_lines(calib):
+    """How long the calibration took, from the `kvtc calibrate --json` summary
+    the make targets keep beside it (CAL.json), when there is one."""
+    path = os.path.splitext(calib)[0] + ".json"
+    try:
+        with open(path) as f:
+            j = json.load(f)
+    except (OSError, ValueError):
+        return []
+    st = j.get("stage_seconds") or {}
+    total = j.get("seconds")
+    if not total:
+        return []
+    parts = ", ".join(f"{k} {v / 60:.1f} min ({100 * v / total:.0f}%)" for k, v in sorted(st.items(), key=lambda kv: -kv[1]))
+    return [f"- calibration run ({os.path.relpath(path, TOP)}): {total / 60:.1f} min" + (f": {parts}" if parts else "")
+            + " — prefill is the model's forward pass over the documents, stream the covariance updates, pca the eigendecompositions, held-out errors and DP tables"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvtc", default=os.path.join(TOP, "build", "kvtc"))
@@ -162,6 +180,7 @@ def main():
         f"- model: {cal_meta.get('model_name', cal_meta.get('arch', '?'))} (p = {p_features:,} features per token for K and for V)",
         f"- calibration: {cal_meta.get('calib_tokens')} tokens from {cal_meta.get('calib_documents')} calibration documents, "
         f"{cal_meta.get('heldout_tokens')} held-out tokens, id {str(cal_meta.get('calibration_id'))[:16]}…",
+    ] + calib_run_lines(a.calib) + [
         f"- data: {len(docs)} evaluation documents ({a.docs_per_kind} per kind: prose, docs, code, math), first {a.tokens} tokens each; "
         "sink 4 and window 128 tokens raw; DEFLATE level 6",
         "",

@@ -66,14 +66,32 @@ def bits_per_component(cal_meta):
     return out
 
 
-def calib_run_lines(calib):
-    """How long the calibration took, from the `kvtc calibrate --json` summary
-    the make targets keep beside it (CAL.json), when there is one."""
+def calib_summary(calib):
+    """The `kvtc calibrate --json` summary the make targets keep beside a calibration (CAL.json), or None."""
     path = os.path.splitext(calib)[0] + ".json"
     try:
         with open(path) as f:
-            j = json.load(f)
+            return path, json.load(f)
     except (OSError, ValueError):
+        return path, None
+
+
+def calib_heldout(calib):
+    """{nominal: (K error, V error)} held-out, block 0, from CAL.json."""
+    _, j = calib_summary(calib)
+    out = {}
+    for b in (j or {}).get("blocks", []):
+        if b.get("block") == 0:
+            for r, x in b.get("ratios", {}).items():
+                out.setdefault(r, [None, None])[0 if b["kind"] == "keys" else 1] = x["heldout_relative_error"]
+    return {r: v for r, v in out.items() if None not in v}
+
+
+def calib_run_lines(calib):
+    """How long the calibration took, from the `kvtc calibrate --json` summary
+    the make targets keep beside it (CAL.json), when there is one."""
+    path, j = calib_summary(calib)
+    if not j:
         return []
     st = j.get("stage_seconds") or {}
     total = j.get("seconds")
@@ -126,6 +144,7 @@ def main():
             row["ek"].append(e["rel_error_k"])
             row["ev"].append(e["rel_error_v"])
             row["per_kind"].setdefault(d["kind"], []).append(c["ratio_compressed_tokens"])
+            row.setdefault("per_kind_err", {}).setdefault(d["kind"], []).append((e["rel_error_k"], e["rel_error_v"]))
         print(f"[ratio] {d['id']}: done", file=sys.stderr)
 
     # DEFLATE level: size and encode time at 16x on the first document.
@@ -153,6 +172,7 @@ def main():
             "rel_error_k": sum(row["ek"]) / len(row["ek"]),
             "rel_error_v": sum(row["ev"]) / len(row["ev"]),
             "per_kind_ratio_compressed_tokens": {k: sum(v) / len(v) for k, v in row["per_kind"].items()},
+            "per_kind_rel_error": {k: {"k": sum(x[0] for x in v) / len(v), "v": sum(x[1] for x in v) / len(v)} for k, v in row["per_kind_err"].items()},
         })
     result["bits_per_component"] = bits
     rjson = os.path.join(a.results, f"{a.name}.json")
@@ -195,7 +215,22 @@ def main():
         "",
         "Relative error: ||x − x̂||² / ||x||² over the coded (non-raw) tokens, K and V as llama.cpp stores",
         "them (keys with RoPE). Whole cache: all tokens' f16 K+V over the container's bytes (raw sink and",
-        f"window tokens included; they weigh more at shorter contexts).",
+        f"window tokens included; they weigh more at shorter contexts). The ratio is fixed by the DP table,",
+        "so the kinds differ only by what DEFLATE finds; they differ in error (and beside them the",
+        "calibration's held-out error, from CAL.json: the same squared error over the variance — mean",
+        "removed, keys without RoPE — which a large constant part of the keys, as Qwen2's K bias gives,",
+        "does not dilute):",
+        "",
+        "| nominal | " + " | ".join(f"{k}: error K / V" for k in ("prose", "docs", "code", "math")) + " | calibration held-out K / V |",
+        "|---|---|---|---|---|---|",
+    ]
+    held = calib_heldout(a.calib)
+    for x in result["ratios"]:
+        pe = x["per_kind_rel_error"]
+        h = held.get(str(x["nominal"]))
+        L.append(f"| {x['nominal']}x | " + " | ".join(f"{pe[k]['k']:.4f} / {pe[k]['v']:.4f}" if k in pe else "–" for k in ("prose", "docs", "code", "math"))
+                 + (f" | {h[0]:.4f} / {h[1]:.4f} |" if h else " | – |"))
+    L += [
         "",
         "## Ratio by stage (coded tokens; the paper's Figure 2)",
         "",

@@ -43,6 +43,28 @@ def mean_half(xs):
     return m, 1.96 * math.sqrt(var / len(xs))
 
 
+def binom_cdf(k, n, p):
+    """P(X <= k), X ~ Binomial(n, p)."""
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def upper95(k, n):
+    """One-sided 95% Clopper-Pearson upper bound on a rate seen k times in n:
+    the p with P(X <= k | p) = 0.05 (k = 0: 1 - 0.05^(1/n), the rule of three)."""
+    if k >= n:
+        return 1.0
+    lo, hi = k / n, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if binom_cdf(k, n, mid) > 0.05 else (lo, mid)
+    return hi
+
+
+# Pass/fail scores (0 or 100 per prompt): their paired difference also gets
+# an exact bound, since a normal half-width is 0 when no prompt differs.
+BINARY = {"niah", "kvr", "code"}
+
+
 def load(paths):
     recs, settings, dup, bad = {}, set(), 0, 0
     for p in paths:
@@ -109,6 +131,11 @@ def summarize(recs):
                 if m != "vanilla" and common:
                     dm, dh = mean_half([vals[i] - rv[i] for i in common])
                     mj["paired_diff"][s] = {"mean": dm, "half_width": dh, "n": len(common)}
+                    if s in BINARY:
+                        worse = sum(1 for i in common if vals[i] < rv[i])
+                        better = sum(1 for i in common if vals[i] > rv[i])
+                        # The loss (worse - better) / n is at most the share made worse.
+                        mj["paired_diff"][s].update(worse=worse, better=better, worse_upper95=100 * upper95(worse, len(common)))
             cj["methods"].append(mj)
         out.append(cj)
     return out
@@ -129,6 +156,9 @@ def markdown(name, contexts, header, notes, dup):
     L += ["Each cell: mean ± 95% half-width over the prompts (n), and for every method but vanilla",
           "[Δ paired difference from vanilla ± its half-width]. Scores in percent except ppl (perplexity of",
           "the continuation) and kld (nats per token); agree = greedy tokens equal to vanilla's before the first difference.",
+          "For pass/fail tasks (niah, kvr, code exact) the bracket also counts the prompts the method got wrong where vanilla",
+          "was right (worse) and the reverse (better), and bounds the loss by the one-sided 95% Clopper-Pearson upper bound",
+          "on the share made worse (with none worse: 1 − 0.05^(1/n), about 300/n points) — a normal half-width is 0 when no prompt differs.",
           f"Ratio: f16 K+V bytes of the whole cache over the bytes at rest, summed over every prompt of the method."
           + (f" {dup} duplicate records (resumed runs) counted once." if dup else ""), ""]
     for cj in contexts:
@@ -149,7 +179,10 @@ def markdown(name, contexts, header, notes, dup):
                     cell += f" (all: {100 * m['scores']['agree_all']:.0f}%)"
                 d = m["paired_diff"].get(c)
                 if d and c != "kld":
-                    cell += f" [Δ {d['mean']:+.3g}" + (f" ± {d['half_width']:.2g}" if d["half_width"] is not None else "") + "]"
+                    cell += f" [Δ {d['mean']:+.3g}" + (f" ± {d['half_width']:.2g}" if d["half_width"] is not None else "")
+                    if "worse" in d:
+                        cell += f"; worse on {d['worse']}, better on {d['better']}; loss ≤ {d['worse_upper95']:.1f} (95%)"
+                    cell += "]"
                 cells.append(cell)
             ratio = f"{m['ratio']:.2f}x" if m["ratio"] else "–"
             L.append(f"| {m['name']} | {ratio} | " + " | ".join(cells) + " |")

@@ -323,6 +323,9 @@ class Codec(unittest.TestCase):
         van, kv = c["methods"]
         self.assertEqual(van["name"], "vanilla")
         self.assertEqual(kv["paired_diff"]["code_es"]["n"], 3)
+        d = kv["paired_diff"]["code"]  # pass/fail: discordant counts and an exact bound
+        self.assertGreaterEqual(d["worse_upper95"], 100 * (1 - 0.05 ** (1 / 3)) - 1e-6)
+        self.assertLessEqual(d["worse"] + d["better"], 3)
         self.assertGreater(kv["ratio"], 1.5)
         self.assertEqual(van["ratio"], 1.0)
         self.assertIn("code (edit sim.)", open(os.path.join(res, "t.md")).read())

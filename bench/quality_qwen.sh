@@ -13,7 +13,8 @@
 #   tasks-4k   every method on niah, vt, kvr, code: 8 prompts each (~1 h)
 #   text-4k    every method on ppl, kld, agree: 8 prompts (~30 min)
 #   8k         every method on every task: 4 prompts each (~1.5 h)
-# KVTC_QWEN_PAIRED=N sets paired-4k's count (the same prompts, first N).
+# KVTC_QWEN_PAIRED=N sets paired-4k's count, KVTC_QWEN_SAMPLES=N the other
+# parts' (the same prompts, first N: a later, larger run adds the rest).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/lib.sh
@@ -25,9 +26,9 @@ all=(vanilla kvtc-8x kvtc-16x kvtc-32x kvtc-64x fp8 kivi-4 kivi-2 q8_0 q4_0 stre
 part_args() {
   case $1 in
     paired-4k) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --methods vanilla kvtc-16x kvtc-32x" ;;
-    tasks-4k) echo "--context 4096 --samples 8 --tasks niah vt kvr code --methods ${all[*]}" ;;
-    text-4k) echo "--context 4096 --samples 8 --tasks ppl kld agree --methods ${all[*]}" ;;
-    8k) echo "--context 8192 --samples 4 --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
+    tasks-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks niah vt kvr code --methods ${all[*]}" ;;
+    text-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --methods ${all[*]}" ;;
+    8k) echo "--context 8192 --samples ${KVTC_QWEN_SAMPLES:-4} --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
     *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k)" >&2; return 2 ;;
   esac
 }

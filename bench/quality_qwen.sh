@@ -44,7 +44,7 @@ done
   echo "- command: \`bench/quality_qwen.sh PART ...\` (records appended by every run; this report rebuilt from all of them)"
   echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
   echo "- calibration: $(basename "$calib") (make calibrate-qwen: 160K tokens, documents cut at 8,192 tokens)"
-  echo "- parts: $(for p in paired-4k tasks-4k text-4k 8k; do printf '%s = `%s`; ' "$p" "$(part_args $p)"; done)"
+  echo "- parts (at their full counts; the prompts each context holds so far are counted below): $(for p in paired-4k tasks-4k text-4k 8k; do printf '%s = `%s`; ' "$p" "$(unset KVTC_QWEN_PAIRED KVTC_QWEN_SAMPLES; part_args $p)"; done)"
   echo "- commit and machine of each run: the \"run\" field of every record, listed under each context below"
 } >"$res/$name.header.part"
 notes=()

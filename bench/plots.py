@@ -415,7 +415,7 @@ TRADEOFF_METRICS = [("kld", "KL from vanilla (nats/token)"), ("niah", "needle (%
 
 
 def tradeoff_series(res, ctx, where):
-    """{metric: {"vanilla": y, family: [(ratio, y, n)]}} of one context of a quality JSON."""
+    """{metric: {"vanilla": (y, n), family: [(ratio, y, n, half_width)]}} of one context of a quality JSON."""
     import re
     cs = [c for c in need(res, "contexts", where) if c.get("context") == ctx]
     if not cs:
@@ -428,13 +428,14 @@ def tradeoff_series(res, ctx, where):
                 continue
             y = number(scores[metric], f"{where}: {name}.scores.{metric}")
             n = (m.get("n") or {}).get(metric, cs[0].get("samples"))  # eval JSON: one count per task
+            h = (m.get("half_width") or {}).get(metric) or 0
             d = out.setdefault(metric, {})
             if name == "vanilla":
                 d["vanilla"] = (y, n)
                 continue
             for fam, pat, _, _ in FAMILIES:
                 if re.fullmatch(pat, name):
-                    d.setdefault(fam, []).append((number(ratio, f"{where}: {name}.ratio"), y, n))
+                    d.setdefault(fam, []).append((number(ratio, f"{where}: {name}.ratio"), y, n, h))
     return out
 
 
@@ -459,8 +460,13 @@ def fig_tradeoff(mpl, panels):
                     pts = sorted(d.get(fam, []))
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=5, lw=1.5, label=fam)
+                        if metric != "kld":  # 95% half-widths over prompts
+                            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[3] for p in pts], fmt="none", ecolor=color,
+                                        elinewidth=0.8, capsize=2, alpha=0.6)
                 if metric == "kld":
                     ax.set_yscale("log")
+                else:  # the whole percent scale: small differences look small
+                    ax.set_ylim(-3, 105)
                 ns = sorted({p[2] for v in d.values() if isinstance(v, list) for p in v if p[2]})
                 if ns:
                     ax.text(0.02, 0.02, "n = " + (f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}–{ns[-1]}") + " prompts",

@@ -104,7 +104,16 @@ def summarize(recs):
         for r in rs:  # first-seen order, vanilla first
             if r["method"] not in methods:
                 methods.append(r["method"])
-        methods.sort(key=lambda m: m != "vanilla")
+        # vanilla, kvtc by ratio, then the others as first seen
+        seen = list(methods)
+
+        def order(m):
+            if m == "vanilla":
+                return (0, 0.0)
+            if m.startswith("kvtc-") and m[5:-1].replace(".", "", 1).isdigit() and m.endswith("x"):
+                return (1, float(m[5:-1]))
+            return (2, float(seen.index(m)))
+        methods.sort(key=order)
         # scores[method][(task, score)][index] = value
         scores = defaultdict(lambda: defaultdict(dict))
         f16, stored, runs = defaultdict(int), defaultdict(int), set()

@@ -235,6 +235,9 @@ int run_eval(const EvalArgs& a) {
   for (const auto& t : a.tasks)
     require(t == "ppl" || t == "kld" || t == "agree" || t == "niah" || t == "vt" || t == "kvr" || t == "code",
             "eval: unknown task '" + t + "' (ppl, kld, agree, niah, vt, kvr, code)");
+  // The columns of the results: the tasks, and code's second score.
+  std::vector<std::string> cols = a.tasks;
+  if (has("code")) cols.push_back("code_es");
   // Method names and calibrations are checked before minutes of prefill.
   std::vector<MethodSpec> specs;
   for (const auto& n : a.methods) specs.push_back(parse_method(n));
@@ -420,24 +423,25 @@ int run_eval(const EvalArgs& a) {
           record(m, cap.f16_bytes(), stored, js, "");
         } else if (P.task == "code") {
           run->decode({P.tokens.back()}, int32_t(n) - 1);
-          const std::string out = greedy_line(*run, *model, P.gen.gen_tokens);
-          const CodeLineScore c = score_code_line(P.gen.answers.front(), out);
+          const std::string line = first_code_line(greedy_line(*run, *model, P.gen.gen_tokens));
+          const CodeLineScore c = score_code_line(P.gen.answers.front(), line);
           sc[m.name()]["code"].x.push_back(100.0 * c.exact);
           sc[m.name()]["code_es"].x.push_back(100.0 * c.edit_similarity);
-          record(m, cap.f16_bytes(), stored, {{"code", 100.0 * c.exact}, {"code_es", 100.0 * c.edit_similarity}}, first_code_line(out));
+          record(m, cap.f16_bytes(), stored, {{"code", 100.0 * c.exact}, {"code_es", 100.0 * c.edit_similarity}}, line);
           if (a.verbose_tasks)
-            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f / %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), first_code_line(out).c_str(),
-                         100.0 * c.exact, 100.0 * c.edit_similarity, P.gen.answers.front().c_str());
+            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f / %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), line.c_str(), 100.0 * c.exact,
+                         100.0 * c.edit_similarity, P.gen.answers.front().c_str());
         } else {
           run->decode({P.tokens.back()}, int32_t(n) - 1);
           const std::string out = text_of(*model, run->greedy(int(P.gen.gen_tokens)));
           // Scores in percent, as RULER reports them.
-          sc[m.name()][P.task].x.push_back(100.0 * score_generation(P.gen, out));
-          record(m, cap.f16_bytes(), stored, {{P.task, 100.0 * score_generation(P.gen, out)}}, out);
+          const double score = 100.0 * score_generation(P.gen, out);
+          sc[m.name()][P.task].x.push_back(score);
+          record(m, cap.f16_bytes(), stored, {{P.task, score}}, out);
           if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) std::fprintf(stderr, "%s\n", text_of(*model, P.tokens).c_str());
           if (a.verbose_tasks)
-            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), out.c_str(),
-                         100.0 * score_generation(P.gen, out), P.gen.answers.front().c_str());
+            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), out.c_str(), score,
+                         P.gen.answers.front().c_str());
         }
       }
       if (!lines.empty()) append_records(a.records, lines);
@@ -461,8 +465,6 @@ int run_eval(const EvalArgs& a) {
         cj["methods"].push_back(m);
         continue;
       }
-      std::vector<std::string> cols = a.tasks;
-      if (has("code")) cols.push_back("code_es");  // the second score of code
       for (const std::string& t : cols) {
         m["scores"][t] = sc[method][t].mean();
         m["half_width"][t] = sc[method][t].half();
@@ -488,8 +490,6 @@ int run_eval(const EvalArgs& a) {
     write_file_atomic(a.out_json, {reinterpret_cast<const uint8_t*>(js.data()), js.size()});
   }
   std::ostringstream md;
-  std::vector<std::string> cols = a.tasks;
-  if (has("code")) cols.push_back("code_es");
   for (const auto& cj : result["contexts"]) {
     md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>()
        << " samples per task\n\n| method | ratio (whole cache) |";

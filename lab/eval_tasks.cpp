@@ -22,6 +22,11 @@ std::string digits(std::mt19937_64& rng, int n) {
   return s;
 }
 
+// Each prompt's own draws: a function of the seed, its index and its task.
+std::mt19937_64 prompt_rng(uint64_t seed, uint32_t index, const std::string& task) {
+  return std::mt19937_64(seed * 1000003 + index * 7919 + std::hash<std::string>{}(task) % 1000);
+}
+
 std::string var_name(std::mt19937_64& rng) {
   std::string s;
   for (int i = 0; i < 5; ++i) s += char('A' + draw(rng, 26));
@@ -58,7 +63,7 @@ std::string weave(const std::vector<std::string>& f, size_t n, const std::vector
 
 TaskPrompt make_task_prompt(const Model& m, const std::string& task, const std::string& filler, const std::string& filler_id, uint32_t ctx,
                             uint64_t seed, uint32_t index) {
-  std::mt19937_64 rng(seed * 1000003 + index * 7919 + std::hash<std::string>{}(task) % 1000);
+  std::mt19937_64 rng = prompt_rng(seed, index, task);
   TaskPrompt p;
   p.task = task;
   std::string head, tail;
@@ -173,6 +178,12 @@ std::string strip(const std::string& s) {
 
 // A line worth predicting: 8+ characters of code, not a comment; a lone
 // docstring quote or bracket is not a prediction either.
+// The line starting at byte `start`, without its line break.
+std::string line_at(const std::string& code, size_t start) {
+  const size_t e = code.find('\n', start);
+  return code.substr(start, e == std::string::npos ? std::string::npos : e - start);
+}
+
 bool code_target(const std::string& line) {
   const std::string t = strip(line);
   return t.size() >= 8 && t[0] != '#' && t.rfind("\"\"\"", 0) != 0 && t.rfind("'''", 0) != 0;
@@ -181,7 +192,7 @@ bool code_target(const std::string& line) {
 }  // namespace
 
 TaskPrompt make_code_prompt(const Model& m, const std::string& code, const std::string& file_id, uint32_t ctx, uint64_t seed, uint32_t index) {
-  std::mt19937_64 rng(seed * 1000003 + index * 7919 + std::hash<std::string>{}("code") % 1000);
+  std::mt19937_64 rng = prompt_rng(seed, index, "code");
   std::vector<size_t> starts{0};  // line starts (bytes)
   for (size_t i = 0; i + 1 < code.size(); ++i)
     if (code[i] == '\n') starts.push_back(i + 1);
@@ -196,18 +207,16 @@ TaskPrompt make_code_prompt(const Model& m, const std::string& code, const std::
   auto tokens_before = [&](size_t byte) { return size_t(std::upper_bound(tok_end.begin(), tok_end.end(), byte) - tok_end.begin()); };
   std::vector<size_t> full, any;  // candidate target lines
   for (size_t l = 1; l < starts.size(); ++l) {
-    const size_t e = code.find('\n', starts[l]);
-    if (!code_target(code.substr(starts[l], e == std::string::npos ? std::string::npos : e - starts[l]))) continue;
+    if (!code_target(line_at(code, starts[l]))) continue;
     any.push_back(l);
     if (tokens_before(starts[l]) + 16 >= ctx) full.push_back(l);
   }
   require(!any.empty(), "eval: " + file_id + " has no line to complete");
   const std::vector<size_t>& cand = full.empty() ? any : full;
   const size_t l = full.empty() ? any.back() : cand[size_t(draw(rng, cand.size()))];
-  const size_t e = code.find('\n', starts[l]);
   TaskPrompt p;
   p.task = "code";
-  p.answers = {strip(code.substr(starts[l], e == std::string::npos ? std::string::npos : e - starts[l]))};
+  p.answers = {strip(line_at(code, starts[l]))};
   p.gen_tokens = 64;  // a line; generation stops at its end (eval.cpp)
   // The window: whole lines before the target, the most that fit in ctx.
   const size_t want = tokens_before(starts[l]) > ctx - 8 ? tokens_before(starts[l]) - (ctx - 8) : 0;

@@ -28,8 +28,9 @@ import math
 import os
 import sys
 
-SYSTEM_PYTHON = "/usr/bin/python3"
-REEXEC_ENV = "KVTC_PLOTS_REEXEC"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import debian_python  # noqa: E402
+
 DPI = 100
 KEY_COLOR, VALUE_COLOR = "C0", "C1"
 
@@ -42,24 +43,12 @@ class PlotError(Exception):
 
 
 def import_matplotlib():
-    """matplotlib with the Agg backend. When this interpreter has none, the
-    script runs itself again (once) with /usr/bin/python3, Debian's, whose
-    python3-matplotlib a pyenv or venv python3 on PATH does not see."""
+    """matplotlib with the Agg backend, from this interpreter or Debian's
+    (bench/debian_python.py)."""
     try:
-        import matplotlib
-    except ImportError as e:
-        first = os.environ.get(REEXEC_ENV)
-        as_script = os.path.abspath(sys.argv[0]) == os.path.abspath(__file__)
-        if not first and as_script and os.path.exists(SYSTEM_PYTHON):
-            env = dict(os.environ, **{REEXEC_ENV: sys.executable or "python3"})
-            env.pop("PYTHONHOME", None)  # another interpreter's home would break Debian's
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.execve(SYSTEM_PYTHON, [SYSTEM_PYTHON, os.path.abspath(__file__), *sys.argv[1:]], env)
-        tried = f"{first} and {sys.executable}" if first else sys.executable
-        raise PlotError(f"matplotlib is not importable ({e}; tried {tried}). Install it: on Debian 12 "
-                        "`apt-get install python3-matplotlib` (scripts/bootstrap.sh does), elsewhere "
-                        "`python3 -m pip install matplotlib` for the python3 that runs this script") from None
+        matplotlib = debian_python.require("matplotlib", "python3-matplotlib", __file__)
+    except debian_python.Missing as e:
+        raise PlotError(str(e)) from None
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
     from matplotlib import ticker

@@ -33,6 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import debian_python  # noqa: E402
+import provenance  # noqa: E402
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,10 +159,8 @@ def main():
         print(f"[key-outliers] {m}: done", file=sys.stderr)
 
     info = json.loads(run(a.kvtc, "info", "--json"))
-    commit = subprocess.run(["git", "-C", TOP, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", TOP, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     cmd = "python3 bench/key_outliers.py --models " + " ".join(a.models) + f" --tokens {a.tokens}"
-    result = {"command": cmd, "commit": commit + ("+dirty" if dirty else ""),
+    result = {"command": cmd, "commit": provenance.result_commit(TOP),
               "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
               "document": doc["id"], "tokens": a.tokens, "models": models}
     md = ["# Constant key channels against the quantizers' scale groups", "",

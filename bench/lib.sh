@@ -6,11 +6,12 @@ lab="$top/build/kvtc-lab"
 res="$top/bench/results"
 mkdir -p "$res"
 
-# The commit, marked when tracked files differ from it.
+# The commit, marked when tracked files outside bench/results/ differ from it
+# (a long evaluation appends its records there while other results are made).
 result_commit() {
   local c
   c=$(git -C "$top" rev-parse --short HEAD)
-  [ -z "$(git -C "$top" status --porcelain --untracked-files=no)" ] || c="$c (with uncommitted changes)"
+  [ -z "$(git -C "$top" status --porcelain --untracked-files=no -- . ":(exclude)bench/results")" ] || c="$c (with uncommitted changes)"
   echo "$c"
 }
 

@@ -20,6 +20,9 @@ import struct
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
+
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATIOS = [8, 16, 32, 64]
 
@@ -154,12 +157,10 @@ def main():
         c = json.loads(run(a.kvtc, "compress", cap0, "--calib", a.calib, "-r", "16", "--level", str(lv), "-o", os.path.join(a.work, "lv.kvtc"), "--json"))
         levels.append({"level": lv, "ratio_compressed_tokens": c["ratio_compressed_tokens"], "encode_ms": c["encode_ms"]})
 
-    commit = subprocess.run(["git", "-C", TOP, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", TOP, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     cmd = "python3 bench/ratio.py --calib " + os.path.relpath(a.calib, TOP) + f" --docs-per-kind {a.docs_per_kind} --tokens {a.tokens}"
     if a.model != "smollm2" or a.name != "ratio":
         cmd += f" --model {a.model} --name {a.name}"
-    result = {"command": cmd, "commit": commit + ("+dirty" if dirty else ""), "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
+    result = {"command": cmd, "commit": provenance.result_commit(TOP), "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
               "calibration_id": cal_meta.get("calibration_id"), "calib_tokens": cal_meta.get("calib_tokens"), "documents": [d["id"] for d in docs],
               "tokens_per_document": a.tokens, "deflate_levels": levels, "ratios": []}
     for r in RATIOS:

@@ -202,6 +202,72 @@ TEST(StateApi, BlobInContainerOutBlobBack) {
   EXPECT_THROW(capture_from_state(cut, lowrank_geometry(), "cut"), Error);
 }
 
+TEST(StateApi, ContextStateRoundTripsInItsOwnForm) {
+  const Calibration cal = fitted();
+  const KvCapture c = lowrank_capture(300, 22);
+  // llama_state_get_data's form: u32 length, the architecture, the cache as a
+  // sequence blob holds it after magic and seq_id.
+  const std::vector<uint8_t> seq = state_from_capture(c, StateLayout{{1}, 1, 0});
+  const std::vector<uint8_t> ctx = context_state_join("qwen2", seq, "ctx");
+  ASSERT_EQ(ctx.size(), seq.size() - 8 + 4 + 5);
+  EXPECT_EQ(std::string(ctx.begin() + 4, ctx.begin() + 9), "qwen2");
+  EXPECT_TRUE(is_context_state(ctx));
+  EXPECT_FALSE(is_context_state(seq));
+  const ContextState cs = context_state_split(ctx, "ctx");
+  EXPECT_EQ(cs.arch, "qwen2");
+  EXPECT_EQ(cs.seq_blob, seq);  // seq_id 0 in both headers
+  EXPECT_EQ(context_state_join(cs.arch, cs.seq_blob, "again"), ctx);
+  // compress_state takes either form; decompress_state gives back the form and
+  // (without a layout) the layout it was given: here byte-identical at 1x
+  // quality is not the point, the structure is.
+  const std::vector<uint8_t> kv = compress_state(ctx, lowrank_geometry(), cal, allocation_set(cal, 8), {}, c.tokens);
+  EXPECT_EQ(inspect(kv, "kv").header.meta.at("llama_state"), "context");
+  const std::vector<uint8_t> back = decompress_state(kv, cal, "kv");
+  ASSERT_TRUE(is_context_state(back));
+  ASSERT_EQ(back.size(), ctx.size());
+  const ContextState bs = context_state_split(back, "back");
+  EXPECT_EQ(bs.arch, "qwen2");
+  const SeqBlob sb = seq_blob_parse(bs.seq_blob, false, "back");
+  EXPECT_EQ(sb.blocks[0].streams[0].v_trans, 1u);
+  EXPECT_LT(reconstruction_error(c, capture_from_state(bs.seq_blob, lowrank_geometry(), "back"), 4, 128).k, 0.01);
+  // An explicit layout wins; the form stays.
+  const std::vector<uint8_t> flash = decompress_state(kv, cal, StateLayout{{1}, 0, 0}, "kv");
+  EXPECT_EQ(seq_blob_parse(context_state_split(flash, "flash").seq_blob, false, "flash").blocks[0].streams[0].v_trans, 0u);
+  // A sequence state stays one, in its recorded layout.
+  const std::vector<uint8_t> kv_seq = compress_state(seq, lowrank_geometry(), cal, allocation_set(cal, 8));
+  const std::vector<uint8_t> seq_back = decompress_state(kv_seq, cal, "kv_seq");
+  EXPECT_FALSE(is_context_state(seq_back));
+  EXPECT_EQ(seq_back.size(), seq.size());
+  // A container of a capture records no state: a layout must be given.
+  const std::vector<uint8_t> plain = compress(c, cal, allocation_set(cal, 8));
+  EXPECT_NE(error_of([&] { decompress_state(plain, cal, "plain"); }).find("no llama.cpp state layout recorded"), std::string::npos);
+  EXPECT_FALSE(is_context_state(decompress_state(plain, cal, StateLayout{{1}, 0, 0}, "plain")));
+  // Bad context states: errors that say what was expected.
+  EXPECT_NE(error_of([&] { context_state_split(seq, "s"); }).find("this is a sequence state"), std::string::npos);
+  std::vector<uint8_t> bad = ctx;
+  bad[5] = ' ';
+  EXPECT_FALSE(is_context_state(bad));
+  EXPECT_THROW(context_state_join("", seq, "j"), Error);
+  EXPECT_THROW(context_state_join("qwen2", std::vector<uint8_t>(4, 0), "j"), Error);
+  std::vector<uint8_t> cut(ctx.begin(), ctx.begin() + ctx.size() / 2);
+  EXPECT_THROW(compress_state(cut, lowrank_geometry(), cal, allocation_set(cal, 8)), Error);
+}
+
+TEST(Codec, NonFiniteInputIsRefusedWithItsPlace) {
+  const Calibration cal = fitted();
+  KvCapture c = lowrank_capture(300, 23);
+  KvBlock& b = c.blocks[0];
+  b.v[b.index(1, 0, 77, 5)] = 0x7e00;  // f16 NaN
+  const std::string e = error_of([&] { compress(c, cal, allocation_set(cal, 8)); });
+  EXPECT_NE(e.find("V[layer 1, head 0, token 77, dim 5] is NaN"), std::string::npos) << e;
+  b.v[b.index(1, 0, 77, 5)] = 0;
+  b.k[b.index(0, 1, 299, 0)] = 0xfc00;  // -inf, in the raw window
+  EXPECT_NE(error_of([&] { compress(c, cal, allocation_set(cal, 8)); }).find("K[layer 0, head 1, token 299, dim 0] is infinite"),
+            std::string::npos);
+  b.k[b.index(0, 1, 299, 0)] = 0x7bff;  // the largest finite f16 is fine
+  EXPECT_NO_THROW(compress(c, cal, allocation_set(cal, 8)));
+}
+
 TEST(Inspect, TypedHeader) {
   const Calibration cal = fitted();
   KvCapture c = lowrank_capture(333, 31);

@@ -128,4 +128,26 @@ StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& or
 // A blob that llama_state_seq_set_data accepts in a context of layout `to`.
 std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to);
 
+// ---- llama.cpp context-state blobs (llama_state_get_data) -----------------
+// The whole context's state, as llama_state_get_data returns it at
+// 4df29be4f and llama-cpp-python keeps it (LlamaState.llama_state): u32 n,
+// the model's architecture name (n bytes), then the cache exactly as a
+// sequence blob holds it after its seq_id, with every sequence's cells
+// (each cell lists the ids of its sequences). No logits: llama.cpp leaves
+// them out. These two convert between the forms, byte for byte, so every
+// sequence-blob function reads a context's state too (docs/llama-state.md).
+struct ContextState {
+  std::string arch;               // "llama", "qwen2", ... (what llama.cpp checks on load)
+  std::vector<uint8_t> seq_blob;  // the cache as a sequence blob (header seq_id 0)
+};
+// Whether `blob` starts as a context blob: a u32 length of 1..64 and that
+// many bytes of [A-Za-z0-9._-], where a sequence blob starts with its magic.
+bool is_context_state(std::span<const uint8_t> blob);
+// Error naming `origin` when the blob does not start as a context blob;
+// the cache part is checked by whatever parses the sequence blob.
+ContextState context_state_split(std::span<const uint8_t> blob, const std::string& origin);
+// The context blob of `arch` holding the cache of `seq_blob` (its header,
+// magic and seq_id, is dropped; its cells keep their sequence ids).
+std::vector<uint8_t> context_state_join(const std::string& arch, std::span<const uint8_t> seq_blob, const std::string& origin);
+
 }  // namespace kvtc

@@ -104,10 +104,21 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& grown, 
 
 // ---- llama.cpp state blobs ------------------------------------------------
 // compress(capture_from_state(blob, g)) with the token ids given (or none).
+// `blob` is a sequence state (llama_state_seq_get_data) or a whole
+// context's state (llama_state_get_data; llama-cpp-python's
+// LlamaState.llama_state), told apart by its first bytes; the container
+// records which, with the state's layout (V layout, streams, sequence id)
+// and a context state's architecture name (docs/llama-state.md).
 std::vector<uint8_t> compress_state(std::span<const uint8_t> blob, const CacheGeometry& g, const Calibration& cal, const AllocationSet& alloc,
                                     const CompressOptions& opt = {}, std::span<const int32_t> tokens = {});
-// state_from_capture(decompress(container), to): bytes for llama_state_seq_set_data.
+// The state again, for a context of layout `to`: bytes for
+// llama_state_seq_set_data (a sequence state, or a container not made by
+// compress_state) or llama_state_set_data (a context state).
 std::vector<uint8_t> decompress_state(std::span<const uint8_t> container, const Calibration& cal, const StateLayout& to, const std::string& origin,
+                                      const DecompressOptions& opt = {});
+// The same in the layout recorded at compression (the source context's);
+// Error for a container compress_state did not make.
+std::vector<uint8_t> decompress_state(std::span<const uint8_t> container, const Calibration& cal, const std::string& origin,
                                       const DecompressOptions& opt = {});
 
 // ---- inspection -------------------------------------------------------------

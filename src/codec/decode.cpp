@@ -7,6 +7,7 @@
 
 #include "codec/features.h"
 #include "codec/project.h"
+#include "core/capture_io.h"
 #include "core/parallel.h"
 #include "core/util.h"
 #include "format/chunk.h"
@@ -83,7 +84,12 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
 
 std::vector<uint8_t> decompress_state(std::span<const uint8_t> container, const Calibration& cal, const StateLayout& to, const std::string& origin,
                                       const DecompressOptions& opt) {
-  return state_from_capture(decompress(container, cal, origin, opt), to);
+  return state_as_recorded(decompress(container, cal, origin, opt), &to, origin);
+}
+
+std::vector<uint8_t> decompress_state(std::span<const uint8_t> container, const Calibration& cal, const std::string& origin,
+                                      const DecompressOptions& opt) {
+  return state_as_recorded(decompress(container, cal, origin, opt), nullptr, origin);
 }
 
 void ReconError::add(const ReconError& o) {

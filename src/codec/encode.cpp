@@ -187,7 +187,7 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
 
 std::vector<uint8_t> compress_state(std::span<const uint8_t> blob, const CacheGeometry& g, const Calibration& cal, const AllocationSet& alloc,
                                     const CompressOptions& opt, std::span<const int32_t> tokens) {
-  KvCapture c = capture_from_state(blob, g, "compress_state");
+  KvCapture c = capture_from_any_state(blob, g, "compress_state");
   c.tokens.assign(tokens.begin(), tokens.end());
   return compress(c, cal, alloc, opt);
 }

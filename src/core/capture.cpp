@@ -1,5 +1,7 @@
 // A KV cache in memory (kvtc/cache.h): typed geometry <-> the metadata
 // strings of the file formats, capture files, llama.cpp state blobs.
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -389,8 +391,8 @@ StateLayout state_layout(std::span<const uint8_t> empty_blob, uint32_t v_trans, 
   return l;
 }
 
-StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& origin) {
-  const SeqBlob b = seq_blob_parse(blob, false, origin);
+namespace {
+StateLayout layout_of(const SeqBlob& b, const std::string& origin) {
   StateLayout l;
   l.seq_id = b.seq_id;
   bool found = false;
@@ -405,9 +407,121 @@ StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& or
   require(found, origin + ": the sequence holds no cell, so its V layout is unknown (state_layout_of needs a non-empty sequence)");
   return l;
 }
+}  // namespace
+
+StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& origin) {
+  return layout_of(seq_blob_parse(blob, false, origin), origin);
+}
 
 std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to) {
   return seq_blob_write(capture_to_blob(c, to));
+}
+
+namespace {
+constexpr uint32_t kMaxArchBytes = 64;  // llama.cpp's names are <= 16 ("deepseek2", "command-r", ...)
+bool arch_char(uint8_t ch) { return std::isalnum(ch) || ch == '.' || ch == '_' || ch == '-'; }
+// Little-endian, as llama.cpp writes its state on the hosts it runs on (x86-64, arm64).
+uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+}  // namespace
+
+bool is_context_state(std::span<const uint8_t> blob) {
+  if (blob.size() < 4) return false;
+  const uint32_t n = load_u32(blob.data());
+  if (n == kSeqBlobMagic || n == 0 || n > kMaxArchBytes || blob.size() < 4 + size_t(n)) return false;
+  return std::all_of(blob.begin() + 4, blob.begin() + 4 + n, arch_char);
+}
+
+ContextState context_state_split(std::span<const uint8_t> blob, const std::string& origin) {
+  require(blob.size() >= 4, origin + ": " + std::to_string(blob.size()) + " bytes, too short for a llama.cpp state");
+  require(is_context_state(blob), origin + ": not a llama.cpp context state (expected a u32 length of 1.." + std::to_string(kMaxArchBytes) +
+                                      " and an architecture name at offset 0" +
+                                      (blob.size() >= 4 && load_u32(blob.data()) == kSeqBlobMagic ? "; this is a sequence state" : "") + ")");
+  const uint32_t n = load_u32(blob.data());
+  ContextState cs;
+  cs.arch.assign(reinterpret_cast<const char*>(blob.data()) + 4, n);
+  cs.seq_blob.resize(8 + blob.size() - 4 - n);
+  store_u32(cs.seq_blob.data(), kSeqBlobMagic);
+  store_u32(cs.seq_blob.data() + 4, 0);
+  std::memcpy(cs.seq_blob.data() + 8, blob.data() + 4 + n, blob.size() - 4 - n);
+  return cs;
+}
+
+std::vector<uint8_t> context_state_join(const std::string& arch, std::span<const uint8_t> seq_blob, const std::string& origin) {
+  require(!arch.empty() && arch.size() <= kMaxArchBytes && std::all_of(arch.begin(), arch.end(), [](char ch) { return arch_char(uint8_t(ch)); }),
+          origin + ": architecture name '" + arch + "' is not 1.." + std::to_string(kMaxArchBytes) + " characters of [A-Za-z0-9._-]");
+  require(seq_blob.size() >= 8 && load_u32(seq_blob.data()) == kSeqBlobMagic,
+          origin + ": not a llama.cpp sequence state (magic 0xaf143cd8 expected at offset 0)");
+  std::vector<uint8_t> out(4 + arch.size() + seq_blob.size() - 8);
+  store_u32(out.data(), uint32_t(arch.size()));
+  std::memcpy(out.data() + 4, arch.data(), arch.size());
+  std::memcpy(out.data() + 4 + arch.size(), seq_blob.data() + 8, seq_blob.size() - 8);
+  return out;
+}
+
+}  // namespace kvtc
+
+namespace kvtc {
+
+KvCapture capture_from_any_state(std::span<const uint8_t> blob, const CacheGeometry& g, const std::string& origin) {
+  const bool context = is_context_state(blob);
+  ContextState cs;
+  if (context) cs = context_state_split(blob, origin);
+  const SeqBlob b = seq_blob_parse(context ? std::span<const uint8_t>(cs.seq_blob) : blob, false, origin);
+  KvCapture c = capture_from_blob(b, g, origin);
+  const StateLayout l = layout_of(b, origin);
+  c.meta["llama_state"] = context ? "context" : "sequence";
+  if (context) c.meta["llama_state_arch"] = cs.arch;
+  c.meta["llama_state_v_trans"] = std::to_string(l.v_trans);
+  std::string streams;
+  for (uint32_t n : l.streams) streams += (streams.empty() ? "" : ",") + std::to_string(n);
+  c.meta["llama_state_streams"] = streams;
+  c.meta["llama_state_seq_id"] = std::to_string(l.seq_id);
+  return c;
+}
+
+std::vector<uint8_t> state_as_recorded(const KvCapture& c, const StateLayout* to, const std::string& origin) {
+  auto get = [&](const char* key) -> const std::string* {
+    auto it = c.meta.find(key);
+    return it == c.meta.end() ? nullptr : &it->second;
+  };
+  const std::string* kind = get("llama_state");
+  if (kind != nullptr && *kind != "context" && *kind != "sequence")
+    throw Error(origin + ": capture_meta['llama_state'] is '" + *kind + "', expected 'context' or 'sequence'");
+  StateLayout l;
+  if (to != nullptr) {
+    l = *to;
+  } else {
+    require(kind != nullptr, origin + ": no llama.cpp state layout recorded (not made by compress_state); give the target layout");
+    auto number = [&](const char* key, uint32_t max) {
+      const std::string* v = get(key);
+      require(v != nullptr && !v->empty() && v->size() <= 10 && std::all_of(v->begin(), v->end(), ::isdigit) && std::stoull(*v) <= max,
+              origin + ": capture_meta['" + key + "'] is " + (v ? "'" + *v + "'" : "missing") + ", expected an integer 0.." + std::to_string(max));
+      return uint32_t(std::stoull(*v));
+    };
+    l.v_trans = number("llama_state_v_trans", 1);
+    l.seq_id = int32_t(number("llama_state_seq_id", 1u << 30));
+    const std::string* s = get("llama_state_streams");
+    require(s != nullptr, origin + ": capture_meta['llama_state_streams'] is missing");
+    size_t at = 0;
+    while (at <= s->size()) {
+      const size_t comma = std::min(s->find(',', at), s->size());
+      const std::string n = s->substr(at, comma - at);
+      require(!n.empty() && n.size() <= 4 && std::all_of(n.begin(), n.end(), ::isdigit) && std::stoul(n) >= 1,
+              origin + ": capture_meta['llama_state_streams'] is '" + *s + "', expected stream counts 1..9999 separated by commas");
+      l.streams.push_back(uint32_t(std::stoul(n)));
+      at = comma + 1;
+    }
+  }
+  std::vector<uint8_t> seq = seq_blob_write(capture_to_blob(c, l));
+  if (kind == nullptr || *kind == "sequence") return seq;
+  const std::string* arch = get("llama_state_arch");
+  require(arch != nullptr, origin + ": capture_meta['llama_state_arch'] is missing for a context state");
+  return context_state_join(*arch, seq, origin);
 }
 
 }  // namespace kvtc

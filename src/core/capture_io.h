@@ -50,4 +50,15 @@ KvCapture capture_from_blob(const SeqBlob& blob, const CacheGeometry& g, const s
 // Capture -> blob for a context of layout `to`; cells in the capture's order.
 SeqBlob capture_to_blob(const KvCapture& c, const StateLayout& to);
 
+// A llama.cpp state read into a capture with what it takes to write it back
+// in the same form: the state's layout and, for a context state
+// (llama_state_get_data), its architecture name, recorded in c.meta under
+// llama_state, llama_state_arch, llama_state_v_trans, llama_state_streams,
+// llama_state_seq_id (docs/llama-state.md "In a container"). Either form.
+KvCapture capture_from_any_state(std::span<const uint8_t> blob, const CacheGeometry& g, const std::string& origin);
+// The inverse: the capture as a state of the recorded form, in layout `to`,
+// or in the recorded layout when `to` is null. Error naming `origin` when a
+// capture without the record needs it (to is null).
+std::vector<uint8_t> state_as_recorded(const KvCapture& c, const StateLayout* to, const std::string& origin);
+
 }  // namespace kvtc

@@ -2,7 +2,8 @@
 #   make          bootstrap (Debian packages, pinned PyPI downloads, models,
 #                 llama.cpp static libraries) + build       -> .deps/, build/
 #   make corpus   the text corpus from Debian packages       -> .deps/corpus/
-#   make test     all of the above, then the test suite (ctest)
+#   make test     all of the above, then the test suite (ctest, with pytest for python/)
+#   make python   the Python package (python/) and llama-cpp-python in .deps/venv
 #   make install  the library for find_package(kvtc): libkvtc.a, the public
 #                 headers, the CMake package                -> $(PREFIX)
 #   make demo     capture a real session and restore it       -> out/demo/
@@ -28,7 +29,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build corpus test install demo serve bench-serve bench-serve-redis models-large check-long fuzz calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-redis models-large check-long fuzz calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -45,7 +46,11 @@ $(CORPUS): scripts/build_corpus.py | build
 
 corpus: build $(CORPUS)
 
-test: build $(CORPUS)
+# The Python package over the library just built (scripts/python_env.sh).
+python: build
+	@scripts/python_env.sh $(BUILD)
+
+test: build python $(CORPUS)
 	cd $(BUILD) && ctest --output-on-failure -j1
 
 install: build

@@ -35,7 +35,8 @@ stamp_set() { printf '%s' "$2" >"$deps/stamps/$1"; }
 # Chosen deliberately (see README "Dependencies"): compression and hashing
 # libraries the codec will use, JSON and CLI parsing, BLAS/LAPACK for the
 # calibration's eigensolver, oneDNN for the bf16 projection, GoogleTest; text packages for the corpus;
-# hiredis for the prompt store's Redis tier, and Redis itself for its tests and benchmark.
+# hiredis for the prompt store's Redis tier, and Redis itself for its tests and benchmark;
+# the Python package's interpreter headers and venv (scripts/python_env.sh).
 apt_pkgs=(
   build-essential cmake pkg-config python3
   libdeflate-dev libzstd-dev libxxhash-dev libssl-dev
@@ -46,6 +47,7 @@ apt_pkgs=(
   libpython3.11-stdlib maxima-doc
   python3-matplotlib
   libhiredis-dev redis-server redis-tools
+  python3-dev python3-venv
 )
 missing=()
 for p in "${apt_pkgs[@]}"; do
@@ -80,6 +82,9 @@ fetch() { # name version file sha256 url
       *.tar.gz) extra=(--no-binary :all:) ;;
       # the pure-Python wheel even where a compiled one exists (charset-normalizer)
       *-py3-none-any.whl) extra=(--only-binary :all: --platform any --python-version 3.11) ;;
+      # the wheel for Debian 12's CPython 3.11 (the package's venv), whatever python3 runs this
+      *-cp311-cp311-manylinux*.whl) extra=(--only-binary :all: --python-version 3.11 --implementation cp --abi cp311
+                                           --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64) ;;
     esac
     python3 -m pip download -q --no-deps "${extra[@]}" -d "$deps/dl" "$name==$ver" >&2 \
       || die "could not download $name==$ver from PyPI"

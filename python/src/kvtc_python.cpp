@@ -1,0 +1,722 @@
+// kvtc's Python binding (nanobind): the public API of <kvtc/kvtc.h> on numpy
+// arrays, DLPack tensors (torch CPU tensors) and bytes. The GIL is released
+// while the codec runs; every kvtc::Error reaches Python as kvtc.Error
+// (a ValueError) with the library's message. Shapes follow the library:
+// K and V as [layers, kv_heads, tokens, head_dim], one array per cache
+// block (a list for iSWA models, which have two).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvtc/kvtc.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using kvtc::Error;
+
+// ---- bytes in and out -------------------------------------------------------
+
+// Any object with the buffer protocol (bytes, bytearray, memoryview, mmap,
+// a uint8 numpy array), held for the call: the GIL can be released while
+// the view is read, and a bytearray cannot be resized meanwhile.
+class Bytes {
+ public:
+  Bytes(nb::handle h, const char* what) {
+    if (PyObject_GetBuffer(h.ptr(), &view_, PyBUF_SIMPLE) != 0) {
+      PyErr_Clear();
+      throw nb::type_error((std::string(what) + ": expected bytes, bytearray, memoryview or another C-contiguous buffer, got " +
+                            nb::type_name(h.type()).c_str())
+                               .c_str());
+    }
+  }
+  ~Bytes() { PyBuffer_Release(&view_); }
+  Bytes(const Bytes&) = delete;
+  Bytes& operator=(const Bytes&) = delete;
+  std::span<const uint8_t> span() const { return {static_cast<const uint8_t*>(view_.buf), size_t(view_.len)}; }
+
+ private:
+  Py_buffer view_{};
+};
+
+nb::bytes to_bytes(const std::vector<uint8_t>& v) { return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+
+// ---- arrays in --------------------------------------------------------------
+
+using AnyArray = nb::ndarray<nb::ro>;
+
+std::string shape_str(const AnyArray& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+std::string dtype_str(nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  const char* k = d.code == uint8_t(C::Float) ? "float" : d.code == uint8_t(C::Int) ? "int" : d.code == uint8_t(C::UInt) ? "uint"
+                  : d.code == uint8_t(C::Bfloat)                                     ? "bfloat"
+                  : d.code == uint8_t(C::Bool)                                       ? "bool"
+                                                                                     : "other";
+  return std::string(k) + std::to_string(d.bits);
+}
+
+void require_cpu(const AnyArray& a, const std::string& what) {
+  if (a.device_type() != nb::device::cpu::value)
+    throw Error(what + ": the array is on device type " + std::to_string(a.device_type()) +
+                " (DLPack); kvtc's Python binding reads CPU memory (tensor.cpu())");
+}
+
+// Element (l, h, t, d) offsets of a 4-D array, in elements (DLPack strides).
+struct Strides4 {
+  int64_t s[4];
+  explicit Strides4(const AnyArray& a) {
+    if (a.stride_ptr() != nullptr) {
+      for (int i = 0; i < 4; ++i) s[i] = a.stride(i);
+    } else {
+      s[3] = 1;
+      for (int i = 2; i >= 0; --i) s[i] = s[i + 1] * int64_t(a.shape(i + 1));
+    }
+  }
+};
+
+// K or V of one block, f16 or f32, any strides, into f16 bits in kvtc's
+// [layer][head][token][dim] order. f32 is rounded to nearest even; a value
+// that does not fit f16 (|x| > 65504) or is NaN becomes inf/NaN, which the
+// encoder then refuses with its place.
+void gather_f16(const AnyArray& a, std::vector<uint16_t>& out) {
+  const size_t L = a.shape(0), H = a.shape(1), T = a.shape(2), D = a.shape(3);
+  const Strides4 st(a);
+  out.resize(L * H * T * D);
+  const bool f16 = a.dtype().bits == 16;
+  std::vector<float> row(D);
+  const uint8_t* base = static_cast<const uint8_t*>(a.data());
+  const size_t isz = f16 ? 2 : 4;
+  for (size_t l = 0; l < L; ++l)
+    for (size_t h = 0; h < H; ++h)
+      for (size_t t = 0; t < T; ++t) {
+        const uint8_t* p = base + (int64_t(l) * st.s[0] + int64_t(h) * st.s[1] + int64_t(t) * st.s[2]) * int64_t(isz);
+        uint16_t* o = &out[((l * H + h) * T + t) * D];
+        if (st.s[3] == 1) {
+          if (f16) {
+            std::memcpy(o, p, D * 2);
+          } else {
+            std::memcpy(row.data(), p, D * 4);
+            kvtc::f32_to_f16_n(row.data(), o, D);
+          }
+        } else {
+          for (size_t d = 0; d < D; ++d) {
+            const uint8_t* q = p + int64_t(d) * st.s[3] * int64_t(isz);
+            if (f16) {
+              std::memcpy(&o[d], q, 2);
+            } else {
+              std::memcpy(&row[d], q, 4);
+            }
+          }
+          if (!f16) kvtc::f32_to_f16_n(row.data(), o, D);
+        }
+      }
+}
+
+std::vector<int32_t> int_vector(nb::handle obj, const std::string& what) {
+  AnyArray a;
+  if (!nb::try_cast(obj, a)) {
+    // A list or tuple of ints.
+    try {
+      return nb::cast<std::vector<int32_t>>(obj);
+    } catch (const nb::cast_error&) {
+      throw Error(what + ": expected a 1-D integer array or a sequence of ints, got " + std::string(nb::type_name(obj.type()).c_str()));
+    }
+  }
+  require_cpu(a, what);
+  if (a.ndim() != 1) throw Error(what + ": shape " + shape_str(a) + ", expected 1 dimension");
+  const auto d = a.dtype();
+  const bool is_int = d.code == uint8_t(nb::dlpack::dtype_code::Int) || d.code == uint8_t(nb::dlpack::dtype_code::UInt);
+  if (!is_int || (d.bits != 32 && d.bits != 64)) throw Error(what + ": dtype " + dtype_str(d) + ", expected int32 or int64");
+  std::vector<int32_t> out(a.shape(0));
+  const int64_t stride = a.stride_ptr() ? a.stride(0) : 1;
+  const uint8_t* base = static_cast<const uint8_t*>(a.data());
+  for (size_t i = 0; i < out.size(); ++i) {
+    int64_t v;
+    if (d.bits == 32) {
+      int32_t x;
+      std::memcpy(&x, base + int64_t(i) * stride * 4, 4);
+      v = d.code == uint8_t(nb::dlpack::dtype_code::UInt) ? int64_t(uint32_t(x)) : x;
+    } else {
+      std::memcpy(&v, base + int64_t(i) * stride * 8, 8);
+    }
+    if (v < INT32_MIN || v > INT32_MAX) throw Error(what + "[" + std::to_string(i) + "] = " + std::to_string(v) + " does not fit int32");
+    out[i] = int32_t(v);
+  }
+  return out;
+}
+
+// One array per block: a single array, or a list/tuple of them.
+std::vector<nb::handle> per_block(nb::handle obj, size_t n_blocks, const std::string& what) {
+  std::vector<nb::handle> out;
+  const bool seq = nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj);
+  // With one block, a sequence is that block's value (positions as a list of
+  // ints), unless it is a one-element list of an array.
+  if (seq && (n_blocks > 1 || (nb::len(obj) == 1 && !nb::isinstance<nb::int_>(obj[0])))) {
+    for (nb::handle h : obj) out.push_back(h);
+  } else {
+    out.push_back(obj);
+  }
+  if (out.size() != n_blocks)
+    throw Error(what + ": " + std::to_string(out.size()) + " array(s), the calibration's model has " + std::to_string(n_blocks) +
+                " cache block(s)" + (n_blocks > 1 ? " (pass a list: the global layers' array, then the sliding-window layers')" : ""));
+  return out;
+}
+
+// ---- arrays out -------------------------------------------------------------
+
+nb::dlpack::dtype f16_dtype() { return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1}; }
+
+template <typename T>
+nb::object numpy_array(std::vector<T>&& v, std::vector<size_t> shape, nb::dlpack::dtype dt) {
+  auto* heap = new std::vector<T>(std::move(v));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::cast(nb::ndarray<nb::numpy>(heap->data(), shape.size(), shape.data(), owner, nullptr, dt));
+}
+
+nb::object block_array(const kvtc::KvBlock& b, const std::vector<uint16_t>& x, bool as_f32) {
+  std::vector<size_t> shape{b.n_layer(), b.n_head_kv, b.n_tokens(), b.head_dim};
+  if (!as_f32) return numpy_array(std::vector<uint16_t>(x), shape, f16_dtype());
+  std::vector<float> f(x.size());
+  kvtc::f16_to_f32_n(x.data(), f.data(), x.size());
+  return numpy_array(std::move(f), shape, nb::dtype<float>());
+}
+
+nb::object int_array(std::vector<int32_t> v) {
+  const size_t n = v.size();
+  return numpy_array(std::move(v), {n}, nb::dtype<int32_t>());
+}
+
+// ---- options ------------------------------------------------------------------
+
+kvtc::CompressOptions compress_options(uint32_t sink, uint32_t window, uint32_t chunk_tokens, int level, int threads, const std::string& precision) {
+  kvtc::CompressOptions o;
+  o.sink = sink;
+  o.window = window;
+  o.chunk_tokens = chunk_tokens;
+  o.deflate_level = level;
+  o.threads = threads;
+  o.precision = kvtc::parse_precision(precision);
+  return o;
+}
+
+kvtc::DecompressOptions decompress_options(int threads, const std::string& precision) {
+  kvtc::DecompressOptions o;
+  o.threads = threads;
+  o.precision = kvtc::parse_precision(precision);
+  return o;
+}
+
+nb::dict geometry_dict(const kvtc::BlockGeometry& g) {
+  nb::dict d;
+  d["layers"] = g.layers;
+  d["kv_heads"] = g.n_head_kv;
+  d["head_dim"] = g.head_dim;
+  d["features"] = g.features();
+  d["sliding_window"] = g.sliding_window;
+  d["rope"] = kvtc::rope_layout_name(g.rope.layout);
+  d["rope_dims"] = g.rope.n_rot;
+  d["rope_base"] = g.rope.freq_base;
+  return d;
+}
+
+// ---- the calibration ------------------------------------------------------------
+
+class PyCalibration {
+ public:
+  static PyCalibration load(const std::string& path, bool decoder_only) {
+    PyCalibration c;
+    {
+      nb::gil_scoped_release unlocked;
+      c.cal_ = std::make_shared<const kvtc::Calibration>(kvtc::calibration_load(path, decoder_only));
+    }
+    c.path_ = path;
+    c.decoder_only_ = decoder_only;
+    c.allocs_ = std::make_shared<Allocs>();
+    return c;
+  }
+
+  const kvtc::Calibration& cal() const { return *cal_; }
+  const std::string& path() const { return path_; }
+  bool decoder_only() const { return decoder_only_; }
+
+  // The allocation for a ratio, computed once (the DP takes up to seconds
+  // for a ratio without a stored table).
+  std::shared_ptr<const kvtc::AllocationSet> alloc(double ratio, bool joint) const {
+    if (decoder_only_) throw Error(path_ + ": loaded with decoder_only=True, which has no allocation tables; load it in full to compress");
+    if (!(ratio >= 1 && ratio <= 4096)) throw Error("ratio " + std::to_string(ratio) + ": expected a nominal ratio in [1, 4096]");
+    std::lock_guard<std::mutex> lock(allocs_->mu);
+    auto key = std::make_pair(ratio, joint);
+    auto it = allocs_->sets.find(key);
+    if (it != allocs_->sets.end()) return it->second;
+    auto a = std::make_shared<const kvtc::AllocationSet>(kvtc::allocation_set(*cal_, ratio, joint));
+    allocs_->sets.emplace(key, a);
+    return a;
+  }
+
+  nb::bytes compress(nb::handle k, nb::handle v, nb::handle positions, double ratio, uint32_t sink, uint32_t window, nb::handle tokens,
+                     uint32_t chunk_tokens, int level, int threads, const std::string& precision, bool joint,
+                     const std::map<std::string, std::string>& meta) const {
+    const kvtc::CacheGeometry& g = cal_->geometry;
+    const size_t nb_ = g.blocks.size();
+    const auto ks = per_block(k, nb_, "k"), vs = per_block(v, nb_, "v"), ps = per_block(positions, nb_, "positions");
+    kvtc::KvCapture c;
+    c.model_sha256 = g.model_sha256;
+    c.meta = meta;
+    std::vector<AnyArray> ka(nb_), va(nb_);
+    for (size_t b = 0; b < nb_; ++b) {
+      const std::string sfx = nb_ > 1 ? "[" + std::to_string(b) + "]" : "";
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::string what = (kv == 0 ? "k" : "v") + sfx;
+        AnyArray& a = kv == 0 ? ka[b] : va[b];
+        if (!nb::try_cast(kv == 0 ? ks[b] : vs[b], a))
+          throw Error(what + ": expected a numpy array or a tensor with __dlpack__, got " +
+                      std::string(nb::type_name((kv == 0 ? ks[b] : vs[b]).type()).c_str()));
+        require_cpu(a, what);
+        const auto d = a.dtype();
+        if (d.code != uint8_t(nb::dlpack::dtype_code::Float) || (d.bits != 16 && d.bits != 32) || d.lanes != 1)
+          throw Error(what + ": dtype " + dtype_str(d) + ", expected float16 or float32");
+        if (a.ndim() != 4) throw Error(what + ": shape " + shape_str(a) + ", expected 4 dimensions [layers, kv_heads, tokens, head_dim]");
+        const kvtc::BlockGeometry& bg = g.blocks[b];
+        if (a.shape(0) != bg.n_layer() || a.shape(1) != bg.n_head_kv || a.shape(3) != bg.head_dim)
+          throw Error(what + ": shape " + shape_str(a) + ", the calibration's model has [" + std::to_string(bg.n_layer()) + ", " +
+                      std::to_string(bg.n_head_kv) + ", tokens, " + std::to_string(bg.head_dim) + "] (calibration of another model?)");
+      }
+      if (va[b].shape(2) != ka[b].shape(2)) throw Error("v" + sfx + ": shape " + shape_str(va[b]) + ", k" + sfx + "'s is " + shape_str(ka[b]));
+      kvtc::KvBlock kb;
+      static_cast<kvtc::BlockGeometry&>(kb) = g.blocks[b];
+      kb.pos = int_vector(ps[b], "positions" + sfx);
+      if (kb.pos.size() != ka[b].shape(2))
+        throw Error("positions" + sfx + ": " + std::to_string(kb.pos.size()) + " entries, k" + sfx + " holds " + std::to_string(ka[b].shape(2)) + " tokens");
+      c.blocks.push_back(std::move(kb));
+    }
+    if (!tokens.is_none()) c.tokens = int_vector(tokens, "tokens");
+    const auto alloc_set = alloc(ratio, joint);
+    const kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    std::vector<uint8_t> out;
+    {
+      nb::gil_scoped_release unlocked;
+      for (size_t b = 0; b < nb_; ++b) {
+        gather_f16(ka[b], c.blocks[b].k);
+        gather_f16(va[b], c.blocks[b].v);
+      }
+      out = kvtc::compress(c, *cal_, *alloc_set, o);
+    }
+    return to_bytes(out);
+  }
+
+  nb::tuple decompress(nb::handle data, const std::string& dtype, bool return_tokens, int threads, const std::string& precision) const {
+    if (dtype != "float16" && dtype != "float32") throw Error("dtype '" + dtype + "': expected 'float16' or 'float32'");
+    const Bytes in(data, "decompress");
+    kvtc::KvCapture c;
+    {
+      nb::gil_scoped_release unlocked;
+      c = kvtc::decompress(in.span(), *cal_, "container", decompress_options(threads, precision));
+    }
+    const bool f32 = dtype == "float32";
+    nb::list ks, vs, ps;
+    for (const kvtc::KvBlock& b : c.blocks) {
+      ks.append(block_array(b, b.k, f32));
+      vs.append(block_array(b, b.v, f32));
+      ps.append(int_array(b.pos));
+    }
+    auto one = [&](nb::list& l) -> nb::object { return l.size() == 1 ? nb::object(l[0]) : nb::object(l); };
+    if (return_tokens) return nb::make_tuple(one(ks), one(vs), one(ps), c.tokens.empty() ? nb::none() : int_array(c.tokens));
+    return nb::make_tuple(one(ks), one(vs), one(ps));
+  }
+
+  nb::bytes compress_state(nb::handle blob, double ratio, uint32_t sink, uint32_t window, nb::handle tokens, uint32_t chunk_tokens, int level,
+                           int threads, const std::string& precision, bool joint) const {
+    const Bytes in(blob, "compress_state");
+    std::vector<int32_t> tok;
+    if (!tokens.is_none()) tok = int_vector(tokens, "tokens");
+    const auto alloc_set = alloc(ratio, joint);
+    const kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    std::vector<uint8_t> out;
+    {
+      nb::gil_scoped_release unlocked;
+      out = kvtc::compress_state(in.span(), cal_->geometry, *cal_, *alloc_set, o, tok);
+    }
+    return to_bytes(out);
+  }
+
+  nb::bytes decompress_state(nb::handle data, std::optional<uint32_t> v_trans, std::optional<std::vector<uint32_t>> streams,
+                             std::optional<int32_t> seq_id, int threads, const std::string& precision) const {
+    const Bytes in(data, "decompress_state");
+    const kvtc::DecompressOptions o = decompress_options(threads, precision);
+    std::vector<uint8_t> out;
+    if (!v_trans && !streams && !seq_id) {
+      nb::gil_scoped_release unlocked;
+      out = kvtc::decompress_state(in.span(), *cal_, "container", o);
+    } else {
+      // Unset fields keep what the container recorded (or the defaults of a
+      // context with one stream per block, flash attention, sequence 0).
+      const kvtc::ContainerHeader h = kvtc::inspect(in.span(), "container").header;
+      auto rec = [&](const char* key) -> std::optional<std::string> {
+        auto it = h.meta.find(key);
+        return it == h.meta.end() ? std::nullopt : std::optional<std::string>(it->second);
+      };
+      kvtc::StateLayout to;
+      to.v_trans = v_trans ? *v_trans : rec("llama_state_v_trans") == std::optional<std::string>("1") ? 1 : 0;
+      to.seq_id = seq_id ? *seq_id : 0;
+      if (streams) to.streams = *streams;
+      nb::gil_scoped_release unlocked;
+      out = kvtc::decompress_state(in.span(), *cal_, to, "container", o);
+    }
+    return to_bytes(out);
+  }
+
+  nb::dict info() const {
+    nb::dict d;
+    d["path"] = path_;
+    d["id"] = cal_->id;
+    d["model_sha256"] = cal_->geometry.model_sha256;
+    d["keys_derope"] = cal_->keys_derope;
+    nb::list blocks;
+    for (size_t b = 0; b < cal_->blocks.size(); ++b) {
+      nb::dict bd = b < cal_->geometry.blocks.size() ? geometry_dict(cal_->geometry.blocks[b]) : nb::dict();
+      bd["components_k"] = cal_->blocks[b][0].r;
+      bd["components_v"] = cal_->blocks[b][1].r;
+      blocks.append(bd);
+    }
+    d["blocks"] = blocks;
+    std::vector<std::string> ratios;
+    if (!cal_->blocks.empty())
+      for (const auto& [key, a] : cal_->blocks[0][0].tables) ratios.push_back(key);
+    d["stored_ratios"] = ratios;
+    d["meta"] = cal_->meta;
+    return d;
+  }
+
+ private:
+  struct Allocs {
+    std::mutex mu;
+    std::map<std::pair<double, bool>, std::shared_ptr<const kvtc::AllocationSet>> sets;
+  };
+  std::shared_ptr<const kvtc::Calibration> cal_;
+  std::shared_ptr<Allocs> allocs_;
+  std::string path_;
+  bool decoder_only_ = false;
+};
+
+nb::dict inspect_dict(nb::handle data) {
+  const Bytes in(data, "inspect");
+  kvtc::ContainerInfo info;
+  {
+    nb::gil_scoped_release unlocked;
+    info = kvtc::inspect(in.span(), "container");
+  }
+  const kvtc::ContainerHeader& h = info.header;
+  nb::dict d;
+  d["version"] = h.version;
+  d["calibration_id"] = h.calibration_id;
+  d["model_sha256"] = h.geometry.model_sha256;
+  d["sink"] = h.sink;
+  d["window"] = h.window;
+  d["chunk_tokens"] = h.chunk_tokens;
+  d["deflate_level"] = h.deflate_level;
+  d["has_tokens"] = h.has_tokens;
+  d["keys_derope"] = h.keys_derope;
+  nb::list blocks;
+  for (size_t b = 0; b < h.geometry.blocks.size(); ++b) {
+    nb::dict bd = geometry_dict(h.geometry.blocks[b]);
+    if (b < h.n_tokens.size()) bd["tokens"] = h.n_tokens[b];
+    if (b < h.alloc.size()) {
+      bd["nominal_ratio_k"] = h.alloc[b][0].nominal_ratio;
+      bd["nominal_ratio_v"] = h.alloc[b][1].nominal_ratio;
+    }
+    blocks.append(bd);
+  }
+  d["blocks"] = blocks;
+  d["meta"] = h.meta;
+  d["file_bytes"] = info.file_bytes;
+  d["tokens"] = info.n_tokens;
+  d["compressed_tokens"] = info.n_compressed_tokens;
+  d["f16_bytes_all"] = info.f16_bytes_all;
+  d["f16_bytes_compressed"] = info.f16_bytes_compressed;
+  d["stored_bytes_compressed"] = info.stored_bytes_compressed;
+  d["ratio_compressed_tokens"] = info.ratio_compressed_tokens();
+  d["ratio_whole_cache"] = info.ratio_whole_cache();
+  nb::list sections;
+  for (const auto& s : info.sections) {
+    nb::dict sd;
+    sd["kind"] = s.kind;
+    sd["block"] = s.block;
+    sd["kv"] = s.kv == 0 ? "k" : "v";
+    sd["tokens"] = nb::make_tuple(s.t0, s.t1);
+    sd["stored_bytes"] = s.stored_bytes;
+    sd["raw_bytes"] = s.raw_bytes;
+    sections.append(sd);
+  }
+  d["sections"] = sections;
+  return d;
+}
+
+// ---- the prompt store -------------------------------------------------------------
+
+class PyStore {
+ public:
+  PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
+          const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
+          const std::string& precision)
+      : cal_(cal), log_(std::make_shared<Log>()) {
+    if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
+    kvtc::StoreOptions o;
+    o.ratio = ratio;
+    o.raw = raw;
+    o.chunk_tokens = chunk_tokens;
+    o.sink = sink;
+    o.window = window;
+    o.ram_bytes = ram_bytes;
+    o.disk_dir = disk_dir;
+    o.disk_bytes = disk_bytes;
+    o.async = async;
+    o.threads = threads;
+    o.restore_threads = restore_threads;
+    o.redis_url = redis_url;
+    o.precision = kvtc::parse_precision(precision);
+    // The store's threads log without the GIL: lines wait here for Python
+    // (messages()); at most 1,000, the oldest dropped.
+    std::shared_ptr<Log> log = log_;
+    o.log = [log](const std::string& line) {
+      std::lock_guard<std::mutex> lock(log->mu);
+      log->lines.push_back(line);
+      if (log->lines.size() > 1000) log->lines.pop_front();
+    };
+    nb::gil_scoped_release unlocked;
+    store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), cal.cal().geometry, o);
+  }
+
+  bool wants(nb::handle tokens) const {
+    const std::vector<int32_t> t = int_vector(tokens, "tokens");
+    return store().wants(t);
+  }
+
+  // A sequence or context state of `tokens` (positions 0..n-1).
+  void put_state(nb::handle tokens, nb::handle blob) {
+    std::vector<int32_t> t = int_vector(tokens, "tokens");
+    std::vector<uint8_t> b;
+    {
+      const Bytes in(blob, "put_state");
+      const auto s = in.span();
+      if (kvtc::is_context_state(s)) {
+        kvtc::ContextState cs = kvtc::context_state_split(s, "put_state");
+        b = std::move(cs.seq_blob);
+      } else {
+        b.assign(s.begin(), s.end());
+      }
+    }
+    nb::gil_scoped_release unlocked;
+    store().put_state(std::move(t), std::move(b));
+  }
+
+  // The best stored prompt for `tokens` when the context holds `current`,
+  // as a state for a context of the given layout: a context state when
+  // `arch` is given, else a sequence state of sequence seq_id.
+  std::optional<nb::dict> take(nb::handle current, nb::handle tokens, uint32_t v_trans, std::vector<uint32_t> streams, int32_t seq_id,
+                               const std::string& arch) {
+    const std::vector<int32_t> cur = int_vector(current, "current"), tok = int_vector(tokens, "tokens");
+    std::optional<kvtc::PromptStore::Match> m;
+    std::vector<uint8_t> blob;
+    {
+      nb::gil_scoped_release unlocked;
+      m = store().take(cur, tok);
+      if (m) {
+        const kvtc::StateLayout to{streams, v_trans, seq_id};
+        blob = kvtc::state_from_capture(m->cache, to);
+        if (!arch.empty()) blob = kvtc::context_state_join(arch, blob, "take");
+      }
+    }
+    if (!m) return std::nullopt;
+    nb::dict d;
+    d["tokens"] = int_array(std::move(m->tokens));
+    d["state"] = to_bytes(blob);
+    d["common_prefix"] = m->common_prefix;
+    d["tier"] = std::string(m->tier);
+    return d;
+  }
+
+  void flush() {
+    nb::gil_scoped_release unlocked;
+    store().flush();
+  }
+
+  nb::dict stats() const {
+    const kvtc::StoreStats s = store().stats();
+    nb::dict d;
+#define KVTC_STAT(name) d[#name] = s.name
+    KVTC_STAT(entries); KVTC_STAT(chunks); KVTC_STAT(ram_bytes); KVTC_STAT(disk_entries); KVTC_STAT(disk_chunks); KVTC_STAT(disk_bytes);
+    KVTC_STAT(disk_enabled); KVTC_STAT(disk_error); KVTC_STAT(puts); KVTC_STAT(puts_contained); KVTC_STAT(puts_skipped); KVTC_STAT(pending);
+    KVTC_STAT(pending_bytes); KVTC_STAT(chunks_written); KVTC_STAT(chunks_shared); KVTC_STAT(hits_ram); KVTC_STAT(hits_pending);
+    KVTC_STAT(hits_disk); KVTC_STAT(hits_redis); KVTC_STAT(misses); KVTC_STAT(tokens_restored); KVTC_STAT(corrupt_dropped);
+    KVTC_STAT(redis_enabled); KVTC_STAT(redis_up); KVTC_STAT(redis_error); KVTC_STAT(save_ms); KVTC_STAT(restore_ms);
+#undef KVTC_STAT
+    return d;
+  }
+
+  std::vector<std::string> messages() {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    std::vector<std::string> out(log_->lines.begin(), log_->lines.end());
+    log_->lines.clear();
+    return out;
+  }
+
+  const std::string& fingerprint() const { return store().fingerprint(); }
+  void close() {
+    nb::gil_scoped_release unlocked;
+    store_.reset();
+  }
+  kvtc::PromptStore& store() const {
+    if (!store_) throw Error("the store is closed");
+    return *store_;
+  }
+
+ private:
+  struct Log {
+    std::mutex mu;
+    std::deque<std::string> lines;
+  };
+  PyCalibration cal_;  // keeps the calibration alive as long as the store
+  std::shared_ptr<Log> log_;
+  std::unique_ptr<kvtc::PromptStore> store_;
+};
+
+}  // namespace
+
+NB_MODULE(_kvtc, m) {
+  m.doc() = "kvtc: KV Cache Transform Coding — compress an LLM's KV cache and restore it (the C++ library's Python binding)";
+  nb::exception<kvtc::Error>(m, "Error", PyExc_ValueError);
+  m.attr("__version__") = kvtc::library_info().version;
+  m.attr("CONTAINER_VERSION") = kvtc::kContainerVersion;
+
+  nb::class_<PyCalibration>(m, "Calibration",
+                            "What kvtc learned once per model: per cache block, PCA means and bases and the bit-allocation tables.\n"
+                            "Immutable once loaded; safe to share between threads.")
+      .def_static("load", &PyCalibration::load, "path"_a, "decoder_only"_a = false,
+                  "Loads a calibration file (.safetensors, docs/calibration-format.md), verifying every checksum.\n"
+                  "decoder_only=True skips what only the encoder needs (allocation tables, block errors).")
+      .def_prop_ro("id", [](const PyCalibration& c) { return c.cal().id; }, "calibration_id: SHA-256 of every mean and basis; containers record it.")
+      .def_prop_ro("path", &PyCalibration::path)
+      .def_prop_ro("model_sha256", [](const PyCalibration& c) { return c.cal().geometry.model_sha256; }, "SHA-256 of the GGUF the calibration is for.")
+      .def("info", &PyCalibration::info, "Geometry (layers, KV heads, head_dim, RoPE) per block, components kept, stored ratios, provenance.")
+      .def("compress", &PyCalibration::compress, "k"_a, "v"_a, "positions"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
+           "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
+           "meta"_a = std::map<std::string, std::string>(),
+           nb::sig("def compress(self, k: object, v: object, positions: object, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
+                   "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
+                   "joint: bool = False, meta: dict[str, str] = {}) -> bytes"),
+           "Compresses a KV cache into a .kvtc container (docs/format.md) and returns its bytes.\n\n"
+           "k, v: float16 or float32 arrays [layers, kv_heads, tokens, head_dim] (numpy, or anything with __dlpack__ on the CPU,\n"
+           "such as a torch tensor; any strides), keys as the model stores them (RoPE applied); a list of two per array for\n"
+           "iSWA models (global layers, then sliding-window layers). positions: int32/int64 [tokens], the position of each token.\n"
+           "ratio: nominal compression of the coded tokens; the first `sink` and last `window` tokens stay f16.\n"
+           "tokens: optional token ids [tokens], stored with the cache. meta: provenance strings stored in the header.\n"
+           "threads: 0 = all hardware threads. precision: 'auto', 'f32' or 'bf16' (the projection's arithmetic).\n"
+           "Raises kvtc.Error on a shape, dtype or calibration mismatch and on NaN/inf values. Releases the GIL while coding.")
+      .def("decompress", &PyCalibration::decompress, "data"_a, nb::kw_only(), "dtype"_a = "float16", "return_tokens"_a = false, "threads"_a = 0,
+           "precision"_a = "auto",
+           nb::sig("def decompress(self, data: bytes | bytearray | memoryview, *, dtype: str = 'float16', return_tokens: bool = False, "
+                   "threads: int = 0, precision: str = 'auto') -> tuple"),
+           "Decodes a container: (k, v, positions) as numpy arrays [layers, kv_heads, tokens, head_dim] of `dtype` ('float16' or\n"
+           "'float32') and int32 [tokens]; lists of two for iSWA models. return_tokens=True appends the stored token ids (or None).\n"
+           "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")
+      .def("compress_state", &PyCalibration::compress_state, "blob"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
+           "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
+           nb::sig("def compress_state(self, blob: bytes | bytearray | memoryview, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
+                   "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
+                   "joint: bool = False) -> bytes"),
+           "Compresses a llama.cpp state of an f16 cache: a sequence state (llama_state_seq_get_data) or a whole context's\n"
+           "(llama_state_get_data, llama-cpp-python's LlamaState.llama_state). The container records which, and the layout.")
+      .def("decompress_state", &PyCalibration::decompress_state, "data"_a, nb::kw_only(), "v_trans"_a = nb::none(), "streams"_a = nb::none(),
+           "seq_id"_a = nb::none(), "threads"_a = 0, "precision"_a = "auto",
+           nb::sig("def decompress_state(self, data: bytes | bytearray | memoryview, *, v_trans: int | None = None, "
+                   "streams: list[int] | None = None, seq_id: int | None = None, threads: int = 0, precision: str = 'auto') -> bytes"),
+           "The llama.cpp state again, in the form compress_state was given, for llama_state_seq_set_data or llama_state_set_data.\n"
+           "Without arguments, in the recorded layout; v_trans (1: a context without flash attention), streams (per block) and\n"
+           "seq_id retarget it.");
+
+  m.def(
+      "state_layout",
+      [](nb::handle blob) {
+        const Bytes in(blob, "state_layout");
+        const auto s = in.span();
+        nb::dict d;
+        kvtc::StateLayout l;
+        if (kvtc::is_context_state(s)) {
+          const kvtc::ContextState cs = kvtc::context_state_split(s, "state_layout");
+          l = kvtc::state_layout_of(cs.seq_blob, "state_layout");
+          d["kind"] = "context";
+          d["arch"] = cs.arch;
+        } else {
+          l = kvtc::state_layout_of(s, "state_layout");
+          d["kind"] = "sequence";
+          d["arch"] = nb::none();
+        }
+        d["v_trans"] = l.v_trans;
+        d["streams"] = l.streams;
+        d["seq_id"] = l.seq_id;
+        return d;
+      },
+      "blob"_a, nb::sig("def state_layout(blob: bytes | bytearray | memoryview) -> dict"),
+      "What a llama.cpp state says of its context: {'kind': 'context' or 'sequence', 'arch', 'v_trans', 'streams', 'seq_id'}.\n"
+      "Raises kvtc.Error for bytes that are not a non-empty state.");
+  m.def("inspect", &inspect_dict, "data"_a, nb::sig("def inspect(data: bytes | bytearray | memoryview) -> dict"),
+        "Layout, sizes and measured ratios of a container, without decoding (every checksum verified).");
+  m.def(
+      "library_info",
+      [] {
+        const kvtc::LibraryInfo i = kvtc::library_info();
+        nb::dict d;
+        d["version"] = i.version;
+        d["cpu"] = i.cpu;
+        d["cpu_features"] = i.cpu_features;
+        d["bf16_projection"] = i.bf16_projection;
+        d["bf16"] = i.bf16;
+        return d;
+      },
+      "The library's version, this CPU and the projection kernels it runs.");
+
+  nb::class_<PyStore>(m, "PromptStore",
+                      "Compressed prompt caches in RAM, on disk and in Redis, keyed by token chunks (docs/store.md): what\n"
+                      "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
+      .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
+                    const std::string&, const std::string&>(),
+           "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
+           "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
+           "redis_url"_a = "", "precision"_a = "auto",
+           "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
+           "raw=True keeps f16 pieces (no coding): the exact baseline.")
+      .def("wants", &PyStore::wants, "tokens"_a, "Whether storing `tokens` would add anything.")
+      .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a,
+           "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.")
+      .def("take", &PyStore::take, "current"_a, "tokens"_a, nb::kw_only(), "v_trans"_a = 0u, "streams"_a = std::vector<uint32_t>{}, "seq_id"_a = 0,
+           "arch"_a = "",
+           "The best stored prompt for `tokens` when the context holds `current` (llama-server's rules), or None:\n"
+           "{'tokens', 'state', 'common_prefix', 'tier'}; 'state' is a context state of `arch` when given, else a sequence state.")
+      .def("flush", &PyStore::flush, "Waits until every queued put is stored.")
+      .def("stats", &PyStore::stats)
+      .def("messages", &PyStore::messages, "What the store logged since the last call (a disk tier disabled, a corrupt file dropped, ...).")
+      .def_prop_ro("fingerprint", &PyStore::fingerprint)
+      .def("close", &PyStore::close, "Finishes queued puts and releases the store.");
+}

@@ -1,0 +1,139 @@
+"""The binding against the library and the CLI: the same bytes, the same
+errors, arrays in every layout the binding accepts, no leak."""
+import os
+
+import numpy as np
+import pytest
+
+import kvtc
+from conftest import GOLDEN, KVTC, read_capture, run
+
+
+@pytest.fixture(scope="module")
+def cal(smol_calibration):
+    return kvtc.Calibration.load(smol_calibration)
+
+
+@pytest.fixture(scope="module")
+def cap(smol_capture):
+    return read_capture(smol_capture)
+
+
+def test_bytes_equal_the_cli_container(cal, cap, smol_capture, smol_calibration, work):
+    k, v, pos, tokens, meta = cap
+    out = str(work / "cli.kvtc")
+    run("compress", smol_capture, "--calib", smol_calibration, "-r", "16", "-o", out)
+    with open(out, "rb") as f:
+        cli = f.read()
+    data = cal.compress(k, v, pos, ratio=16, tokens=tokens, meta=meta)
+    assert isinstance(data, bytes)
+    assert data == cli
+    # f32 input holding the same values, a strided view and a DLPack-only
+    # producer (as a torch tensor is) give the same bytes.
+    assert cal.compress(k.astype(np.float32), v.astype(np.float32), pos.astype(np.int64), tokens=tokens, meta=meta) == cli
+    k_t = np.ascontiguousarray(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [L, T, H, D] memory, [L, H, T, D] view
+    assert not k_t.flags.c_contiguous
+    assert cal.compress(k_t, v, pos, tokens=tokens, meta=meta) == cli
+
+    class DLPackOnly:
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kw):
+            return self._a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    assert cal.compress(DLPackOnly(k), DLPackOnly(v), list(map(int, pos)), tokens=tokens, meta=meta) == cli
+    # Decoding: what `kvtc decompress` writes, as f16 or f32, with the tokens.
+    dec = str(work / "cli-decoded.safetensors")
+    run("decompress", out, "--calib", smol_calibration, "-o", dec)
+    k_cli, v_cli, pos_cli, _, _ = read_capture(dec)
+    k2, v2, pos2, tok2 = cal.decompress(data, return_tokens=True)
+    assert k2.dtype == np.float16 and k2.shape == k.shape
+    np.testing.assert_array_equal(k2, k_cli)
+    np.testing.assert_array_equal(v2, v_cli)
+    np.testing.assert_array_equal(pos2, pos_cli)
+    np.testing.assert_array_equal(tok2, tokens)
+    k3, _, _ = cal.decompress(bytearray(data), dtype="float32")
+    assert k3.dtype == np.float32
+    np.testing.assert_array_equal(k3, k_cli.astype(np.float32))
+    # The sink and window are exact; the coded middle is close.
+    np.testing.assert_array_equal(k2[:, :, :4], k[:, :, :4])
+    np.testing.assert_array_equal(v2[:, :, -128:], v[:, :, -128:])
+    kf, k2f = k.astype(np.float64), k2.astype(np.float64)
+    assert ((kf - k2f) ** 2).sum() / (kf ** 2).sum() < 0.05
+    info = kvtc.inspect(memoryview(data))
+    assert info["calibration_id"] == cal.id
+    assert info["tokens"] == k.shape[2] and info["file_bytes"] == len(data)
+    assert info["ratio_whole_cache"] > 1.5 and info["blocks"][0]["nominal_ratio_k"] == 16
+
+
+def test_clean_errors(cal, cap, smol_calibration):
+    k, v, pos, tokens, _ = cap
+    data = cal.compress(k, v, pos)
+
+    def error(fn, *args, **kw):
+        with pytest.raises(kvtc.Error) as e:
+            fn(*args, **kw)
+        assert isinstance(e.value, ValueError)
+        return str(e.value)
+
+    assert "expected 4 dimensions" in error(cal.compress, k[0], v[0], pos)
+    assert "expected float16 or float32" in error(cal.compress, k.astype(np.int32), v, pos)
+    assert "expected float16 or float32" in error(cal.compress, k.astype(np.float64), v, pos)
+    assert "calibration of another model" in error(cal.compress, k[:, :2], v[:, :2], pos)
+    assert "v: shape" in error(cal.compress, k, v[:, :, :-1], pos)
+    assert "positions: 599 entries" in error(cal.compress, k, v, pos[:-1])
+    assert "expected int32 or int64" in error(cal.compress, k, v, pos.astype(np.float32))
+    bad = k.copy()
+    bad[3, 1, 200, 7] = np.nan
+    assert "K[layer 3, head 1, token 200, dim 7] is NaN" in error(cal.compress, bad, v, pos)
+    big = v.astype(np.float32)
+    big[0, 0, 10, 0] = 1e6  # beyond f16: infinite once narrowed
+    assert "is infinite" in error(cal.compress, k, big, pos)
+    assert "'int8'" in error(cal.decompress, data, dtype="int8")
+    # Another model's calibration (the golden synthetic one), both ways.
+    other = kvtc.Calibration.load(os.path.join(GOLDEN, "calibration.safetensors"))
+    assert "another model" in error(other.compress, k, v, pos)
+    assert "calibration" in error(other.decompress, data)
+    # Truncated and corrupted bytes.
+    error(cal.decompress, data[: len(data) // 2])
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    error(cal.decompress, bytes(flipped))
+    error(kvtc.inspect, data[:100])
+    error(cal.decompress_state, data)  # a container of arrays records no llama.cpp state
+    with pytest.raises(TypeError):
+        cal.decompress("not bytes")
+    with pytest.raises(kvtc.Error, match="no such file|cannot open|No such"):
+        kvtc.Calibration.load(os.path.join(GOLDEN, "missing.safetensors"))
+    dec_only = kvtc.Calibration.load(smol_calibration, decoder_only=True)
+    assert "decoder_only" in error(dec_only.compress, k, v, pos)
+    assert dec_only.decompress(data)[0].shape == k.shape
+    assert "state" in error(kvtc.state_layout, b"\x01\x02")
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_no_rss_growth_over_1000_round_trips(cal, cap):
+    k, v, pos, tokens, _ = cap
+    k, v, pos = k[:, :, :200].copy(), v[:, :, :200].copy(), pos[:200].copy()  # 4.6 MB of f16 K+V per round trip
+    def round_trip():
+        data = cal.compress(k, v, pos, ratio=16, threads=1)
+        k2, v2, p2 = cal.decompress(data, threads=1)
+        assert k2.shape == k.shape
+        kvtc.inspect(data)
+    for _ in range(100):
+        round_trip()
+    before = rss_bytes()
+    for _ in range(900):
+        round_trip()
+    grown = rss_bytes() - before
+    # A leaked container (~1 MB) or decoded cache (4.6 MB) per round trip
+    # would add 0.9-4 GB; allocator noise stays within a few MB.
+    assert grown < 32 << 20, f"RSS grew by {grown / 2**20:.1f} MiB over 900 round trips"

@@ -4,6 +4,7 @@
 #   make corpus   the text corpus from Debian packages       -> .deps/corpus/
 #   make test     all of the above, then the test suite (ctest, with pytest for python/)
 #   make python   the Python package (python/) and llama-cpp-python in .deps/venv
+#   make bench-python  binding overhead, KvtcCache vs LlamaRAMCache -> bench/results/python.md
 #   make install  the library for find_package(kvtc): libkvtc.a, the public
 #                 headers, the CMake package                -> $(PREFIX)
 #   make demo     capture a real session and restore it       -> out/demo/
@@ -107,6 +108,9 @@ bench-serve-redis: build $(CORPUS)
 	bench/serve_redis.sh
 
 # Ratio and error on evaluation caches -> bench/results/ratio.md
+bench-python: python $(CALIB)
+	.deps/venv/bin/python bench/python_bench.py --calib $(CALIB)
+
 bench-ratio: $(CALIB)
 	python3 bench/ratio.py --calib $(CALIB)
 

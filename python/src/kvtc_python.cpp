@@ -12,6 +12,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -99,39 +101,50 @@ struct Strides4 {
 // K or V of one block, f16 or f32, any strides, into f16 bits in kvtc's
 // [layer][head][token][dim] order. f32 is rounded to nearest even; a value
 // that does not fit f16 (|x| > 65504) or is NaN becomes inf/NaN, which the
-// encoder then refuses with its place.
-void gather_f16(const AnyArray& a, std::vector<uint16_t>& out) {
+// encoder then refuses with its place. A C-contiguous f16 array is one copy
+// (no zero-fill first); the rest runs on `threads` threads over the rows:
+// the binding's work should stay a few percent of the codec's.
+void gather_f16(const AnyArray& a, std::vector<uint16_t>& out, int threads) {
   const size_t L = a.shape(0), H = a.shape(1), T = a.shape(2), D = a.shape(3);
   const Strides4 st(a);
-  out.resize(L * H * T * D);
   const bool f16 = a.dtype().bits == 16;
-  std::vector<float> row(D);
   const uint8_t* base = static_cast<const uint8_t*>(a.data());
   const size_t isz = f16 ? 2 : 4;
-  for (size_t l = 0; l < L; ++l)
-    for (size_t h = 0; h < H; ++h)
-      for (size_t t = 0; t < T; ++t) {
-        const uint8_t* p = base + (int64_t(l) * st.s[0] + int64_t(h) * st.s[1] + int64_t(t) * st.s[2]) * int64_t(isz);
-        uint16_t* o = &out[((l * H + h) * T + t) * D];
-        if (st.s[3] == 1) {
-          if (f16) {
-            std::memcpy(o, p, D * 2);
-          } else {
-            std::memcpy(row.data(), p, D * 4);
-            kvtc::f32_to_f16_n(row.data(), o, D);
-          }
-        } else {
-          for (size_t d = 0; d < D; ++d) {
-            const uint8_t* q = p + int64_t(d) * st.s[3] * int64_t(isz);
-            if (f16) {
-              std::memcpy(&o[d], q, 2);
-            } else {
-              std::memcpy(&row[d], q, 4);
-            }
-          }
-          if (!f16) kvtc::f32_to_f16_n(row.data(), o, D);
+  const size_t n = L * H * T * D;
+  if (f16 && st.s[3] == 1 && st.s[2] == int64_t(D) && st.s[1] == int64_t(T * D) && st.s[0] == int64_t(H * T * D)) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(base);
+    out.assign(p, p + n);
+    return;
+  }
+  out.resize(n);
+  const int64_t rows = int64_t(L * H * T);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads())
+  for (int64_t r = 0; r < rows; ++r) {
+    const size_t t = size_t(r) % T, h = size_t(r) / T % H, l = size_t(r) / T / H;
+    const uint8_t* p = base + (int64_t(l) * st.s[0] + int64_t(h) * st.s[1] + int64_t(t) * st.s[2]) * int64_t(isz);
+    uint16_t* o = &out[size_t(r) * D];
+    if (st.s[3] == 1 && f16) {
+      std::memcpy(o, p, D * 2);
+    } else {  // through an aligned row: a numpy view may sit at any byte offset
+      float row[1024];
+      for (size_t d0 = 0; d0 < D; d0 += 1024) {
+        const size_t m = std::min<size_t>(1024, D - d0);
+        if (st.s[3] == 1) {  // f32 rows
+          std::memcpy(row, p + d0 * 4, m * 4);
+          kvtc::f32_to_f16_n(row, o + d0, m);
+          continue;
         }
+        for (size_t d = 0; d < m; ++d) {
+          const uint8_t* q = p + int64_t(d0 + d) * st.s[3] * int64_t(isz);
+          if (f16)
+            std::memcpy(&o[d0 + d], q, 2);
+          else
+            std::memcpy(&row[d], q, 4);
+        }
+        if (!f16) kvtc::f32_to_f16_n(row, o + d0, m);
       }
+    }
+  }
 }
 
 std::vector<int32_t> int_vector(nb::handle obj, const std::string& what) {
@@ -195,11 +208,20 @@ nb::object numpy_array(std::vector<T>&& v, std::vector<size_t> shape, nb::dlpack
   return nb::cast(nb::ndarray<nb::numpy>(heap->data(), shape.size(), shape.data(), owner, nullptr, dt));
 }
 
-nb::object block_array(const kvtc::KvBlock& b, const std::vector<uint16_t>& x, bool as_f32) {
+// The decoded K or V of a block as a numpy array: f16 without a copy (the
+// vector moves into the array's owner), f32 converted on `threads` threads.
+nb::object block_array(const kvtc::KvBlock& b, std::vector<uint16_t>&& x, bool as_f32, int threads) {
   std::vector<size_t> shape{b.n_layer(), b.n_head_kv, b.n_tokens(), b.head_dim};
-  if (!as_f32) return numpy_array(std::vector<uint16_t>(x), shape, f16_dtype());
-  std::vector<float> f(x.size());
-  kvtc::f16_to_f32_n(x.data(), f.data(), x.size());
+  if (!as_f32) return numpy_array(std::move(x), shape, f16_dtype());
+  std::vector<float> f;
+  {
+    nb::gil_scoped_release unlocked;
+    f.resize(x.size());
+    const int64_t step = 1 << 16, n = int64_t(x.size());
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads())
+    for (int64_t i = 0; i < n; i += step) kvtc::f16_to_f32_n(x.data() + i, f.data() + i, size_t(std::min(step, n - i)));
+    std::vector<uint16_t>().swap(x);
+  }
   return numpy_array(std::move(f), shape, nb::dtype<float>());
 }
 
@@ -318,8 +340,8 @@ class PyCalibration {
     {
       nb::gil_scoped_release unlocked;
       for (size_t b = 0; b < nb_; ++b) {
-        gather_f16(ka[b], c.blocks[b].k);
-        gather_f16(va[b], c.blocks[b].v);
+        gather_f16(ka[b], c.blocks[b].k, threads);
+        gather_f16(va[b], c.blocks[b].v, threads);
       }
       out = kvtc::compress(c, *cal_, *alloc_set, o);
     }
@@ -336,10 +358,10 @@ class PyCalibration {
     }
     const bool f32 = dtype == "float32";
     nb::list ks, vs, ps;
-    for (const kvtc::KvBlock& b : c.blocks) {
-      ks.append(block_array(b, b.k, f32));
-      vs.append(block_array(b, b.v, f32));
-      ps.append(int_array(b.pos));
+    for (kvtc::KvBlock& b : c.blocks) {
+      ks.append(block_array(b, std::move(b.k), f32, threads));
+      vs.append(block_array(b, std::move(b.v), f32, threads));
+      ps.append(int_array(std::move(b.pos)));
     }
     auto one = [&](nb::list& l) -> nb::object { return l.size() == 1 ? nb::object(l[0]) : nb::object(l); };
     if (return_tokens) return nb::make_tuple(one(ks), one(vs), one(ps), c.tokens.empty() ? nb::none() : int_array(c.tokens));

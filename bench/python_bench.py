@@ -240,6 +240,10 @@ def main():
     with open(os.path.join(a.results, "python.json"), "w") as f:
         json.dump(res, f, indent=1)
         f.write("\n")
+    notes = os.path.join(TOP, "bench", "python-notes.md")  # the reading, written by hand after a run
+    if os.path.exists(notes):
+        with open(notes) as f:
+            md += ["", f.read().rstrip()]
     with open(os.path.join(a.results, "python.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"wrote {os.path.join(a.results, 'python.md')}")

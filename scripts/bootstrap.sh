@@ -36,7 +36,7 @@ stamp_set() { printf '%s' "$2" >"$deps/stamps/$1"; }
 # libraries the codec will use, JSON and CLI parsing, BLAS/LAPACK for the
 # calibration's eigensolver, oneDNN for the bf16 projection, GoogleTest; text packages for the corpus;
 # hiredis for the prompt store's Redis tier, and Redis itself for its tests and benchmark;
-# the Python package's interpreter headers and venv (scripts/python_env.sh).
+# the Python package's interpreter headers, venv and the generator its build uses (scripts/python_env.sh).
 apt_pkgs=(
   build-essential cmake pkg-config python3
   libdeflate-dev libzstd-dev libxxhash-dev libssl-dev
@@ -47,7 +47,7 @@ apt_pkgs=(
   libpython3.11-stdlib maxima-doc
   python3-matplotlib
   libhiredis-dev redis-server redis-tools
-  python3-dev python3-venv
+  python3-dev python3-venv ninja-build
 )
 missing=()
 for p in "${apt_pkgs[@]}"; do

@@ -108,6 +108,7 @@ def overhead(a, work):
     out["precision"] = row["precision"]
     out["document"] = longest["id"]
     out["tokens"] = a.tokens
+    out["repeat"] = a.repeat
     out["raw_mb"] = k.nbytes * 2 / 1e6
     out["container_mb"] = len(data) / 1e6
     return out
@@ -197,6 +198,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--work", default=os.path.join(TOP, "out", "bench-python"))
     ap.add_argument("--results", default=os.path.join(TOP, "bench", "results"))
+    ap.add_argument("--parts", nargs="+", choices=["overhead", "workload"], default=["overhead", "workload"],
+                    help="what to measure; a part not measured is kept from the existing python.json, with its own command and commit")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     cmd = (f".deps/venv/bin/python bench/python_bench.py --calib {os.path.relpath(a.calib, TOP)} --tokens {a.tokens} --repeat {a.repeat} "
@@ -205,21 +208,38 @@ def main():
     res = {"command": cmd, "commit": provenance.result_commit(TOP),
            "machine": f"{info['cpu']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
            "python": platform.python_version(), "numpy": np.__version__, "llama_cpp_python": llama_cpp.__version__}
-    res["overhead"] = overhead(a, a.work)
-    print("[python-bench] overhead done", file=sys.stderr)
-    res["workload"] = [workload(a, "none", 0)]
-    for mb in a.budgets_mb:
-        for kind in ("ram", "kvtc"):
-            res["workload"].append(workload(a, kind, mb << 20))
-            print(f"[python-bench] {kind} {mb} MB done", file=sys.stderr)
+    old = {}
+    if os.path.exists(os.path.join(a.results, "python.json")):
+        with open(os.path.join(a.results, "python.json")) as f:
+            old = json.load(f)
+    run_of = {"command": cmd + (" --parts " + " ".join(a.parts) if a.parts != ["overhead", "workload"] else ""), "commit": res["commit"]}
+    for part in ("overhead", "workload"):
+        if part in a.parts:
+            continue
+        if part not in old:
+            sys.exit(f"bench/python_bench.py: no {part} in {a.results}/python.json to keep; measure it (--parts {part})")
+        res[part] = old[part]
+        res[part + "_run"] = old.get(part + "_run", {"command": old["command"], "commit": old["commit"]})
+    if "overhead" in a.parts:
+        res["overhead"] = overhead(a, a.work)
+        res["overhead_run"] = run_of
+        print("[python-bench] overhead done", file=sys.stderr)
+    if "workload" in a.parts:
+        res["workload"] = [workload(a, "none", 0)]
+        for mb in a.budgets_mb:
+            for kind in ("ram", "kvtc"):
+                res["workload"].append(workload(a, kind, mb << 20))
+                print(f"[python-bench] {kind} {mb} MB done", file=sys.stderr)
+        res["workload_run"] = run_of
 
     o = res["overhead"]
     md = ["# The Python package: binding overhead, and KvtcCache against LlamaRAMCache", "",
-          f"- command: `{cmd}`", f"- commit: {res['commit']}", f"- machine: {res['machine']}",
+          f"- commands: binding overhead `{res['overhead_run']['command']}` at commit {res['overhead_run']['commit']}; "
+          f"workload `{res['workload_run']['command']}` at commit {res['workload_run']['commit']}", f"- machine: {res['machine']}",
           f"- Python {res['python']}, numpy {res['numpy']}, llama-cpp-python {res['llama_cpp_python']} (over the pinned llama.cpp), "
           f"SmolLM2-135M-Instruct Q4_1, calibration `{os.path.basename(a.calib)}`", "",
           f"## Binding overhead ({o['tokens']} tokens of `{o['document']}`, {o['raw_mb']:.1f} MB of f16 K+V, 16x, {o['precision']} projection, "
-          f"best of {a.repeat})", "",
+          f"best of {o.get('repeat', 5)})", "",
           "| | C++ (`kvtc-lab bench`) ms | Python ms | overhead |", "|---|---|---|---|"]
     for op in ("compress", "decompress"):
         c, p = o[f"cpp_{op}_ms"], o[f"py_{op}_ms"]
@@ -228,8 +248,8 @@ def main():
         md.append(f"| {op} (f32 arrays) | {c:.0f} | {p32:.0f} | {100 * (p32 / c - 1):+.1f}% |")
     md += ["", "Python times include reading the arrays into the library's layout (f32 input: narrowing to f16) and making the "
            "bytes or the numpy arrays; the C++ times are `kvtc::compress` / `kvtc::decompress` alone.", "",
-           f"## KvtcCache against LlamaRAMCache ({a.chats} conversations x {a.turns} turns round-robin through one Llama, "
-           f"{a.doc_tokens}-token documents, {a.answer_tokens}-token answers, n_ctx {a.n_ctx})", "",
+           "## KvtcCache against LlamaRAMCache (conversations of one evaluation document each, taking turns round-robin through one "
+           "Llama; sizes in the workload command)", "",
            "| cache | budget MiB | entries held | held MiB | hits | misses | tokens restored | TTFT turn 1 (median ms) | TTFT later turns (median / mean ms) | wall s |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["workload"]:

@@ -104,9 +104,10 @@ struct Strides4 {
 // fault per 4 KiB on first touch (~23,000 for an 8K-token SmolLM2 K), the
 // larger part of the binding's cost over the codec. A hint: without THP
 // (or with it off) the pages are ordinary.
-void reserve_huge(std::vector<uint16_t>& out, size_t n) {
+template <typename T>
+void reserve_huge(std::vector<T>& out, size_t n) {
   out.reserve(n);
-  const size_t bytes = n * sizeof(uint16_t);
+  const size_t bytes = n * sizeof(T);
   if (bytes < (size_t(4) << 20)) return;
   const uintptr_t page = 4096, b = (reinterpret_cast<uintptr_t>(out.data()) + page - 1) & ~(page - 1),
                   e = reinterpret_cast<uintptr_t>(out.data()) + bytes;
@@ -232,6 +233,7 @@ nb::object block_array(const kvtc::KvBlock& b, std::vector<uint16_t>&& x, bool a
   std::vector<float> f;
   {
     nb::gil_scoped_release unlocked;
+    reserve_huge(f, x.size());
     f.resize(x.size());
     const int64_t step = 1 << 16, n = int64_t(x.size());
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads())

@@ -76,8 +76,8 @@ if ! stamp_ok llama-cpp-python "${SHA[llama-cpp-python]}"; then
 fi
 
 # kvtc: rebuilt when its sources or the library changed.
-kpin=$(cat "$top"/python/pyproject.toml "$top"/python/CMakeLists.txt "$top"/python/src/* "$top"/python/kvtc/* "$build/kvtc-prefix/lib/libkvtc.a" \
-         "$build"/kvtc-prefix/include/kvtc/*.h | sha256sum | cut -d' ' -f1)
+kpin=$( (cd "$top" && find python -type f -not -path '*/__pycache__/*' -not -path 'python/tests/*' | LC_ALL=C sort | xargs cat;
+         cat "$build/kvtc-prefix/lib/libkvtc.a" "$build"/kvtc-prefix/include/kvtc/*.h) | sha256sum | cut -d' ' -f1)
 if ! stamp_ok kvtc-python "$kpin" || ! "$venv/bin/python" -c 'import kvtc' 2>/dev/null; then
   log "building and installing the kvtc package (python/) against $build/kvtc-prefix"
   "$venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation \

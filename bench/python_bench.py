@@ -254,9 +254,9 @@ def main():
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["workload"]:
         name = {"none": "none", "ram": "LlamaRAMCache", "kvtc": "KvtcCache (16x)"}[r["cache"]]
-        md.append(f"| {name} | {r['budget_mb'] or '-'} | {r.get('entries', '-')} | "
-                  f"{r['held_mb']:.1f} | {r['hits']} | {r['misses']} | {r['tokens_restored']} | " if "hits" in r else f"| {name} | - | - | - | - | - | - | ")
-        md[-1] += f"{r['ttft_ms_turn1']:.0f} | {r['ttft_ms_later']:.0f} / {r['ttft_ms_later_mean']:.0f} | {r['wall_s']:.1f} |"
+        held = (f"{r['budget_mb']} | {r['entries']} | {r['held_mb']:.1f} | {r['hits']} | {r['misses']} | {r['tokens_restored']}"
+                if "hits" in r else "- | - | - | - | - | -")  # no cache: nothing held
+        md.append(f"| {name} | {held} | {r['ttft_ms_turn1']:.0f} | {r['ttft_ms_later']:.0f} / {r['ttft_ms_later_mean']:.0f} | {r['wall_s']:.1f} |")
     with open(os.path.join(a.results, "python.json"), "w") as f:
         json.dump(res, f, indent=1)
         f.write("\n")

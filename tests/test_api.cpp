@@ -262,8 +262,7 @@ TEST(Codec, NonFiniteInputIsRefusedWithItsPlace) {
   EXPECT_NE(e.find("V[layer 1, head 0, token 77, dim 5] is NaN"), std::string::npos) << e;
   b.v[b.index(1, 0, 77, 5)] = 0;
   b.k[b.index(0, 1, 299, 0)] = 0xfc00;  // -inf, in the raw window
-  EXPECT_NE(error_of([&] { compress(c, cal, allocation_set(cal, 8)); }).find("K[layer 0, head 1, token 299, dim 0] is infinite"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { compress(c, cal, allocation_set(cal, 8)); }).find("K[layer 0, head 1, token 299, dim 0] is infinite"), std::string::npos);
   b.k[b.index(0, 1, 299, 0)] = 0x7bff;  // the largest finite f16 is fine
   EXPECT_NO_THROW(compress(c, cal, allocation_set(cal, 8)));
 }

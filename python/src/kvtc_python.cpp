@@ -11,7 +11,6 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -45,9 +44,9 @@ class Bytes {
   Bytes(nb::handle h, const char* what) {
     if (PyObject_GetBuffer(h.ptr(), &view_, PyBUF_SIMPLE) != 0) {
       PyErr_Clear();
-      throw nb::type_error((std::string(what) + ": expected bytes, bytearray, memoryview or another C-contiguous buffer, got " +
-                            nb::type_name(h.type()).c_str())
-                               .c_str());
+      throw nb::type_error(
+          (std::string(what) + ": expected bytes, bytearray, memoryview or another C-contiguous buffer, got " + nb::type_name(h.type()).c_str())
+              .c_str());
     }
   }
   ~Bytes() { PyBuffer_Release(&view_); }
@@ -59,7 +58,9 @@ class Bytes {
   Py_buffer view_{};
 };
 
-nb::bytes to_bytes(const std::vector<uint8_t>& v) { return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+nb::bytes to_bytes(const std::vector<uint8_t>& v) {
+  return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
 
 // ---- arrays in --------------------------------------------------------------
 
@@ -73,10 +74,12 @@ std::string shape_str(const AnyArray& a) {
 
 std::string dtype_str(nb::dlpack::dtype d) {
   using C = nb::dlpack::dtype_code;
-  const char* k = d.code == uint8_t(C::Float) ? "float" : d.code == uint8_t(C::Int) ? "int" : d.code == uint8_t(C::UInt) ? "uint"
-                  : d.code == uint8_t(C::Bfloat)                                     ? "bfloat"
-                  : d.code == uint8_t(C::Bool)                                       ? "bool"
-                                                                                     : "other";
+  const char* k = d.code == uint8_t(C::Float)    ? "float"
+                  : d.code == uint8_t(C::Int)    ? "int"
+                  : d.code == uint8_t(C::UInt)   ? "uint"
+                  : d.code == uint8_t(C::Bfloat) ? "bfloat"
+                  : d.code == uint8_t(C::Bool)   ? "bool"
+                                                 : "other";
   return std::string(k) + std::to_string(d.bits);
 }
 
@@ -209,14 +212,16 @@ std::vector<nb::handle> per_block(nb::handle obj, size_t n_blocks, const std::st
     out.push_back(obj);
   }
   if (out.size() != n_blocks)
-    throw Error(what + ": " + std::to_string(out.size()) + " array(s), the calibration's model has " + std::to_string(n_blocks) +
-                " cache block(s)" + (n_blocks > 1 ? " (pass a list: the global layers' array, then the sliding-window layers')" : ""));
+    throw Error(what + ": " + std::to_string(out.size()) + " array(s), the calibration's model has " + std::to_string(n_blocks) + " cache block(s)" +
+                (n_blocks > 1 ? " (pass a list: the global layers' array, then the sliding-window layers')" : ""));
   return out;
 }
 
 // ---- arrays out -------------------------------------------------------------
 
-nb::dlpack::dtype f16_dtype() { return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1}; }
+nb::dlpack::dtype f16_dtype() {
+  return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+}
 
 template <typename T>
 nb::object numpy_array(std::vector<T>&& v, std::vector<size_t> shape, nb::dlpack::dtype dt) {
@@ -348,7 +353,8 @@ class PyCalibration {
       static_cast<kvtc::BlockGeometry&>(kb) = g.blocks[b];
       kb.pos = int_vector(ps[b], "positions" + sfx);
       if (kb.pos.size() != ka[b].shape(2))
-        throw Error("positions" + sfx + ": " + std::to_string(kb.pos.size()) + " entries, k" + sfx + " holds " + std::to_string(ka[b].shape(2)) + " tokens");
+        throw Error("positions" + sfx + ": " + std::to_string(kb.pos.size()) + " entries, k" + sfx + " holds " + std::to_string(ka[b].shape(2)) +
+                    " tokens");
       c.blocks.push_back(std::move(kb));
     }
     if (!tokens.is_none()) c.tokens = int_vector(tokens, "tokens");
@@ -606,11 +612,33 @@ class PyStore {
     const kvtc::StoreStats s = store().stats();
     nb::dict d;
 #define KVTC_STAT(name) d[#name] = s.name
-    KVTC_STAT(entries); KVTC_STAT(chunks); KVTC_STAT(ram_bytes); KVTC_STAT(disk_entries); KVTC_STAT(disk_chunks); KVTC_STAT(disk_bytes);
-    KVTC_STAT(disk_enabled); KVTC_STAT(disk_error); KVTC_STAT(puts); KVTC_STAT(puts_contained); KVTC_STAT(puts_skipped); KVTC_STAT(pending);
-    KVTC_STAT(pending_bytes); KVTC_STAT(chunks_written); KVTC_STAT(chunks_shared); KVTC_STAT(hits_ram); KVTC_STAT(hits_pending);
-    KVTC_STAT(hits_disk); KVTC_STAT(hits_redis); KVTC_STAT(misses); KVTC_STAT(tokens_restored); KVTC_STAT(corrupt_dropped);
-    KVTC_STAT(redis_enabled); KVTC_STAT(redis_up); KVTC_STAT(redis_error); KVTC_STAT(save_ms); KVTC_STAT(restore_ms);
+    KVTC_STAT(entries);
+    KVTC_STAT(chunks);
+    KVTC_STAT(ram_bytes);
+    KVTC_STAT(disk_entries);
+    KVTC_STAT(disk_chunks);
+    KVTC_STAT(disk_bytes);
+    KVTC_STAT(disk_enabled);
+    KVTC_STAT(disk_error);
+    KVTC_STAT(puts);
+    KVTC_STAT(puts_contained);
+    KVTC_STAT(puts_skipped);
+    KVTC_STAT(pending);
+    KVTC_STAT(pending_bytes);
+    KVTC_STAT(chunks_written);
+    KVTC_STAT(chunks_shared);
+    KVTC_STAT(hits_ram);
+    KVTC_STAT(hits_pending);
+    KVTC_STAT(hits_disk);
+    KVTC_STAT(hits_redis);
+    KVTC_STAT(misses);
+    KVTC_STAT(tokens_restored);
+    KVTC_STAT(corrupt_dropped);
+    KVTC_STAT(redis_enabled);
+    KVTC_STAT(redis_up);
+    KVTC_STAT(redis_error);
+    KVTC_STAT(save_ms);
+    KVTC_STAT(restore_ms);
 #undef KVTC_STAT
     return d;
   }
@@ -622,7 +650,9 @@ class PyStore {
     return out;
   }
 
-  const std::string& fingerprint() const { return store().fingerprint(); }
+  const std::string& fingerprint() const {
+    return store().fingerprint();
+  }
   void close() {
     nb::gil_scoped_release unlocked;
     store_.reset();
@@ -656,9 +686,11 @@ NB_MODULE(_kvtc, m) {
       .def_static("load", &PyCalibration::load, "path"_a, "decoder_only"_a = false,
                   "Loads a calibration file (.safetensors, docs/calibration-format.md), verifying every checksum.\n"
                   "decoder_only=True skips what only the encoder needs (allocation tables, block errors).")
-      .def_prop_ro("id", [](const PyCalibration& c) { return c.cal().id; }, "calibration_id: SHA-256 of every mean and basis; containers record it.")
+      .def_prop_ro(
+          "id", [](const PyCalibration& c) { return c.cal().id; }, "calibration_id: SHA-256 of every mean and basis; containers record it.")
       .def_prop_ro("path", &PyCalibration::path)
-      .def_prop_ro("model_sha256", [](const PyCalibration& c) { return c.cal().geometry.model_sha256; }, "SHA-256 of the GGUF the calibration is for.")
+      .def_prop_ro(
+          "model_sha256", [](const PyCalibration& c) { return c.cal().geometry.model_sha256; }, "SHA-256 of the GGUF the calibration is for.")
       .def("info", &PyCalibration::info, "Geometry (layers, KV heads, head_dim, RoPE) per block, components kept, stored ratios, provenance.")
       .def("compress", &PyCalibration::compress, "k"_a, "v"_a, "positions"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,

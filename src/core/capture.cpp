@@ -419,14 +419,18 @@ std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& t
 
 namespace {
 constexpr uint32_t kMaxArchBytes = 64;  // llama.cpp's names are <= 16 ("deepseek2", "command-r", ...)
-bool arch_char(uint8_t ch) { return std::isalnum(ch) || ch == '.' || ch == '_' || ch == '-'; }
+bool arch_char(uint8_t ch) {
+  return std::isalnum(ch) || ch == '.' || ch == '_' || ch == '-';
+}
 // Little-endian, as llama.cpp writes its state on the hosts it runs on (x86-64, arm64).
 uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
-void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+void store_u32(uint8_t* p, uint32_t v) {
+  std::memcpy(p, &v, 4);
+}
 }  // namespace
 
 bool is_context_state(std::span<const uint8_t> blob) {

@@ -109,9 +109,9 @@ void require_finite(const KvBlock& b, size_t bi) {
                  l = i / b.head_dim / b.n_tokens() / b.n_head_kv;
     char bits[8];
     std::snprintf(bits, sizeof bits, "0x%04x", unsigned(x[i]));
-    throw Error("compress: block " + std::to_string(bi) + (kv == 0 ? " K" : " V") + "[layer " + std::to_string(l) + ", head " +
-                std::to_string(h) + ", token " + std::to_string(t) + ", dim " + std::to_string(d) + "] is " +
-                ((x[i] & 0x3ff) ? "NaN" : "infinite") + " (f16 bits " + bits + "): kvtc codes finite caches only");
+    throw Error("compress: block " + std::to_string(bi) + (kv == 0 ? " K" : " V") + "[layer " + std::to_string(l) + ", head " + std::to_string(h) +
+                ", token " + std::to_string(t) + ", dim " + std::to_string(d) + "] is " + ((x[i] & 0x3ff) ? "NaN" : "infinite") + " (f16 bits " +
+                bits + "): kvtc codes finite caches only");
   }
 }
 

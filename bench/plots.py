@@ -13,6 +13,9 @@ tools write.
         quality JSONs (kvtc-lab eval, bench/quality_records.py) -> OUT_PNG:
         whole-cache ratio (log) against KL and each task's score, one line
         per method family, one row per JSON
+    python3 bench/plots.py entropy OUT_PNG LABEL=JSON ...
+        bench/entropy.py JSONs -> OUT_PNG: relative error against ratio on
+        coded tokens, DP + DEFLATE and the entropy-coded mode, per kind
 
 Each PNG is written to a temporary file beside it and renamed into place;
 the paths written are printed. A missing JSON file, or one without what a
@@ -495,12 +498,60 @@ def cmd_tradeoff(out_png, specs):
     return [save(fig_tradeoff(mpl, panels), out_dir or ".", name)]
 
 
+def fig_entropy(mpl, runs):
+    """runs: [(label, entropy JSON)]; one row per model, columns keys and
+    values: relative error (log) against the ratio on coded tokens (log),
+    DP + DEFLATE and each ecsq variant."""
+    Figure, ticker = mpl
+    fig = Figure(figsize=(7.2, 3.0 * len(runs) + 0.4), layout="constrained")
+    axes = fig.subplots(len(runs), 2, squeeze=False)
+    styles = {"dp": ("tab:blue", "o", "DP + DEFLATE (v1)"), "ecsq": ("tab:red", "s", "ecsq + rANS (v2)")}
+    extra = ["tab:orange", "tab:green", "tab:purple"]
+    for r, (label, res) in enumerate(runs):
+        pooled = need(res, "pooled", label)
+        variants = sorted({p["variant"] for p in pooled}, key=lambda v: (v not in ("dp", "ecsq"), v != "dp", v))
+        for kv, title in ((0, "keys"), (1, "values")):
+            ax = axes[r][kv]
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.grid(True, color="0.9")
+            for i, v in enumerate(variants):
+                color, marker, name = styles.get(v, (extra[i % len(extra)], "^", f"ecsq {v}"))
+                pts = sorted((number(p["ratio"][kv], f"{label}: ratio"), number(p["err"][kv], f"{label}: err")) for p in pooled if p["variant"] == v)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=4, lw=1.3, label=name)
+            ax.xaxis.set_major_locator(ticker.FixedLocator([8, 16, 32, 64, 128]))
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+            ax.set_title(f"{label}: {title}", fontsize=9)
+            ax.set_xlabel("ratio on coded tokens (log)", fontsize=8)
+            if kv == 0:
+                ax.set_ylabel("relative squared error (log)", fontsize=8)
+    axes[0][1].legend(fontsize=7, loc="lower right")
+    return fig
+
+
+def cmd_entropy(out_png, specs):
+    """specs: LABEL=JSON (bench/entropy.py), one row each."""
+    runs = []
+    for spec in specs:
+        if "=" not in spec:
+            raise PlotError(f"{spec}: expected LABEL=JSON")
+        label, path = spec.split("=", 1)
+        runs.append((label, load_json(path)))
+    out_dir, name = os.path.split(out_png)
+    check_name(name, out_png)
+    return [save(fig_entropy(import_matplotlib(), runs), out_dir or ".", name)]
+
+
 USAGE = """usage: plots.py analyze DIR                 figures of DIR/analyze.json, into DIR
        plots.py bits RATIO_JSON OUT_DIR      bits_per_component_{keys,values}.png from ratio.json
        plots.py tradeoff OUT_PNG LABEL=JSON@CONTEXT ...
                                              whole-cache ratio against KL and task scores, one line per
                                              method family, one row per quality JSON (eval or
-                                             quality_records.py) at that context"""
+                                             quality_records.py) at that context
+       plots.py entropy OUT_PNG LABEL=JSON ...
+                                             error against ratio, DP + DEFLATE and the entropy-coded
+                                             mode, keys and values, one row per bench/entropy.py JSON"""
 
 
 def main(argv):
@@ -516,6 +567,8 @@ def main(argv):
             cmd_bits(argv[1], argv[2])
         elif len(argv) >= 3 and argv[0] == "tradeoff":
             cmd_tradeoff(argv[1], argv[2:])
+        elif len(argv) >= 3 and argv[0] == "entropy":
+            cmd_entropy(argv[1], argv[2:])
         else:
             print(USAGE, file=sys.stderr)
             return 2

@@ -10,6 +10,7 @@ set(KVTC_CORE_SOURCES src/core/util.cpp src/core/safetensors.cpp src/core/state_
 set(KVTC_DECODER_SOURCES
   src/format/container.cpp
   src/format/chunk.cpp
+  src/format/ecsq.cpp
   src/format/plan.cpp
   src/codec/rope.cpp
   src/codec/quant.cpp

@@ -69,14 +69,16 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-redis URL         a shared tier below RAM and disk on one Redis, redis://[[user]:password@]host[:port][/db]:\n"
           "                         every replica with the same model, calibration and flags resumes any conversation\n"
           "--kvtc-redis-cluster L   ... or on a Redis Cluster: L = host:port,host:port,... (any of its masters)\n"
+          "--kvtc-ecsq              entropy-coded pieces (one step rate-controlled to --kvtc-ratio, rANS; docs/format.md version 2)\n"
+          "                         instead of the DP allocation with DEFLATE\n"
           "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n\n");
     }
     if (a.rfind("--kvtc-", 0) != 0) {
       argv[out++] = argv[i];
       continue;
     }
-    if (a == "--kvtc-raw") {  // the one flag without a value
-      p.raw = true;
+    if (a == "--kvtc-raw" || a == "--kvtc-ecsq") {  // the flags without a value
+      (a == "--kvtc-raw" ? p.raw : p.ecsq) = true;
       continue;
     }
     const size_t eq = a.find('=');
@@ -123,7 +125,7 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else {
         err = a +
               ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window, --kvtc-redis, "
-              "--kvtc-redis-cluster, --kvtc-raw)";
+              "--kvtc-redis-cluster, --kvtc-ecsq, --kvtc-raw)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -243,6 +245,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     kvtc::StoreOptions& o = I->opt;
     o.ratio = cfg.ratio;
     o.raw = cfg.raw;
+    o.entropy_coded = cfg.ecsq;
     o.ram_bytes = cache_ram_mib > 0 ? uint64_t(cache_ram_mib) << 20 : 0;
     o.disk_dir = cfg.disk;
     o.disk_bytes = uint64_t(cfg.disk_mib) << 20;
@@ -274,6 +277,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     (void)kvtc::capture_from_state(blob, geom, "the server's cache (kvtc codes f16 caches: --cache-type-k/v f16)");
     const kvtc::StoreStats s = I->store->stats();
     if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
+    if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");
     SRV_INF("kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %d MiB; disk tier %s%s\n", o.ratio,
             cfg.calib.c_str(), cal.id.c_str(), I->store->fingerprint().c_str(), cache_ram_mib,
             cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),

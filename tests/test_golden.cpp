@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 #include "format/container.h"
@@ -115,8 +116,7 @@ TEST(Golden, V1MustFail) {
   Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
   const std::pair<const char*, const char*> cases[] = {{"fail_truncated.kvtc", "truncated"},
                                                        {"fail_bitflip.kvtc", "checksum"},
-                                                       {"fail_wrong_calibration.kvtc", "wrong calibration"},
-                                                       {"fail_version.kvtc", "version 2"}};
+                                                       {"fail_wrong_calibration.kvtc", "wrong calibration"}};
   for (const auto& [file, needle] : cases) {
     try {
       decompress(read_file(kDir + "/" + file), cal, file);
@@ -125,6 +125,10 @@ TEST(Golden, V1MustFail) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << file << ": " << e.what();
     }
   }
+  // fail_version.kvtc is ok.kvtc labelled version 2: it failed while
+  // readers knew version 1 only; version 2 is a superset, so it decodes.
+  EXPECT_EQ(decompress(read_file(kDir + "/fail_version.kvtc"), cal, "fail_version.kvtc").blocks[0].k,
+            decompress(read_file(kDir + "/ok.kvtc"), cal, "ok.kvtc").blocks[0].k);
 }
 
 // Appending in groups of 16 leaves every earlier byte alone and decodes to
@@ -173,4 +177,136 @@ TEST(Append, KeepsThePrefixAndMatchesOneShot) {
   KvCapture moved = fuzz::small_capture(128);
   moved.blocks[0].pos[5] = 999;
   EXPECT_THROW(append(bytes, moved, cal, "moved"), Error);  // positions differ
+}
+
+// ---- version 2: entropy-coded chunks (docs/format.md) --------------------
+// The v1 capture and calibration, coded with ecsq at 2x (rate control; at 16-token chunks the section headers take a fifth of that):
+// tests/golden/v2. Regenerate (only when version 2 changes, which it must
+// not once released): KVTC_REGENERATE_GOLDEN_V2=1 build/tests/kvtc_tests_golden
+namespace {
+
+const std::string kDir2 = KVTC_GOLDEN_V2_DIR;
+
+CompressOptions v2_options(int threads = 0) {
+  CompressOptions o;
+  o.sink = 2;
+  o.window = 8;
+  o.chunk_tokens = 16;
+  o.threads = threads;
+  o.precision = Precision::kF32;
+  return o;
+}
+
+void regenerate_v2() {
+  const KvCapture c = capture_load(kDir + "/original.safetensors");
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
+  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), v2_options());
+  fs::create_directories(kDir2);
+  write_file_atomic(kDir2 + "/ok.kvtc", good);
+  write_file_atomic(kDir2 + "/fail_truncated.kvtc", std::vector<uint8_t>(good.begin(), good.end() - 5));
+  std::vector<uint8_t> v = good;
+  v[4] = 3;
+  write_file_atomic(kDir2 + "/fail_version.kvtc", v);
+  v[4] = 1;
+  write_file_atomic(kDir2 + "/fail_ecsq_in_v1.kvtc", v);
+}
+
+}  // namespace
+
+TEST(GoldenV2, Decodes) {
+  if (std::getenv("KVTC_REGENERATE_GOLDEN_V2")) regenerate_v2();
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
+  const std::vector<uint8_t> bytes = read_file(kDir2 + "/ok.kvtc");
+  EXPECT_EQ(inspect(bytes, "ok.kvtc").header.version, 2u);
+  const KvCapture c = decompress(bytes, cal, "ok.kvtc");
+  const KvCapture ref = capture_load(kDir + "/original.safetensors");
+  ASSERT_EQ(c.blocks[0].n_tokens(), 64u);
+  EXPECT_EQ(c.tokens, ref.tokens);
+  EXPECT_EQ(c.blocks[0].pos, ref.blocks[0].pos);
+  // Gaussian noise at ~5 bits per feature: under 1%.
+  const ReconError e = reconstruction_error(ref, c, 2, 8);
+  EXPECT_LT(e.k, 0.01);
+  EXPECT_LT(e.v, 0.01);
+  EXPECT_GT(e.k, 0.0);
+}
+
+TEST(GoldenV2, ReencodeIsByteIdentical) {
+  const KvCapture c = capture_load(kDir + "/original.safetensors");
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
+  const std::vector<uint8_t> golden = read_file(kDir2 + "/ok.kvtc");
+  for (int threads : {1, 2, 3}) {
+    const std::vector<uint8_t> now = compress(c, cal, ecsq_allocation_set(cal, 2), v2_options(threads));
+    const container::Parsed g = container::parse(golden, "ok.kvtc"), n = container::parse(now, "re-encoded");
+    EXPECT_EQ(g.header_json, n.header_json);
+    ASSERT_EQ(n.sections.size(), g.sections.size());
+    for (size_t i = 0; i < g.sections.size(); ++i)
+      EXPECT_EQ(container::payload(g.sections[i], "golden"), container::payload(n.sections[i], "now")) << "section " << i << ", threads " << threads;
+  }
+}
+
+TEST(GoldenV2, MustFail) {
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
+  const std::pair<const char*, const char*> cases[] = {
+      {"fail_truncated.kvtc", "truncated"}, {"fail_version.kvtc", "versions 1 to 2"}, {"fail_ecsq_in_v1.kvtc", "need version 2"}};
+  for (const auto& [file, needle] : cases) {
+    try {
+      decompress(read_file(kDir2 + "/" + file), cal, file);
+      ADD_FAILURE() << file << " decoded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << file << ": " << e.what();
+    }
+  }
+}
+
+// Appending to an entropy-coded container keeps each kind's step (the new
+// chunks carry the old one) and decodes as close as the first part.
+TEST(AppendV2, KeepsTheStep) {
+  const KvCapture full = fuzz::small_capture(112);
+  const Calibration cal = fuzz::small_calibration();
+  CompressOptions o = v2_options();
+  o.chunk_tokens = 32;
+  auto prefix_of = [&](uint32_t n) {
+    KvCapture c = full;
+    KvBlock& b = c.blocks[0];
+    KvBlock nb = b;
+    nb.pos.resize(n);
+    nb.k.assign(nb.numel(), 0);
+    nb.v.assign(nb.numel(), 0);
+    for (uint32_t l = 0; l < b.n_layer(); ++l)
+      for (uint32_t t = 0; t < n; ++t)
+        for (uint32_t d = 0; d < b.head_dim; ++d) {
+          nb.k[nb.index(l, 0, t, d)] = b.k[b.index(l, 0, t, d)];
+          nb.v[nb.index(l, 0, t, d)] = b.v[b.index(l, 0, t, d)];
+        }
+    c.blocks[0] = nb;
+    c.tokens.resize(n);
+    return c;
+  };
+  const std::vector<uint8_t> bytes = compress(prefix_of(64), cal, ecsq_allocation_set(cal, 2), o);
+  auto steps = [](const std::vector<uint8_t>& b) {
+    std::vector<std::pair<uint32_t, float>> out;  // (kv, step) per chunk
+    for (const auto& s : container::parse(b, "c").sections)
+      if (s.kind == container::kChunk) {
+        const std::vector<uint8_t> pl = container::payload(s, "c");
+        float st;
+        std::memcpy(&st, pl.data(), 4);
+        out.push_back({s.kv, st});
+      }
+    return out;
+  };
+  const auto before = steps(bytes);
+  ASSERT_FALSE(before.empty());
+  const AppendResult r = append(bytes, prefix_of(112), cal, "grow");
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + r.kept_bytes, r.bytes.begin())) << "append rewrote earlier bytes";
+  const auto after = steps(r.bytes);
+  EXPECT_GT(after.size(), before.size());
+  for (const auto& [kv, st] : after)
+    for (const auto& [kv0, st0] : before)
+      if (kv == kv0) {
+        EXPECT_EQ(st, st0) << "kind " << kv;
+      }
+  const ReconError e0 = reconstruction_error(prefix_of(64), decompress(bytes, cal, "first"), 2, 8);
+  const ReconError e1 = reconstruction_error(prefix_of(112), decompress(r.bytes, cal, "appended"), 2, 8);
+  EXPECT_LT(e1.k, 2 * e0.k);
+  EXPECT_LT(e1.v, 2 * e0.v);
 }

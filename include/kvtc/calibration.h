@@ -32,9 +32,15 @@ namespace kvtc {
 //   kInt2  2 bits/component + f16 minimum + f16 step (min-max affine)
 //   kInt4  4 bits/component + f16 minimum + f16 step
 //   kFp8   8 bits/component (E4M3, saturating) + f16 scale = absmax / 448
-enum class QType : uint8_t { kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3 };
-constexpr int kNumQTypes = 4;
-const char* qtype_name(QType t);  // "none", "int2", "int4", "fp8"
+//   kEcsq  entropy-coded (container version 2): one uniform step for all
+//          components of a chunk, codes rANS-coded per component with static
+//          tables (docs/format.md "Entropy-coded chunks"); the only block of
+//          its allocation, its size the components the encoder projects on.
+//          Not a DP type: ecsq_allocation_set makes it, the rate control of
+//          compress picks the step.
+enum class QType : uint8_t { kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3, kEcsq = 4 };
+constexpr int kNumQTypes = 4;  // the fixed-rate types the DP chooses among (kNone..kFp8)
+const char* qtype_name(QType t);  // "none", "int2", "int4", "fp8", "ecsq"
 
 struct BlockAlloc {
   uint32_t start = 0;  // first component
@@ -111,6 +117,14 @@ std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const T
 // joint shares one budget between K and V. Needs a calibration loaded
 // without decoder_only.
 AllocationSet allocation_set(const Calibration& cal, double ratio, bool joint = false);
+// The entropy-coded mode at a target ratio (f16 bytes of the coded tokens /
+// their chunk sections, for keys and for values): one kEcsq block per
+// (block, kind) over all r components; compress then searches the
+// quantizer step that meets the ratio on the cache itself, keeps the
+// components that matter at that step (CompressOptions::ecsq_min_sd) and
+// trims the block to the last one with a nonzero code. Works with a
+// calibration loaded decoder_only too (it needs only the spectrum).
+AllocationSet ecsq_allocation_set(const Calibration& cal, double ratio);
 
 // What the codec stores for x[0..n) coded as one allocation block of type
 // t (docs/format.md "Dequantization"): out[i] is x[i]'s reconstruction

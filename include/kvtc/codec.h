@@ -23,7 +23,10 @@
 
 namespace kvtc {
 
-constexpr uint32_t kContainerVersion = 1;
+// The newest container version this library writes and reads. Version 2
+// adds entropy-coded chunks (QType::kEcsq); a container without them is
+// still written as version 1, byte for byte what earlier releases wrote.
+constexpr uint32_t kContainerVersion = 2;
 
 // Arithmetic of the projection on the PCA basis (the codec's GEMM, ~90% of
 // its CPU time). kBF16 rounds the GEMM's inputs (centred features or
@@ -66,6 +69,17 @@ struct CompressOptions {
   // The codes depend on it (bf16 rounds the projection's input).
   Precision precision = Precision::kAuto;
   CodecStats* stats = nullptr;  // optional, not owned
+  // Entropy-coded allocations only (QType::kEcsq, ecsq_allocation_set;
+  // the decoder needs neither): a fixed quantizer step in feature units
+  // instead of rate control's search for the allocation's nominal ratio
+  // (0: search), and the quantizer's rounding, q = sign(d) floor(|d| /
+  // step + rounding) (0.5: nearest; less widens the zero bin).
+  // Components whose calibration standard deviation is under ecsq_min_sd x
+  // step are dropped: mostly zeros, they cost little in bytes but their
+  // basis rows cost the projection as much as any (0: keep every one).
+  double ecsq_step = 0;
+  double ecsq_rounding = 0.5;
+  double ecsq_min_sd = 0.5;
 };
 
 struct DecompressOptions {

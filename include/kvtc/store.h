@@ -41,6 +41,10 @@ namespace kvtc {
 struct StoreOptions {
   double ratio = 16;            // nominal ratio of the coded tokens
   bool raw = false;             // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
+  // Pieces in the entropy-coded mode (container version 2,
+  // ecsq_allocation_set: one step rate-controlled to `ratio` per piece,
+  // rANS) instead of the DP allocation with DEFLATE (version 1).
+  bool entropy_coded = false;
   uint32_t chunk_tokens = 256;  // tokens per shared chunk (multiple of 16)
   uint32_t sink = 4;            // raw tokens at the start (in the first chunk)
   uint32_t window = 128;        // raw tokens at the end (in the tail)

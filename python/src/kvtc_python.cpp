@@ -266,6 +266,13 @@ kvtc::CompressOptions compress_options(uint32_t sink, uint32_t window, uint32_t 
   return o;
 }
 
+// step: the entropy-coded mode's fixed quantizer step (0: rate control).
+double ecsq_step(const std::string& coding, double step) {
+  if (!(step >= 0 && std::isfinite(step))) throw Error("step " + std::to_string(step) + ": expected 0 (rate control) or a positive step");
+  if (step > 0 && coding != "ecsq") throw Error("step applies to coding='ecsq' only");
+  return step;
+}
+
 kvtc::DecompressOptions decompress_options(int threads, const std::string& precision) {
   kvtc::DecompressOptions o;
   o.threads = threads;
@@ -308,21 +315,27 @@ class PyCalibration {
 
   // The allocation for a ratio, computed once (the DP takes up to seconds
   // for a ratio without a stored table).
-  std::shared_ptr<const kvtc::AllocationSet> alloc(double ratio, bool joint) const {
-    if (decoder_only_) throw Error(path_ + ": loaded with decoder_only=True, which has no allocation tables; load it in full to compress");
+  // coding "ecsq": the entropy-coded mode (needs only the spectrum, so a
+  // decoder_only calibration compresses too).
+  std::shared_ptr<const kvtc::AllocationSet> alloc(double ratio, bool joint, const std::string& coding) const {
+    if (coding != "dp" && coding != "ecsq") throw Error("coding '" + coding + "': expected 'dp' or 'ecsq'");
+    const bool ecsq = coding == "ecsq";
+    if (ecsq && joint) throw Error("joint=True applies to the DP allocation (coding='dp') only");
+    if (decoder_only_ && !ecsq)
+      throw Error(path_ + ": loaded with decoder_only=True, which has no allocation tables; load it in full to compress");
     if (!(ratio >= 1 && ratio <= 4096)) throw Error("ratio " + std::to_string(ratio) + ": expected a nominal ratio in [1, 4096]");
     std::lock_guard<std::mutex> lock(allocs_->mu);
-    auto key = std::make_pair(ratio, joint);
+    auto key = std::make_tuple(ratio, joint, ecsq);
     auto it = allocs_->sets.find(key);
     if (it != allocs_->sets.end()) return it->second;
-    auto a = std::make_shared<const kvtc::AllocationSet>(kvtc::allocation_set(*cal_, ratio, joint));
+    auto a = std::make_shared<const kvtc::AllocationSet>(ecsq ? kvtc::ecsq_allocation_set(*cal_, ratio) : kvtc::allocation_set(*cal_, ratio, joint));
     allocs_->sets.emplace(key, a);
     return a;
   }
 
   nb::bytes compress(nb::handle k, nb::handle v, nb::handle positions, double ratio, uint32_t sink, uint32_t window, nb::handle tokens,
                      uint32_t chunk_tokens, int level, int threads, const std::string& precision, bool joint,
-                     const std::map<std::string, std::string>& meta) const {
+                     const std::map<std::string, std::string>& meta, const std::string& coding, double step) const {
     const kvtc::CacheGeometry& g = cal_->geometry;
     const size_t nb_ = g.blocks.size();
     const auto ks = per_block(k, nb_, "k"), vs = per_block(v, nb_, "v"), ps = per_block(positions, nb_, "positions");
@@ -358,8 +371,9 @@ class PyCalibration {
       c.blocks.push_back(std::move(kb));
     }
     if (!tokens.is_none()) c.tokens = int_vector(tokens, "tokens");
-    const auto alloc_set = alloc(ratio, joint);
-    const kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    const auto alloc_set = alloc(ratio, joint, coding);
+    kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    o.ecsq_step = ecsq_step(coding, step);
     std::vector<uint8_t> out;
     {
       nb::gil_scoped_release unlocked;
@@ -393,12 +407,13 @@ class PyCalibration {
   }
 
   nb::bytes compress_state(nb::handle blob, double ratio, uint32_t sink, uint32_t window, nb::handle tokens, uint32_t chunk_tokens, int level,
-                           int threads, const std::string& precision, bool joint) const {
+                           int threads, const std::string& precision, bool joint, const std::string& coding, double step) const {
     const Bytes in(blob, "compress_state");
     std::vector<int32_t> tok;
     if (!tokens.is_none()) tok = int_vector(tokens, "tokens");
-    const auto alloc_set = alloc(ratio, joint);
-    const kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    const auto alloc_set = alloc(ratio, joint, coding);
+    kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    o.ecsq_step = ecsq_step(coding, step);
     std::vector<uint8_t> out;
     {
       nb::gil_scoped_release unlocked;
@@ -458,7 +473,7 @@ class PyCalibration {
  private:
   struct Allocs {
     std::mutex mu;
-    std::map<std::pair<double, bool>, std::shared_ptr<const kvtc::AllocationSet>> sets;
+    std::map<std::tuple<double, bool, bool>, std::shared_ptr<const kvtc::AllocationSet>> sets;
   };
   std::shared_ptr<const kvtc::Calibration> cal_;
   std::shared_ptr<Allocs> allocs_;
@@ -525,12 +540,13 @@ class PyStore {
  public:
   PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
           const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
-          const std::string& precision)
+          const std::string& precision, bool entropy_coded)
       : cal_(cal), log_(std::make_shared<Log>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
     kvtc::StoreOptions o;
     o.ratio = ratio;
     o.raw = raw;
+    o.entropy_coded = entropy_coded;
     o.chunk_tokens = chunk_tokens;
     o.sink = sink;
     o.window = window;
@@ -694,10 +710,10 @@ NB_MODULE(_kvtc, m) {
       .def("info", &PyCalibration::info, "Geometry (layers, KV heads, head_dim, RoPE) per block, components kept, stored ratios, provenance.")
       .def("compress", &PyCalibration::compress, "k"_a, "v"_a, "positions"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
-           "meta"_a = std::map<std::string, std::string>(),
+           "meta"_a = std::map<std::string, std::string>(), "coding"_a = "dp", "step"_a = 0.0,
            nb::sig("def compress(self, k: object, v: object, positions: object, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False, meta: dict[str, str] = {}) -> bytes"),
+                   "joint: bool = False, meta: dict[str, str] = {}, coding: str = 'dp', step: float = 0.0) -> bytes"),
            "Compresses a KV cache into a .kvtc container (docs/format.md) and returns its bytes.\n\n"
            "k, v: float16 or float32 arrays [layers, kv_heads, tokens, head_dim] (numpy, or anything with __dlpack__ on the CPU,\n"
            "such as a torch tensor; any strides), keys as the model stores them (RoPE applied); a list of two per array for\n"
@@ -705,6 +721,8 @@ NB_MODULE(_kvtc, m) {
            "ratio: nominal compression of the coded tokens; the first `sink` and last `window` tokens stay f16.\n"
            "tokens: optional token ids [tokens], stored with the cache. meta: provenance strings stored in the header.\n"
            "threads: 0 = all hardware threads. precision: 'auto', 'f32' or 'bf16' (the projection's arithmetic).\n"
+           "coding: 'dp' (the paper's DP allocation + DEFLATE, container version 1) or 'ecsq' (one quantizer step for every\n"
+           "component, rANS, rate-controlled to `ratio` on the coded tokens; version 2); step > 0 fixes ecsq's step instead.\n"
            "Raises kvtc.Error on a shape, dtype or calibration mismatch and on NaN/inf values. Releases the GIL while coding.")
       .def("decompress", &PyCalibration::decompress, "data"_a, nb::kw_only(), "dtype"_a = "float16", "return_tokens"_a = false, "threads"_a = 0,
            "precision"_a = "auto",
@@ -715,11 +733,13 @@ NB_MODULE(_kvtc, m) {
            "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")
       .def("compress_state", &PyCalibration::compress_state, "blob"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
+           "coding"_a = "dp", "step"_a = 0.0,
            nb::sig("def compress_state(self, blob: bytes | bytearray | memoryview, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False) -> bytes"),
+                   "joint: bool = False, coding: str = 'dp', step: float = 0.0) -> bytes"),
            "Compresses a llama.cpp state of an f16 cache: a sequence state (llama_state_seq_get_data) or a whole context's\n"
-           "(llama_state_get_data, llama-cpp-python's LlamaState.llama_state). The container records which, and the layout.")
+           "(llama_state_get_data, llama-cpp-python's LlamaState.llama_state). The container records which, and the layout.\n"
+           "coding and step as in compress.")
       .def("decompress_state", &PyCalibration::decompress_state, "data"_a, nb::kw_only(), "v_trans"_a = nb::none(), "streams"_a = nb::none(),
            "seq_id"_a = nb::none(), "threads"_a = 0, "precision"_a = "auto",
            nb::sig("def decompress_state(self, data: bytes | bytearray | memoryview, *, v_trans: int | None = None, "
@@ -773,12 +793,13 @@ NB_MODULE(_kvtc, m) {
                       "Compressed prompt caches in RAM, on disk and in Redis, keyed by token chunks (docs/store.md): what\n"
                       "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
       .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
-                    const std::string&, const std::string&>(),
+                    const std::string&, const std::string&, bool>(),
            "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
            "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
-           "redis_url"_a = "", "precision"_a = "auto",
+           "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = false,
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
-           "raw=True keeps f16 pieces (no coding): the exact baseline.")
+           "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded=True: pieces in the entropy-coded mode\n"
+           "(container version 2) instead of the DP allocation with DEFLATE.")
       .def("wants", &PyStore::wants, "tokens"_a, "Whether storing `tokens` would add anything.")
       .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a,
            "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.")

@@ -70,6 +70,33 @@ def test_bytes_equal_the_cli_container(cal, cap, smol_capture, smol_calibration,
     assert info["ratio_whole_cache"] > 1.5 and info["blocks"][0]["nominal_ratio_k"] == 16
 
 
+def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
+    """coding='ecsq' writes what `kvtc compress --coding ecsq` writes
+    (container version 2) and decodes to what `kvtc decompress` does."""
+    k, v, pos, tokens, meta = cap
+    out = str(work / "cli-ecsq.kvtc")
+    run("compress", smol_capture, "--calib", smol_calibration, "-r", "18", "--coding", "ecsq", "-o", out)
+    with open(out, "rb") as f:
+        cli = f.read()
+    data = cal.compress(k, v, pos, ratio=18, tokens=tokens, meta=meta, coding="ecsq")
+    assert data == cli
+    assert kvtc.inspect(data)["version"] == 2
+    dec = str(work / "cli-ecsq.safetensors")
+    run("decompress", out, "--calib", smol_calibration, "-o", dec)
+    k_cli, v_cli, _, _, _ = read_capture(dec)
+    k2, v2, _ = cal.decompress(data)
+    np.testing.assert_array_equal(k2, k_cli)
+    np.testing.assert_array_equal(v2, v_cli)
+    # A fixed step instead of rate control; options that need ecsq refused.
+    assert len(cal.compress(k, v, pos, coding="ecsq", step=0.02)) > len(cal.compress(k, v, pos, coding="ecsq", step=0.2))
+    with pytest.raises(kvtc.Error, match="coding='ecsq' only"):
+        cal.compress(k, v, pos, step=0.1)
+    with pytest.raises(kvtc.Error, match="expected 'dp' or 'ecsq'"):
+        cal.compress(k, v, pos, coding="huffman")
+    with pytest.raises(kvtc.Error, match="joint=True"):
+        cal.compress(k, v, pos, coding="ecsq", joint=True)
+
+
 def test_clean_errors(cal, cap, smol_calibration):
     k, v, pos, tokens, _ = cap
     data = cal.compress(k, v, pos)

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -12,6 +13,7 @@
 #include "core/parallel.h"
 #include "format/chunk.h"
 #include "format/container.h"
+#include "format/ecsq.h"
 #include "format/plan.h"
 #include "kvtc/codec.h"
 
@@ -55,40 +57,256 @@ std::vector<uint8_t> encode_chunk(const KvBlock& kb, int kv, const detail::Proje
   return pack_chunk(d.data(), n, ru, A.blocks);
 }
 
-// The sections of plan_sections(c, opt, n0, c0), each made independently
-// (in parallel), then appended in plan order, so the bytes do not depend
-// on the thread count.
+// ---- the entropy-coded mode's rate control (docs/format.md, version 2)
+
+// Bits per sample of round(N(0, s^2)), s in quantizer steps, interpolated in
+// log2(s) from a table made once (the spectrum's rate model).
+double gauss_round_bits(double s) {
+  constexpr int kLo = -12 * 16, kHi = 8 * 16;  // s = 2^-12 .. 2^8 in 1/16 octaves
+  static const std::vector<double> tab = [] {
+    std::vector<double> t;
+    for (int i = kLo; i <= kHi; ++i) {
+      const double sd = std::exp2(i / 16.0);
+      double h = 0;
+      const int K = int(std::ceil(sd * 9)) + 2;
+      for (int k = -K; k <= K; ++k) {
+        const double p = 0.5 * (std::erf((k + 0.5) / (sd * M_SQRT2)) - std::erf((k - 0.5) / (sd * M_SQRT2)));
+        if (p > 0) h -= p * std::log2(p);
+      }
+      t.push_back(h);
+    }
+    return t;
+  }();
+  if (s <= 0) return 0;
+  const double x = std::log2(s) * 16 - kLo;
+  if (x <= 0) return tab.front() * (s / std::exp2(kLo / 16.0));
+  if (x >= kHi - kLo) return tab.back() + std::log2(s) - kHi / 16.0;
+  const size_t i = size_t(x);
+  return tab[i] + (x - double(i)) * (tab[i + 1] - tab[i]);
+}
+
+// The step at which a Gaussian model of the spectrum spends `bits` per token.
+double model_step(const std::vector<float>& var, double bits) {
+  auto rate = [&](double step) {
+    double r = 0;
+    for (float v : var) r += gauss_round_bits(std::sqrt(std::max(0.0, double(v))) / step);
+    return r;
+  };
+  double sd = 0;
+  for (float v : var) sd = std::max(sd, std::sqrt(std::max(0.0, double(v))));
+  double lo = std::log2(std::max(sd, 1e-30)) - 40, hi = std::log2(std::max(sd, 1e-30)) + 4;
+  for (int it = 0; it < 50; ++it) {
+    const double mid = 0.5 * (lo + hi);
+    (rate(std::exp2(mid)) > bits ? lo : hi) = mid;
+  }
+  return std::exp2(hi);
+}
+
+// Coefficients of the entropy-coded chunks, projected once before the
+// header is written (rate control and the trimmed r_used need them), and
+// the step of every entropy-coded (block, kind).
+struct EcsqPrep {
+  AllocationSet alloc;                                      // final: ecsq blocks trimmed to their last nonzero component
+  std::vector<std::vector<float>> coeffs;                   // per plan index: [n][ld] (entropy-coded chunks only)
+  std::vector<std::array<uint32_t, 2>> ld;                  // projected components per (block, kind)
+  std::vector<std::array<container::EcsqParams, 2>> param;  // per (block, kind)
+};
+
+// `steps` (append): per (block, kind) the container's step, 0 where none;
+// trim: shrink r_used to the last component with a nonzero code (a new
+// container; append keeps the header's).
+EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt,
+                      const std::vector<SectionPlan>& plan, const std::vector<std::array<float, 2>>& steps, bool trim, Precision prec,
+                      detail::StageClock* ck) {
+  EcsqPrep E;
+  E.alloc = alloc;
+  E.coeffs.resize(plan.size());
+  E.ld.assign(c.blocks.size(), {0, 0});
+  E.param.resize(c.blocks.size());
+  std::vector<size_t> jobs;
+  for (size_t i = 0; i < plan.size(); ++i)
+    if (plan[i].kind == kChunk && is_ecsq(alloc[plan[i].block][plan[i].kv].blocks)) jobs.push_back(i);
+  bool any = false;
+  for (size_t b = 0; b < c.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv)
+      if (is_ecsq(alloc[b][kv].blocks)) {
+        any = true;
+        E.param[b][kv].rounding = float(opt.ecsq_rounding);
+      }
+  if (!any) return E;
+  require(opt.ecsq_rounding >= 0 && opt.ecsq_rounding <= 0.5, "compress: ecsq_rounding must be in [0, 0.5]");
+  require(opt.ecsq_step >= 0 && std::isfinite(opt.ecsq_step), "compress: ecsq_step must be 0 (rate control) or a positive step");
+  require(opt.ecsq_min_sd >= 0 && std::isfinite(opt.ecsq_min_sd), "compress: ecsq_min_sd must be >= 0");
+  // Components kept at a step: those whose calibration standard deviation
+  // is at least ecsq_min_sd x step (the spectrum falls, so a prefix).
+  auto kept = [&](const Transform& t, double step, uint32_t cap) {
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < std::min(cap, t.r); ++j)
+      if (std::sqrt(std::max(0.0, double(t.variance[j]))) >= opt.ecsq_min_sd * step) n = j + 1;
+    return std::max(n, 1u);
+  };
+  for (size_t b = 0; b < c.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) {
+      if (!is_ecsq(alloc[b][kv].blocks)) continue;
+      const Transform& t = cal.blocks[b][kv];
+      const uint32_t cap = alloc[b][kv].blocks[0].size;
+      const float fixed = b < steps.size() && steps[b][kv] > 0 ? steps[b][kv] : float(opt.ecsq_step);
+      // Projected components: with rate control, those kept at half the
+      // step the spectrum's Gaussian model predicts (the cache may need a
+      // finer step than the calibration's held-out tokens).
+      E.ld[b][kv] = !trim ? cap
+                    : fixed > 0 ? kept(t, fixed, cap)
+                                : kept(t, 0.5 * model_step(t.variance, std::floor(double(t.p) * 16 / alloc[b][kv].nominal_ratio)), cap);
+    }
+  std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
+  for (size_t b = 0; b < c.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv)
+      if (E.ld[b][kv]) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], E.ld[b][kv], prec);
+  const int threads = detail::resolve_threads(opt.threads, jobs.size());
+  detail::parallel_for(jobs.size(), threads, [&](size_t k) {
+    const SectionPlan& s = plan[jobs[k]];
+    const KvBlock& kb = c.blocks[s.block];
+    const uint32_t n = s.t1 - s.t0, ld = E.ld[s.block][s.kv];
+    std::vector<float> feat(size_t(n) * kb.features());
+    std::vector<float>& d = E.coeffs[jobs[k]];
+    d.resize(size_t(n) * ld);
+    {
+      detail::StageTimer st(ck, detail::kGather);
+      gather_features(kb, KvKind(s.kv), s.kv == 0 && cal.keys_derope ? &kb.rope : nullptr, s.t0, s.t1, feat.data());
+    }
+    proj[s.block][s.kv]->encode(feat.data(), n, d.data(), ck);
+  });
+  detail::StageTimer st(ck, detail::kQuant);
+  for (size_t b = 0; b < c.blocks.size(); ++b)
+    for (uint32_t kv = 0; kv < 2; ++kv) {
+      const uint32_t ld = E.ld[b][kv];
+      if (!ld) continue;
+      std::vector<size_t> mine;
+      for (size_t i : jobs)
+        if (plan[i].block == b && plan[i].kv == kv) mine.push_back(i);
+      container::EcsqParams& p = E.param[b][kv];
+      const Transform& tr = cal.blocks[b][kv];
+      // Payload bytes of every chunk at a step (on the components kept at
+      // it), and the last nonzero component.
+      // stride > 1: from every stride-th token only, scaled (the search's
+      // first steps; ~1% off, which the last full steps correct).
+      auto measure = [&](float step, uint32_t* last, uint32_t stride = 1) {
+        container::EcsqParams q = p;
+        q.step = step;
+        const uint32_t ru = trim ? kept(tr, step, ld) : ld;
+        std::vector<double> bytes(mine.size());
+        std::vector<uint32_t> lasts(mine.size(), 0);
+        detail::parallel_for(mine.size(), detail::resolve_threads(opt.threads, mine.size()), [&](size_t k) {
+          const SectionPlan& s = plan[mine[k]];
+          const uint32_t n = s.t1 - s.t0, m = std::max(1u, n / stride);
+          const double fixed = double(container::ecsq_fixed_bytes(ru));
+          const double est = container::ecsq_estimate_bytes(E.coeffs[mine[k]].data(), m, ld * (m < n ? stride : 1), ru, q, &lasts[k]);
+          bytes[k] = fixed + (est - fixed) * double(n) / double(m);
+        });
+        if (last) *last = lasts.empty() ? 0 : *std::max_element(lasts.begin(), lasts.end());
+        double sum = 0;
+        for (double x : bytes) sum += x;
+        return sum;
+      };
+      if (b < steps.size() && steps[b][kv] > 0) {
+        p.step = steps[b][kv];
+      } else if (opt.ecsq_step > 0) {
+        p.step = float(opt.ecsq_step);
+      } else if (!mine.empty()) {
+        // Rate control: the step whose payloads meet the ratio's bytes (f16
+        // bytes of the coded tokens / ratio, less the section headers),
+        // by bisection in log2(step); bytes fall as the step grows.
+        const double ratio = alloc[b][kv].nominal_ratio;
+        require(ratio >= 1, "compress: an entropy-coded allocation needs a nominal ratio >= 1 (ecsq_allocation_set) or ecsq_step");
+        double target = 0, sq = 0;
+        uint64_t cnt = 0;
+        for (size_t i : mine) {
+          const uint32_t n = plan[i].t1 - plan[i].t0;
+          target += double(n) * c.blocks[b].features() * 2 / ratio - double(kSectionHeaderBytes);
+          for (float x : E.coeffs[i]) sq += double(x) * x;
+          cnt += E.coeffs[i].size();
+        }
+        // Bisection in log2(step) on every 4th token from a bracket around
+        // the spectrum model's step (widened until it brackets), then
+        // secant steps on all tokens: ~14 estimates in all, the payloads
+        // within ~0.5% of the target (measured: bench/results/entropy.md).
+        const double rms = std::sqrt(sq / double(std::max<uint64_t>(cnt, 1)));
+        const double guess = model_step(tr.variance, std::floor(double(tr.p) * 16 / ratio));
+        double lo = std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20)) - 2, hi = lo + 4;
+        for (int it = 0; it < 20 && measure(float(std::exp2(lo)), nullptr, 4) <= target; ++it) lo -= 2;
+        for (int it = 0; it < 20 && measure(float(std::exp2(hi)), nullptr, 4) > target; ++it) hi += 2;
+        for (int it = 0; it < 10; ++it) {
+          const double mid = 0.5 * (lo + hi);
+          (measure(float(std::exp2(mid)), nullptr, 4) > target ? lo : hi) = mid;
+        }
+        // Secant on log bytes against log2 step, all tokens.
+        double x0 = lo, f0 = std::log(measure(float(std::exp2(x0)), nullptr)), x1 = hi, f1 = std::log(measure(float(std::exp2(x1)), nullptr));
+        const double lt = std::log(std::max(target, 1.0));
+        for (int it = 0; it < 3 && f1 != f0 && std::fabs(f1 - lt) > 0.002; ++it) {
+          const double x2 = x1 + (lt - f1) * (x1 - x0) / (f1 - f0);
+          x0 = x1, f0 = f1;
+          x1 = std::clamp(x2, lo - 1, hi + 1);
+          f1 = std::log(measure(float(std::exp2(x1)), nullptr));
+        }
+        // Never over the target where the search can tell: the coarser end.
+        p.step = float(std::exp2(f1 <= lt + 0.002 ? x1 : std::max(x1, hi)));
+      } else {
+        p.step = 1;  // no coded tokens: nothing uses it
+      }
+      if (trim) {
+        uint32_t last = 0;
+        if (!mine.empty()) measure(p.step, &last);
+        E.alloc[b][kv].blocks = {{0, std::max(last, 1u), QType::kEcsq}};
+      }
+    }
+  return E;
+}
+
+// The sections of `plan` (plan_sections(c, opt, n0, c0)), each made
+// independently (in parallel), then appended in plan order, so the bytes do
+// not depend on the thread count. Entropy-coded chunks come from `ecsq`'s
+// coefficients.
 void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt,
-                uint32_t n0, uint32_t c0) {
-  const auto t_start = std::chrono::steady_clock::now();
-  detail::StageClock clk;
-  detail::StageClock* ck = opt.stats ? &clk : nullptr;
+                const std::vector<SectionPlan>& plan, const EcsqPrep& ecsq, detail::StageClock* ck, Precision prec,
+                std::chrono::steady_clock::time_point t_start) {
+  detail::StageClock& clk = *ck;
+  if (!opt.stats) ck = nullptr;
   // Keys are de-RoPEd unless the calibration was fitted on them as stored
   // (the no-RoPE-removal ablation); the basis is rounded once per call for
   // bf16 (~5 ms per transform).
-  const Precision prec = detail::resolve_precision(opt.precision, "compress");
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
-    for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec);
-  const std::vector<SectionPlan> plan = plan_sections(c, opt, n0, c0);
+    for (int kv = 0; kv < 2; ++kv)
+      if (!is_ecsq(alloc[b][kv].blocks)) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec);
   std::vector<std::vector<uint8_t>> made(plan.size());
   const int threads = detail::resolve_threads(opt.threads, plan.size());
+  bool any_ecsq = false, any_dp = false;
   detail::parallel_for(plan.size(), threads, [&](size_t i) {
     const SectionPlan& s = plan[i];
     const KvBlock& kb = c.blocks[s.block];
     std::vector<uint8_t> pl;
+    int level = opt.deflate_level;
     switch (s.kind) {
       case kPositions: pl = i32_bytes(kb.pos.data() + s.t0, s.t1 - s.t0); break;
       case kTokens: pl = i32_bytes(c.tokens.data() + s.t0, s.t1 - s.t0); break;
       case kRaw: pl = raw_bytes(kb, int(s.kv), s.t0, s.t1); break;
       default: {
+        if (is_ecsq(alloc[s.block][s.kv].blocks)) {
+          detail::StageTimer st(ck, detail::kEntropy);
+          pl = container::ecsq_encode_chunk(ecsq.coeffs[i].data(), s.t1 - s.t0, ecsq.ld[s.block][s.kv], r_used(alloc[s.block][s.kv].blocks),
+                                            ecsq.param[s.block][s.kv]);
+          level = 0;  // rANS output: DEFLATE finds nothing
+          break;
+        }
         const Rope* rope = s.kv == 0 && cal.keys_derope ? &kb.rope : nullptr;
         pl = encode_chunk(kb, int(s.kv), *proj[s.block][s.kv], alloc[s.block][s.kv], rope, s.t0, s.t1, ck);
       }
     }
     detail::StageTimer st(ck, detail::kEntropy);
-    write_section(made[i], s.kind, s.block, s.kv, s.t0, s.t1, pl, opt.deflate_level);
+    write_section(made[i], s.kind, s.block, s.kv, s.t0, s.t1, pl, level);
   });
+  for (const SectionPlan& s : plan)
+    if (s.kind == kChunk) (is_ecsq(alloc[s.block][s.kv].blocks) ? any_ecsq : any_dp) = true;
   size_t total = out.size();
   for (const auto& m : made) total += m.size();
   out.reserve(total);
@@ -96,7 +314,8 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   if (opt.stats) {
     clk.export_to(opt.stats, threads);
     opt.stats->projection = prec;
-    opt.stats->entropy_backend = opt.deflate_level > 0 ? "libdeflate" : "stored";
+    const std::string dp = opt.deflate_level > 0 ? "libdeflate" : "stored";
+    opt.stats->entropy_backend = any_ecsq && any_dp ? dp + "+rans" : any_ecsq ? "rans" : dp;
     opt.stats->transfer_ms = opt.stats->host_ms = 0;
     opt.stats->total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
   }
@@ -124,11 +343,16 @@ std::vector<uint8_t> compress(const KvCapture& c, const Calibration& cal, const 
   for (size_t b = 0; b < c.blocks.size(); ++b)
     require(c.blocks[b].k.size() == c.blocks[b].numel() && c.blocks[b].v.size() == c.blocks[b].numel(),
             "compress: block " + std::to_string(b) + " K/V size differs from its shape");
-  const std::string hs = header_json(c, cal, alloc, opt);
+  const auto t_start = std::chrono::steady_clock::now();
+  detail::StageClock clk;
+  const Precision prec = detail::resolve_precision(opt.precision, "compress");
+  const std::vector<SectionPlan> plan = plan_sections(c, opt, 0, 0);
+  const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, {}, true, prec, opt.stats ? &clk : nullptr);
+  const std::string hs = header_json(c, cal, E.alloc, opt);
   std::vector<uint8_t> out;
-  out.reserve(size_t(std::min<uint64_t>(compress_bound(c, alloc, opt), uint64_t(1) << 32)));
-  write_file_header(out, hs);
-  write_body(out, c, cal, alloc, opt, 0, 0);
+  out.reserve(size_t(std::min<uint64_t>(compress_bound(c, E.alloc, opt), uint64_t(1) << 32)));
+  write_file_header(out, hs, container_version(E.alloc));
+  write_body(out, c, cal, E.alloc, opt, plan, E, &clk, prec, t_start);
   return out;
 }
 
@@ -178,10 +402,23 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
     }
     tail = size_t(P.sections[P.sections.size() - 2].data - container.data()) - kSectionHeaderBytes;
   }
+  // Entropy-coded kinds keep the container's step (its last chunk's), so
+  // the new tokens are coded at the same distortion.
+  std::vector<std::array<float, 2>> steps(1, {0.0f, 0.0f});
+  for (const Section& s : P.sections)
+    if (s.kind == kChunk && is_ecsq(alloc[0][s.kv].blocks)) {
+      const std::vector<uint8_t> pl = payload(s, origin);
+      steps[0][s.kv] = container::ecsq_chunk_step(pl.data(), pl.size(), origin + ": chunk section");
+    }
+  const auto t_start = std::chrono::steady_clock::now();
+  detail::StageClock clk;
+  const Precision prec = detail::resolve_precision(opt.precision, "append");
+  const std::vector<SectionPlan> plan = plan_sections(c, opt, n_old, Lo.w_begin);
+  const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, steps, false, prec, opt.stats ? &clk : nullptr);
   AppendResult r;
   r.kept_bytes = tail;
   r.bytes.assign(container.begin(), container.begin() + tail);
-  write_body(r.bytes, c, cal, alloc, opt, n_old, Lo.w_begin);
+  write_body(r.bytes, c, cal, alloc, opt, plan, E, &clk, prec, t_start);
   return r;
 }
 
@@ -190,6 +427,33 @@ std::vector<uint8_t> compress_state(std::span<const uint8_t> blob, const CacheGe
   KvCapture c = capture_from_any_state(blob, g, "compress_state");
   c.tokens.assign(tokens.begin(), tokens.end());
   return compress(c, cal, alloc, opt);
+}
+
+}  // namespace kvtc
+
+namespace kvtc {
+
+AllocationSet ecsq_allocation_set(const Calibration& cal, double ratio) {
+  require(ratio >= 1 && ratio <= 4096, "ecsq_allocation_set: ratio must be in [1, 4096], got " + std::to_string(ratio));
+  AllocationSet out(cal.blocks.size());
+  for (size_t b = 0; b < cal.blocks.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) {
+      const Transform& t = cal.blocks[b][kv];
+      require(t.variance.size() == t.r && t.r >= 1, "ecsq_allocation_set: the calibration has no spectrum for block " + std::to_string(b));
+      Allocation& a = out[b][kv];
+      a.nominal_ratio = ratio;
+      a.budget_bits = uint64_t(std::floor(double(t.p) * 16 / ratio));
+      // Every component: compress keeps those that matter at the step it
+      // finds (CompressOptions::ecsq_min_sd). The error is the Gaussian
+      // model's (reverse water-filling: min(variance, step^2 / 12) each).
+      const double step = model_step(t.variance, double(a.budget_bits));
+      double err = 0;
+      for (uint32_t j = 0; j < t.r; ++j) err += std::min(std::max(0.0, double(t.variance[j])), step * step / 12);
+      a.error = err;
+      a.bits = a.budget_bits;
+      a.blocks = {{0, t.r, QType::kEcsq}};
+    }
+  return out;
 }
 
 }  // namespace kvtc

@@ -14,6 +14,7 @@ const char* qtype_name(QType t) {
     case QType::kInt2: return "int2";
     case QType::kInt4: return "int4";
     case QType::kFp8: return "fp8";
+    case QType::kEcsq: return "ecsq";
   }
   return "?";
 }
@@ -24,6 +25,7 @@ uint32_t qtype_code_bits(QType t) {
     case QType::kInt2: return 2;
     case QType::kInt4: return 4;
     case QType::kFp8: return 8;
+    case QType::kEcsq: return 0;  // variable: entropy-coded
   }
   return 0;
 }
@@ -34,6 +36,7 @@ uint32_t qtype_param_bits(QType t) {
     case QType::kInt2:
     case QType::kInt4: return 32;  // f16 minimum + f16 step
     case QType::kFp8: return 16;   // f16 scale
+    case QType::kEcsq: return 0;
   }
   return 0;
 }

@@ -276,6 +276,8 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<con
   for (size_t i = 0; i < containers.size(); ++i) {
     const std::string name = containers.size() == 1 ? origin : origin + "[" + std::to_string(i) + "]";
     W.plans.push_back(plan_decode(parse(containers[i], name, threads), I.cal, name));
+    require(container_version(W.plans.back().H.alloc) == 1,
+            name + ": entropy-coded chunks (container version 2) decode on the CPU only for now (kvtc::decompress)");
   }
   W.use_nv = cuda::nvc::built() && I.opt.nvcomp;
   plan_slots(I, W);

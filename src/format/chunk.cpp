@@ -5,6 +5,7 @@
 
 #include "codec/quant.h"
 #include "core/scalar.h"
+#include "format/ecsq.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -25,7 +26,14 @@ std::vector<PlaneSpan> chunk_layout(const std::vector<BlockAlloc>& alloc, uint32
   return out;
 }
 
+bool is_ecsq(const std::vector<BlockAlloc>& alloc) {
+  return alloc.size() == 1 && alloc[0].type == QType::kEcsq;
+}
+
 size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n) {
+  // Entropy-coded: the worst case, every code escaped with a 25-bit value
+  // and a 20-bit shift (at most 62 bits, under 8 bytes), plus rANS flush slack.
+  if (is_ecsq(alloc)) return ecsq_fixed_bytes(alloc[0].size) + size_t(n) * alloc[0].size * 8 + 64;
   size_t bytes = 0;
   for (const BlockAlloc& b : alloc)
     if (b.type != QType::kNone) bytes += size_t(n) * qtype_param_bits(b.type) / 8 + (size_t(n) * b.size * qtype_code_bits(b.type) + 7) / 8;

@@ -28,8 +28,11 @@ struct PlaneSpan {
   size_t end = 0;     // one past the codes
 };
 std::vector<PlaneSpan> chunk_layout(const std::vector<BlockAlloc>& alloc, uint32_t n);
-// Bytes of a chunk of n tokens (the layout's end).
+// Bytes of a chunk of n tokens (the layout's end); for an entropy-coded
+// allocation (is_ecsq) an upper bound, the payload's size varies.
 size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n);
+// The allocation is one kEcsq block (container version 2, src/format/ecsq.h).
+bool is_ecsq(const std::vector<BlockAlloc>& alloc);
 
 // Components an allocation uses: the end of its last block.
 uint32_t r_used(const std::vector<BlockAlloc>& alloc);

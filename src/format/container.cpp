@@ -47,19 +47,19 @@ static uint64_t get_u64(const uint8_t* p) {
   return v;
 }
 
-void put_file_header(uint8_t* dst, const std::string& json) {
+void put_file_header(uint8_t* dst, const std::string& json, uint32_t version) {
   require(json.size() <= kMaxHeaderBytes, "compress: header too large");
   std::memcpy(dst, kMagic, 4);
-  put32(dst + 4, kContainerVersion);
+  put32(dst + 4, version);
   put32(dst + 8, uint32_t(json.size()));
   put64(dst + 12, xxh64(reinterpret_cast<const uint8_t*>(json.data()), json.size()));
   std::memcpy(dst + kFileHeaderBytes, json.data(), json.size());
 }
 
-void write_file_header(std::vector<uint8_t>& o, const std::string& json) {
+void write_file_header(std::vector<uint8_t>& o, const std::string& json, uint32_t version) {
   const size_t at = o.size();
   o.resize(at + kFileHeaderBytes + json.size());
-  put_file_header(o.data() + at, json);
+  put_file_header(o.data() + at, json, version);
 }
 
 void put_section_header(uint8_t* dst, uint32_t kind, uint32_t block, uint32_t kv, uint32_t t0, uint32_t t1, uint64_t raw_len, uint64_t stored_len,
@@ -120,8 +120,8 @@ Parsed parse(const uint8_t* b, size_t size, const std::string& origin, int threa
   require(size >= kFileHeaderBytes, origin + ": not a .kvtc container (" + std::to_string(size) + " bytes, the 20-byte file header is missing)");
   require(std::memcmp(b, kMagic, 4) == 0, origin + ": not a .kvtc container (magic is not 'KVTC')");
   out.version = get_u32(b + 4);
-  require(out.version == kContainerVersion,
-          origin + ": container version " + std::to_string(out.version) + ", this kvtc reads version " + std::to_string(kContainerVersion));
+  require(out.version >= 1 && out.version <= kContainerVersion, origin + ": container version " + std::to_string(out.version) +
+                                                                    ", this kvtc reads versions 1 to " + std::to_string(kContainerVersion));
   const uint32_t hl = get_u32(b + 8);
   require(hl <= kMaxHeaderBytes && hl <= size - kFileHeaderBytes,
           origin + ": header_len " + std::to_string(hl) + " exceeds the file (" + std::to_string(size) + " bytes; truncated?)");

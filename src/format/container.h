@@ -30,8 +30,9 @@ uint64_t xxh64(const uint8_t* p, size_t n);
 
 // The file header (magic, version, header length, header checksum) and the
 // JSON: kFileHeaderBytes + json.size() bytes at dst.
-void put_file_header(uint8_t* dst, const std::string& json);
-void write_file_header(std::vector<uint8_t>& o, const std::string& json);  // appends
+// `version`: 1 unless an allocation is entropy-coded (docs/format.md).
+void put_file_header(uint8_t* dst, const std::string& json, uint32_t version = 1);
+void write_file_header(std::vector<uint8_t>& o, const std::string& json, uint32_t version = 1);  // appends
 // One section header (kSectionHeaderBytes) at dst; xxh is the checksum of
 // the stored bytes that follow it.
 void put_section_header(uint8_t* dst, uint32_t kind, uint32_t block, uint32_t kv, uint32_t t0, uint32_t t1, uint64_t raw_len, uint64_t stored_len,

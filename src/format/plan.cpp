@@ -7,6 +7,7 @@
 
 #include "codec/rope.h"
 #include "core/capture_io.h"
+#include "format/ecsq.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -127,11 +128,14 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
     if (cal.keys_derope) require_rope_supported(c.blocks[b].rope, "compress: block " + std::to_string(b));
     for (int kv = 0; kv < 2; ++kv) {
       uint32_t next = 0;
+      const bool ecsq = is_ecsq(alloc[b][kv].blocks);
       for (const BlockAlloc& a : alloc[b][kv].blocks) {
-        require(a.start == next && a.size >= 1 && a.size <= 4096 && int(a.type) < kNumQTypes,
-                "compress: allocation blocks must tile a prefix of the components, each of 1..4096");
+        require(ecsq || (a.start == next && a.size >= 1 && a.size <= 4096 && int(a.type) < kNumQTypes),
+                "compress: allocation blocks must tile a prefix of the components, each of 1..4096 (an entropy-coded allocation is one "
+                "ecsq block)");
         next = a.start + a.size;
       }
+      require(!ecsq || (alloc[b][kv].blocks[0].start == 0 && next >= 1), "compress: an entropy-coded allocation starts at component 0");
       require(next <= cal.blocks[b][kv].r,
               "compress: allocation uses " + std::to_string(next) + " components, the calibration holds " + std::to_string(cal.blocks[b][kv].r));
     }
@@ -144,10 +148,17 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
     if (c.blocks[b].k.size() == c.blocks[b].numel() && c.blocks[b].v.size() == c.blocks[b].numel()) require_finite(c.blocks[b], b);
 }
 
+uint32_t container_version(const AllocationSet& alloc) {
+  for (const auto& bk : alloc)
+    for (const Allocation& a : bk)
+      if (is_ecsq(a.blocks)) return 2;
+  return 1;
+}
+
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
   nlohmann::ordered_json h;
   h["format"] = "kvtc";
-  h["version"] = kContainerVersion;
+  h["version"] = container_version(alloc);
   h["calibration_id"] = cal.id;
   h["model_sha256"] = c.model_sha256;
   h["sink"] = opt.sink;
@@ -210,10 +221,14 @@ ContainerHeader parse_header(const std::string& js, const std::string& origin) {
       std::array<Allocation, 2> al;
       for (int kv = 0; kv < 2; ++kv) {
         uint32_t next = 0;
-        for (const json& a : b.at("alloc").at(kv)) {
+        const json& aj = b.at("alloc").at(kv);
+        for (const json& a : aj) {
           const int ty = a.at(2).get<int>();
           BlockAlloc ba{a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(ty)};
-          require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && ty < kNumQTypes, "allocation blocks must tile a prefix");
+          if (ty == int(QType::kEcsq))
+            require(aj.size() == 1 && ba.start == 0 && ba.size >= 1 && ba.size <= (1u << 20), "an ecsq block must be its allocation's only one");
+          else
+            require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && ty < kNumQTypes, "allocation blocks must tile a prefix");
           next = ba.start + ba.size;
           al[kv].blocks.push_back(ba);
         }
@@ -256,6 +271,8 @@ void derive_token_counts(const Parsed& P, ContainerHeader& H, const std::string&
 ContainerHeader read_header(const Parsed& P, const std::string& origin) {
   ContainerHeader H = parse_header(P.header_json, origin);
   H.version = P.version;
+  require(container_version(H.alloc) <= H.version, origin + ": entropy-coded (ecsq) allocations in a version " + std::to_string(H.version) +
+                                                       " container (they need version 2)");
   derive_token_counts(P, H, origin);
   return H;
 }
@@ -331,7 +348,13 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
       require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
     } else {
       require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
-      require(s.raw_len == packed_bytes(H.alloc[s.block][s.kv].blocks, n), where + ": payload size does not match the allocation");
+      const std::vector<BlockAlloc>& al = H.alloc[s.block][s.kv].blocks;
+      if (is_ecsq(al))
+        require(s.raw_len >= ecsq_fixed_bytes(al[0].size) && s.raw_len <= packed_bytes(al, n),
+                where + ": entropy-coded payload of " + std::to_string(s.raw_len) + " bytes, outside what " + std::to_string(n) + " tokens of " +
+                    std::to_string(al[0].size) + " components can take");
+      else
+        require(s.raw_len == packed_bytes(al, n), where + ": payload size does not match the allocation");
       if (s.kv == 0 && H.keys_derope) require_rope_supported(kb.rope, origin + ": block " + std::to_string(s.block));
     }
     D.kv_sections.push_back(s);

@@ -49,6 +49,9 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
 // model and geometry: fingerprint, block count, features per block, and
 // layers, heads and dims where the calibration records them.
 void check_geometry(const CacheGeometry& g, const Calibration& cal, const std::string& who);
+// The container version an allocation needs: 2 where any (block, kind) is
+// entropy-coded, else 1.
+uint32_t container_version(const AllocationSet& alloc);
 // The JSON header of docs/format.md.
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
 

@@ -156,6 +156,7 @@ struct PromptStore::Impl {
   std::string compat;  // first 16 hex digits of the salt: the store's directory
   uint32_t C = 0;
   std::string ratio_str;
+  uint32_t container_version = 1;  // of the pieces: 2 when entropy-coded
 
   // ---- the RAM tier ----
   struct Piece {  // what a stored entry is made of
@@ -303,7 +304,7 @@ struct PromptStore::Impl {
             {"salt", salt},
             {"model_sha256", geom.model_sha256},
             {"calibration_id", cal.id},
-            {"container_version", kContainerVersion},
+            {"container_version", container_version},
             {"chunk_tokens", C},
             {"ratio", ratio_str},
             {"sink", opt.sink},
@@ -1030,10 +1031,12 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   I.geom = g;
   I.opt = opt;
   I.C = opt.chunk_tokens;
-  I.ratio_str = opt.raw ? "raw" : ratio_key(opt.ratio);
-  I.alloc = allocation_set(cal, opt.ratio);
+  require(!(opt.raw && opt.entropy_coded), "kvtc store: raw and entropy_coded exclude each other");
+  I.ratio_str = opt.raw ? "raw" : ratio_key(opt.ratio) + (opt.entropy_coded ? "-ecsq" : "");
+  I.alloc = opt.entropy_coded ? ecsq_allocation_set(cal, opt.ratio) : allocation_set(cal, opt.ratio);
+  I.container_version = container::container_version(I.alloc);
   const std::string fp = std::string(kStoreScheme) + "\nmodel_sha256=" + g.model_sha256 + "\ncalibration_id=" + cal.id +
-                         "\ncontainer_version=" + std::to_string(kContainerVersion) + "\nchunk_tokens=" + std::to_string(I.C) +
+                         "\ncontainer_version=" + std::to_string(I.container_version) + "\nchunk_tokens=" + std::to_string(I.C) +
                          "\nratio=" + I.ratio_str + "\nsink=" + std::to_string(opt.sink) + "\nwindow=" + std::to_string(opt.window) + "\n";
   I.salt = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(fp.data()), fp.size()));
   I.compat = I.salt.substr(0, 16);

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   o.window = 6;
   o.chunk_tokens = 16;
   write_file_atomic(dir + "/container/seed.kvtc", compress(c, fuzz::small_calibration(), fuzz::small_alloc(), o));
+  // Container version 2: entropy-coded chunks (the rANS decoder).
+  write_file_atomic(dir + "/container/seed_ecsq.kvtc", compress(c, fuzz::small_calibration(), ecsq_allocation_set(fuzz::small_calibration(), 2), o));
   write_file_atomic(dir + "/safetensors/capture.safetensors", capture_serialize(c));
   write_file_atomic(dir + "/safetensors/calibration.safetensors", calibration_serialize(fuzz::small_calibration()));
   write_file_atomic(dir + "/state_blob/seed.bin", state_from_capture(c, StateLayout{{1}, 1, 0}));

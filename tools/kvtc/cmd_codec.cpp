@@ -142,6 +142,7 @@ Action add_compress(CLI::App& app) {
     double ratio = 16;
     CompressOptions opt;
     std::string precision = "auto";
+    std::string coding = "dp";
     bool json = false;
   };
   auto a = std::make_shared<A>();
@@ -156,6 +157,18 @@ Action add_compress(CLI::App& app) {
   sub->add_option("--precision", a->precision, "Projection: auto (bf16 where the CPU has AVX512-BF16 or AMX), f32 or bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "bf16"}));
+  sub->add_option("--coding", a->coding,
+                  "dp: the paper's fixed-rate quantizers from the DP allocation, then DEFLATE (container version 1); ecsq: one step for "
+                  "all components, rANS-coded, rate-controlled to --ratio on the coded tokens (version 2, docs/format.md)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dp", "ecsq"}));
+  sub->add_option("--step", a->opt.ecsq_step, "ecsq: a fixed quantizer step (feature units) instead of rate control")->check(CLI::PositiveNumber);
+  sub->add_option("--rounding", a->opt.ecsq_rounding, "ecsq: quantizer rounding (0.5 nearest; less widens the zero bin)")
+      ->check(CLI::Range(0.0, 0.5))
+      ->capture_default_str();
+  sub->add_option("--min-sd", a->opt.ecsq_min_sd, "ecsq: drop components whose calibration std. deviation is under this x step")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   sub->add_option("-o,--output", a->out, "Output .kvtc file")->required();
   sub->add_flag("--json", a->json, "JSON summary");
   return [a] {
@@ -167,7 +180,8 @@ Action add_compress(CLI::App& app) {
     KvCapture c = capture_load(a->in);
     Calibration cal = calibration_load(a->calib);
     const double load_ms = ms_since(t0);
-    AllocationSet al = allocation_set(cal, a->ratio);
+    require(a->coding == "ecsq" || (a->opt.ecsq_step == 0 && a->opt.ecsq_rounding == 0.5 && a->opt.ecsq_min_sd == 0.5), "compress: --step, --rounding and --min-sd need --coding ecsq");
+    AllocationSet al = a->coding == "ecsq" ? ecsq_allocation_set(cal, a->ratio) : allocation_set(cal, a->ratio);
     t0 = std::chrono::steady_clock::now();
     std::vector<uint8_t> bytes = compress(c, cal, al, a->opt);  // validates the match first
     const uint64_t bound = compress_bound(c, al, a->opt);
@@ -177,6 +191,8 @@ Action add_compress(CLI::App& app) {
     nlohmann::ordered_json j;
     j["output"] = a->out;
     j["nominal_ratio"] = a->ratio;
+    j["coding"] = a->coding;
+    j["container_version"] = ci.header.version;
     j["tokens"] = ci.n_tokens;
     j["compressed_tokens"] = ci.n_compressed_tokens;
     j["bytes"] = bytes.size();
@@ -191,6 +207,9 @@ Action add_compress(CLI::App& app) {
     j["load_ms"] = load_ms;
     j["encode_ms"] = enc_ms;
     j["projection"] = precision_name(stats.projection);
+    j["entropy_backend"] = stats.entropy_backend;
+    j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms}, {"project", stats.project_ms},
+                            {"quant", stats.quant_ms},   {"entropy", stats.entropy_ms}, {"threads", stats.threads}};
     if (a->json)
       std::printf("%s\n", j.dump(2).c_str());
     else
@@ -235,6 +254,9 @@ Action add_decompress(CLI::App& app) {
     j["tokens"] = c.blocks[0].n_tokens();
     j["decode_ms"] = ms;
     j["projection"] = precision_name(stats.projection);
+    j["entropy_backend"] = stats.entropy_backend;
+    j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms}, {"project", stats.project_ms},
+                            {"quant", stats.quant_ms},   {"entropy", stats.entropy_ms}, {"threads", stats.threads}};
     if (!ref->empty()) {
       const ContainerHeader h = inspect(bytes, *in).header;
       ReconError e = reconstruction_error(capture_load(*ref), c, h.sink, h.window);

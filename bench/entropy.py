@@ -68,7 +68,28 @@ def point(kvtc, cap, calib, work, coding, ratio, extra=()):
     used = [sum(x[1] for x in a if x[2]) if a else 0 for a in header["blocks"][0]["alloc"]]
     return {"coding": coding, "target": ratio, "ratio": [f16 / by[0], f16 / by[1]], "err": [e["rel_error_k"], e["rel_error_v"]],
             "bytes": [by[0], by[1]], "f16_bytes": f16, "components": used, "encode_ms": c["encode_ms"], "decode_ms": e["decode_ms"],
-            "wall_s": enc}
+            "encode_stages": c.get("stage_thread_ms"), "decode_stages": e.get("stage_thread_ms"), "wall_s": enc}
+
+
+def speed(kvtc, cap, calib, work, ratios, repeat):
+    """Best of `repeat` encode and decode times, with stage thread-ms, for
+    DP at each nominal ratio and ecsq at the ratio that DP point measured."""
+    rows = []
+    for r in ratios:
+        for coding in ("dp", "ecsq"):
+            target = r if coding == "dp" else rows[-1]["ratio_coded"]
+            out = os.path.join(work, f"speed-{coding}.kvtc")
+            best_c = best_d = None
+            for _ in range(repeat):
+                c = json.loads(run(kvtc, "compress", cap, "--calib", calib, "-r", f"{target:.4f}", "--coding", coding, "-o", out, "--json"))
+                d = json.loads(run(kvtc, "decompress", out, "--calib", calib, "-o", os.path.join(work, "speed.safetensors"), "--json"))
+                best_c = c if best_c is None or c["encode_ms"] < best_c["encode_ms"] else best_c
+                best_d = d if best_d is None or d["decode_ms"] < best_d["decode_ms"] else best_d
+            by, _ = chunk_bytes(out)
+            rows.append({"coding": coding, "nominal": r, "ratio_coded": best_c["ratio_compressed_tokens"], "chunk_bytes": by[0] + by[1],
+                         "tokens": best_c["tokens"], "encode_ms": best_c["encode_ms"], "decode_ms": best_d["decode_ms"],
+                         "encode_stages": best_c["stage_thread_ms"], "decode_stages": best_d["stage_thread_ms"]})
+    return rows
 
 
 def interp_ratio(points, kv, err):
@@ -91,6 +112,7 @@ def main():
     ap.add_argument("--kvtc", default=os.path.join(TOP, "build", "kvtc"))
     ap.add_argument("--work", default=os.path.join(TOP, "out", "bench-entropy"))
     ap.add_argument("--variants", nargs="*", default=[], help="extra ecsq variants as NAME=ARGS, e.g. dz=--rounding=0.35")
+    ap.add_argument("--speed-repeat", type=int, default=3, help="speed runs (best of) on the first document; 0: none")
     a = ap.parse_args()
     a.name = a.name or f"entropy-{a.model}"
     work = os.path.join(a.work, a.name)
@@ -116,6 +138,8 @@ def main():
                 pts.append(p)
         per_doc.append({"document": d["id"], "kind": d["kind"], "points": pts})
         print(f"[entropy] {d['id']}: done", file=sys.stderr)
+    cap0 = os.path.join(work, os.path.basename(docs[0]["file"]) + f".{a.tokens}.safetensors")
+    speeds = speed(a.kvtc, cap0, a.calib, work, [16, 32], a.speed_repeat) if a.speed_repeat > 0 else []
     # Pooled curves: bytes and squared errors add over documents at each setting.
     pooled = []
     keys = sorted({(p["coding"], p.get("variant", "dp"), p["target"]) for doc in per_doc for p in doc["points"]})
@@ -141,7 +165,7 @@ def main():
     res = {"command": cmd, "commit": provenance.result_commit(TOP),
            "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
            "model": a.model, "calibration": os.path.relpath(a.calib, TOP), "documents": [d["id"] for d in docs], "tokens": a.tokens,
-           "pooled": pooled, "compare": compare, "per_document": per_doc}
+           "pooled": pooled, "compare": compare, "speed": speeds, "speed_document": docs[0]["id"], "per_document": per_doc}
     os.makedirs(os.path.join(TOP, "bench", "results"), exist_ok=True)
     path = os.path.join(TOP, "bench", "results", a.name + ".json")
     with open(path, "w") as f:

@@ -180,7 +180,7 @@ Action add_compress(CLI::App& app) {
     KvCapture c = capture_load(a->in);
     Calibration cal = calibration_load(a->calib);
     const double load_ms = ms_since(t0);
-    require(a->coding == "ecsq" || (a->opt.ecsq_step == 0 && a->opt.ecsq_rounding == 0.5 && a->opt.ecsq_min_sd == 0.5), "compress: --step, --rounding and --min-sd need --coding ecsq");
+    require(a->coding == "ecsq" || (a->opt.ecsq_step == 0 && a->opt.ecsq_rounding == CompressOptions{}.ecsq_rounding && a->opt.ecsq_min_sd == CompressOptions{}.ecsq_min_sd), "compress: --step, --rounding and --min-sd need --coding ecsq");
     AllocationSet al = a->coding == "ecsq" ? ecsq_allocation_set(cal, a->ratio) : allocation_set(cal, a->ratio);
     t0 = std::chrono::steady_clock::now();
     std::vector<uint8_t> bytes = compress(c, cal, al, a->opt);  // validates the match first

@@ -70,8 +70,12 @@ def model_section(label, r):
 def quality_section(path):
     with open(path) as f:
         q = json.load(f)
-    out = ["## Model quality at equal bytes", "", f"- command: `{q.get('command', '?')}`", f"- commit: {q.get('commit', '?')}",
-           f"- machine: {q.get('machine', '?')}", ""]
+    out = ["## Model quality at equal bytes", ""]
+    md = os.path.splitext(path)[0] + ".md"  # bench/quality.sh's report: its command, commit and machine lines
+    if os.path.exists(md):
+        with open(md) as f:
+            out += [ln.rstrip() for ln in f if ln.startswith(("- command", "- commit", "- machine"))]
+    out += [f"- model: {os.path.basename(q.get('model', '?'))}; calibration: {os.path.basename(q.get('calibration', '?'))}", ""]
     for ctx in q.get("contexts", []):
         metrics = []
         for m in ctx["methods"]:

@@ -95,6 +95,8 @@ def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
         cal.compress(k, v, pos, coding="huffman")
     with pytest.raises(kvtc.Error, match="joint=True"):
         cal.compress(k, v, pos, coding="ecsq", joint=True)
+    # The prompt store in the entropy-coded mode: its own fingerprint.
+    assert kvtc.PromptStore(cal, entropy_coded=True).fingerprint != kvtc.PromptStore(cal).fingerprint
 
 
 def test_clean_errors(cal, cap, smol_calibration):

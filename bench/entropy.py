@@ -85,8 +85,10 @@ def speed(kvtc, cap, calib, work, ratios, repeat):
                 d = json.loads(run(kvtc, "decompress", out, "--calib", calib, "-o", os.path.join(work, "speed.safetensors"), "--json"))
                 best_c = c if best_c is None or c["encode_ms"] < best_c["encode_ms"] else best_c
                 best_d = d if best_d is None or d["decode_ms"] < best_d["decode_ms"] else best_d
-            by, _ = chunk_bytes(out)
+            by, header = chunk_bytes(out)
+            comps = [sum(x[1] for x in a if x[2]) for a in header["blocks"][0]["alloc"]]
             rows.append({"coding": coding, "nominal": r, "ratio_coded": best_c["ratio_compressed_tokens"], "chunk_bytes": by[0] + by[1],
+                         "components": comps, "coded_tokens": best_c["compressed_tokens"],
                          "tokens": best_c["tokens"], "encode_ms": best_c["encode_ms"], "decode_ms": best_d["decode_ms"],
                          "encode_stages": best_c["stage_thread_ms"], "decode_stages": best_d["stage_thread_ms"]})
     return rows
@@ -113,6 +115,7 @@ def main():
     ap.add_argument("--work", default=os.path.join(TOP, "out", "bench-entropy"))
     ap.add_argument("--variants", nargs="*", default=[], help="extra ecsq variants as NAME=ARGS, e.g. dz=--rounding=0.35")
     ap.add_argument("--speed-repeat", type=int, default=3, help="speed runs (best of) on the first document; 0: none")
+    ap.add_argument("--speed-only", action="store_true", help="rerun only the speed runs into the existing NAME.json")
     a = ap.parse_args()
     a.name = a.name or f"entropy-{a.model}"
     work = os.path.join(a.work, a.name)
@@ -124,6 +127,19 @@ def main():
     for kind in ("prose", "docs", "code", "math"):
         docs += [d for d in manifest["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= a.tokens][: a.docs_per_kind]
     info = json.loads(run(a.kvtc, "info", "--json"))
+    if a.speed_only:
+        path = os.path.join(TOP, "bench", "results", a.name + ".json")
+        with open(path) as f:
+            res = json.load(f)
+        cap0 = os.path.join(work, os.path.basename(docs[0]["file"]) + f".{a.tokens}.safetensors")
+        res["speed"] = speed(a.kvtc, cap0, a.calib, work, [16, 32], max(1, a.speed_repeat))
+        res["speed_command"] = f"python3 bench/entropy.py --calib {os.path.relpath(a.calib, TOP)} --model {a.model} --speed-only"
+        res["speed_commit"] = provenance.result_commit(TOP)
+        with open(path + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(path + ".tmp", path)
+        print(f"wrote {path} (speed)")
+        return
     variants = [("ecsq", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in a.variants]
     per_doc = []
     for d in docs:

@@ -53,17 +53,21 @@ def model_section(label, r):
         out.append(f"| {name} | {p['target']:g}x | {p['ratio'][0]:.2f} / {p['ratio'][1]:.2f} | {p['err'][0]:.2e} / {p['err'][1]:.4f} | "
                    f"{p['components'][0]:.0f} / {p['components'][1]:.0f} | {p['encode_ms']:.0f} | {p['decode_ms']:.0f} |")
     if r.get("speed"):
+        if r.get("speed_command"):
+            out += ["", f"Speed runs: `{r['speed_command']}`, commit {r['speed_commit']}."]
         out += ["", f"Speed on {r['speed_document']} (best of 3; ms of wall time for the whole cache; stage columns are thread-ms summed over",
                 "the worker threads: `entropy` is DEFLATE/inflate, or rANS coding with the table choice, `quant` the DP's quantize/pack or",
                 "ecsq's rate control; ecsq at the ratio the DP point measured, so both write about the same bytes):", "",
-                "| coding | ratio | encode ms | decode ms | enc. project / quant / entropy | dec. project / quant / entropy | rANS decode MB/s per core |",
-                "|---|---|---|---|---|---|---|"]
+                "| coding | ratio | components K / V | encode ms | decode ms | enc. project / quant / entropy | dec. project / quant / entropy | rANS decode, M codes/s per core |",
+                "|---|---|---|---|---|---|---|---|"]
         for s in r["speed"]:
             e, d = s["encode_stages"], s["decode_stages"]
-            mbs = s["chunk_bytes"] / 1e6 / (d["entropy"] / 1e3) if s["coding"] == "ecsq" and d["entropy"] > 0 else None
-            out.append(f"| {s['coding']} | {s['ratio_coded']:.2f}x | {s['encode_ms']:.0f} | {s['decode_ms']:.0f} | "
+            comps = s.get("components")
+            codes = s["coded_tokens"] * sum(comps) if comps and "coded_tokens" in s else None
+            mcs = codes / 1e6 / (d["entropy"] / 1e3) if codes and s["coding"] == "ecsq" and d["entropy"] > 0 else None
+            out.append(f"| {s['coding']} | {s['ratio_coded']:.2f}x | {'—' if not comps else f'{comps[0]} / {comps[1]}'} | {s['encode_ms']:.0f} | {s['decode_ms']:.0f} | "
                        f"{e['project']:.0f} / {e['quant']:.0f} / {e['entropy']:.0f} | {d['project']:.0f} / {d['quant']:.0f} / {d['entropy']:.0f} | "
-                       f"{'—' if mbs is None else f'{mbs:.0f}'} |")
+                       f"{'—' if mcs is None else f'{mcs:.0f}'} |")
     return out
 
 

@@ -32,7 +32,7 @@ def model_section(label, r):
            f"- calibration: {r['calibration']}; documents: {', '.join(r['documents'])} (first {r['tokens']} tokens each, sink 4 and window 128 raw)", ""]
     variants = [v for v in sorted({p["variant"] for p in r["pooled"]}) if v != "dp"]
     variants.sort(key=lambda v: v != "ecsq")
-    names = {"ecsq": "ecsq (rounding 0.5, the default)"}
+    names = {"ecsq": "ecsq (rounding 0.35, the default)", "r50": "ecsq, rounding 0.5"}
     out += ["Equal error, per kind: at each DP point, the ratio on coded tokens at which the entropy-coded mode has the same",
             "relative squared error (log-log interpolation between its two nearest rate-controlled points), and the bytes it saves",
             "there (1 − DP bytes / ecsq bytes).", ""]
@@ -93,7 +93,8 @@ def quality_section(path):
             for k in metrics:
                 v = m.get("scores", {}).get(k)
                 h = (m.get("half_width") or {}).get(k)
-                cells.append("—" if v is None else (f"{v:.4f}" if k in ("kld", "ppl") else f"{v:.1f}") + (f" ± {h:.1f}" if h else ""))
+                fmt = ".4f" if k in ("kld", "ppl") else ".1f"
+                cells.append("—" if v is None else f"{v:{fmt}}" + (f" ± {h:{fmt}}" if h else ""))
             out.append(f"| {m['name']} | {m.get('ratio', 0):.2f}x | " + " | ".join(cells) + " |")
         out.append("")
     return out

@@ -505,7 +505,7 @@ def fig_entropy(mpl, runs):
     Figure, ticker = mpl
     fig = Figure(figsize=(7.2, 3.0 * len(runs) + 0.4), layout="constrained")
     axes = fig.subplots(len(runs), 2, squeeze=False)
-    styles = {"dp": ("tab:blue", "o", "DP + DEFLATE (v1)"), "ecsq": ("tab:red", "s", "ecsq + rANS (v2)")}
+    styles = {"dp": ("tab:blue", "o", "DP + DEFLATE (v1)"), "ecsq": ("tab:red", "s", "ecsq + rANS (v2), rounding 0.35")}
     extra = ["tab:orange", "tab:green", "tab:purple"]
     for r, (label, res) in enumerate(runs):
         pooled = need(res, "pooled", label)
@@ -516,7 +516,8 @@ def fig_entropy(mpl, runs):
             ax.set_yscale("log")
             ax.grid(True, color="0.9")
             for i, v in enumerate(variants):
-                color, marker, name = styles.get(v, (extra[i % len(extra)], "^", f"ecsq {v}"))
+                label_v = "ecsq, rounding 0.5" if v == "r50" else f"ecsq {v}"
+                color, marker, name = styles.get(v, (extra[i % len(extra)], "^", label_v))
                 pts = sorted((number(p["ratio"][kv], f"{label}: ratio"), number(p["err"][kv], f"{label}: err")) for p in pooled if p["variant"] == v)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=4, lw=1.3, label=name)
             ax.xaxis.set_major_locator(ticker.FixedLocator([8, 16, 32, 64, 128]))

@@ -114,9 +114,8 @@ TEST(Golden, ReencodeIsByteIdentical) {
 
 TEST(Golden, V1MustFail) {
   Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
-  const std::pair<const char*, const char*> cases[] = {{"fail_truncated.kvtc", "truncated"},
-                                                       {"fail_bitflip.kvtc", "checksum"},
-                                                       {"fail_wrong_calibration.kvtc", "wrong calibration"}};
+  const std::pair<const char*, const char*> cases[] = {
+      {"fail_truncated.kvtc", "truncated"}, {"fail_bitflip.kvtc", "checksum"}, {"fail_wrong_calibration.kvtc", "wrong calibration"}};
   for (const auto& [file, needle] : cases) {
     try {
       decompress(read_file(kDir + "/" + file), cal, file);
@@ -131,6 +130,29 @@ TEST(Golden, V1MustFail) {
             decompress(read_file(kDir + "/ok.kvtc"), cal, "ok.kvtc").blocks[0].k);
 }
 
+namespace {
+// The first n tokens of a single-head capture (the fuzz geometry), as a
+// shorter cache of the same conversation.
+KvCapture prefix_of(const KvCapture& full, uint32_t n) {
+  KvCapture c = full;
+  const KvBlock& b = full.blocks[0];
+  KvBlock nb = b;
+  nb.pos.resize(n);
+  nb.k.assign(nb.numel(), 0);
+  nb.v.assign(nb.numel(), 0);
+  for (uint32_t l = 0; l < b.n_layer(); ++l)
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t d = 0; d < b.head_dim; ++d) {
+        nb.k[nb.index(l, 0, t, d)] = b.k[b.index(l, 0, t, d)];
+        nb.v[nb.index(l, 0, t, d)] = b.v[b.index(l, 0, t, d)];
+      }
+  c.blocks[0] = nb;
+  c.tokens.resize(n);
+  return c;
+}
+
+}  // namespace
+
 // Appending in groups of 16 leaves every earlier byte alone and decodes to
 // what compressing the grown cache in one go decodes to.
 TEST(Append, KeepsThePrefixAndMatchesOneShot) {
@@ -140,38 +162,21 @@ TEST(Append, KeepsThePrefixAndMatchesOneShot) {
   o.sink = 2;
   o.window = 8;
   o.chunk_tokens = 32;
-  auto prefix_of = [&](uint32_t n) {
-    KvCapture c = full;
-    KvBlock& b = c.blocks[0];
-    KvBlock nb = b;
-    nb.pos.resize(n);
-    nb.k.assign(nb.numel(), 0);
-    nb.v.assign(nb.numel(), 0);
-    for (uint32_t l = 0; l < b.n_layer(); ++l)
-      for (uint32_t t = 0; t < n; ++t)
-        for (uint32_t d = 0; d < b.head_dim; ++d) {
-          nb.k[nb.index(l, 0, t, d)] = b.k[b.index(l, 0, t, d)];
-          nb.v[nb.index(l, 0, t, d)] = b.v[b.index(l, 0, t, d)];
-        }
-    c.blocks[0] = nb;
-    c.tokens.resize(n);
-    return c;
-  };
-  std::vector<uint8_t> bytes = compress(prefix_of(64), cal, fuzz::small_alloc(), o);
+  std::vector<uint8_t> bytes = compress(prefix_of(full, 64), cal, fuzz::small_alloc(), o);
   for (uint32_t n : {80u, 112u}) {
-    AppendResult r = append(bytes, prefix_of(n), cal, "grow");
+    AppendResult r = append(bytes, prefix_of(full, n), cal, "grow");
     ASSERT_LE(r.kept_bytes, bytes.size());
     EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + r.kept_bytes, r.bytes.begin())) << "append rewrote earlier bytes";
     EXPECT_GT(r.kept_bytes, bytes.size() / 2);
     KvCapture a = decompress(r.bytes, cal, "appended");
-    KvCapture one = decompress(compress(prefix_of(n), cal, fuzz::small_alloc(), o), cal, "one-shot");
+    KvCapture one = decompress(compress(prefix_of(full, n), cal, fuzz::small_alloc(), o), cal, "one-shot");
     EXPECT_EQ(a.blocks[0].pos, one.blocks[0].pos);
     EXPECT_EQ(a.blocks[0].k, one.blocks[0].k);
     EXPECT_EQ(a.blocks[0].v, one.blocks[0].v);
     EXPECT_EQ(a.tokens, one.tokens);
     bytes = r.bytes;
   }
-  EXPECT_THROW(append(bytes, prefix_of(112), cal, "same"), Error);  // nothing new
+  EXPECT_THROW(append(bytes, prefix_of(full, 112), cal, "same"), Error);  // nothing new
   KvCapture odd = fuzz::small_capture(120);
   EXPECT_THROW(append(bytes, odd, cal, "odd"), Error);  // 8 new tokens: not a multiple of 16
   KvCapture moved = fuzz::small_capture(128);
@@ -265,24 +270,7 @@ TEST(AppendV2, KeepsTheStep) {
   const Calibration cal = fuzz::small_calibration();
   CompressOptions o = v2_options();
   o.chunk_tokens = 32;
-  auto prefix_of = [&](uint32_t n) {
-    KvCapture c = full;
-    KvBlock& b = c.blocks[0];
-    KvBlock nb = b;
-    nb.pos.resize(n);
-    nb.k.assign(nb.numel(), 0);
-    nb.v.assign(nb.numel(), 0);
-    for (uint32_t l = 0; l < b.n_layer(); ++l)
-      for (uint32_t t = 0; t < n; ++t)
-        for (uint32_t d = 0; d < b.head_dim; ++d) {
-          nb.k[nb.index(l, 0, t, d)] = b.k[b.index(l, 0, t, d)];
-          nb.v[nb.index(l, 0, t, d)] = b.v[b.index(l, 0, t, d)];
-        }
-    c.blocks[0] = nb;
-    c.tokens.resize(n);
-    return c;
-  };
-  const std::vector<uint8_t> bytes = compress(prefix_of(64), cal, ecsq_allocation_set(cal, 2), o);
+  const std::vector<uint8_t> bytes = compress(prefix_of(full, 64), cal, ecsq_allocation_set(cal, 2), o);
   auto steps = [](const std::vector<uint8_t>& b) {
     std::vector<std::pair<uint32_t, float>> out;  // (kv, step) per chunk
     for (const auto& s : container::parse(b, "c").sections)
@@ -296,7 +284,7 @@ TEST(AppendV2, KeepsTheStep) {
   };
   const auto before = steps(bytes);
   ASSERT_FALSE(before.empty());
-  const AppendResult r = append(bytes, prefix_of(112), cal, "grow");
+  const AppendResult r = append(bytes, prefix_of(full, 112), cal, "grow");
   EXPECT_TRUE(std::equal(bytes.begin(), bytes.begin() + r.kept_bytes, r.bytes.begin())) << "append rewrote earlier bytes";
   const auto after = steps(r.bytes);
   EXPECT_GT(after.size(), before.size());
@@ -305,8 +293,8 @@ TEST(AppendV2, KeepsTheStep) {
       if (kv == kv0) {
         EXPECT_EQ(st, st0) << "kind " << kv;
       }
-  const ReconError e0 = reconstruction_error(prefix_of(64), decompress(bytes, cal, "first"), 2, 8);
-  const ReconError e1 = reconstruction_error(prefix_of(112), decompress(r.bytes, cal, "appended"), 2, 8);
+  const ReconError e0 = reconstruction_error(prefix_of(full, 64), decompress(bytes, cal, "first"), 2, 8);
+  const ReconError e1 = reconstruction_error(prefix_of(full, 112), decompress(r.bytes, cal, "appended"), 2, 8);
   EXPECT_LT(e1.k, 2 * e0.k);
   EXPECT_LT(e1.v, 2 * e0.v);
 }

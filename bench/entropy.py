@@ -22,23 +22,16 @@ import math
 import os
 import platform
 import struct
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
+from ratio import run  # noqa: E402  (the same kvtc runner)
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DP_RATIOS = [8, 16, 32, 64]
 ECSQ_RATIOS = [8, 11.3, 16, 22.6, 32, 45.3, 64, 90.5, 128]
-
-
-def run(kvtc, *args):
-    p = subprocess.run([kvtc, *args], capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(f"kvtc {' '.join(args)} failed:\n{p.stderr}")
-    return p.stdout
 
 
 def chunk_bytes(path):

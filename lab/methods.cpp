@@ -7,7 +7,8 @@
 namespace kvtc::lab {
 
 const char* const kMethodHelp =
-    "vanilla, kvtc-<R>x[-ecsq|-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, svd-<R>x, zstd, deflate";
+    "vanilla, kvtc-<R>x[-ecsq|-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, svd-<R>x, zstd, "
+    "deflate";
 
 namespace {
 

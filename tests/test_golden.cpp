@@ -22,14 +22,21 @@ namespace {
 
 const std::string kDir = KVTC_GOLDEN_DIR;
 
-void regenerate() {
-  KvCapture c = fuzz::small_capture(64);
-  Calibration cal = fuzz::small_calibration();
+// The options every golden file was written with (both versions).
+CompressOptions golden_options(int threads = 0) {
   CompressOptions o;
   o.sink = 2;
   o.window = 8;
   o.chunk_tokens = 16;
+  o.threads = threads;
   o.precision = Precision::kF32;  // reproducible on any machine
+  return o;
+}
+
+void regenerate() {
+  KvCapture c = fuzz::small_capture(64);
+  Calibration cal = fuzz::small_calibration();
+  const CompressOptions o = golden_options();
   std::vector<uint8_t> good = compress(c, cal, fuzz::small_alloc(), o);
   fs::create_directories(kDir);
   write_file_atomic(kDir + "/ok.kvtc", good);
@@ -92,13 +99,7 @@ TEST(Golden, ReencodeIsByteIdentical) {
   const std::vector<uint8_t> golden = read_file(kDir + "/ok.kvtc");
   const container::Parsed g = container::parse(golden, "ok.kvtc");
   for (int threads : {1, 2, 3}) {
-    CompressOptions o;
-    o.sink = 2;
-    o.window = 8;
-    o.chunk_tokens = 16;
-    o.threads = threads;
-    o.precision = Precision::kF32;
-    const std::vector<uint8_t> now = compress(c, cal, fuzz::small_alloc(), o);
+    const std::vector<uint8_t> now = compress(c, cal, fuzz::small_alloc(), golden_options(threads));
     const container::Parsed n = container::parse(now, "re-encoded");
     ASSERT_EQ(n.sections.size(), g.sections.size());
     for (size_t i = 0; i < g.sections.size(); ++i) {
@@ -192,20 +193,10 @@ namespace {
 
 const std::string kDir2 = KVTC_GOLDEN_V2_DIR;
 
-CompressOptions v2_options(int threads = 0) {
-  CompressOptions o;
-  o.sink = 2;
-  o.window = 8;
-  o.chunk_tokens = 16;
-  o.threads = threads;
-  o.precision = Precision::kF32;
-  return o;
-}
-
 void regenerate_v2() {
   const KvCapture c = capture_load(kDir + "/original.safetensors");
   const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
-  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), v2_options());
+  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), golden_options());
   fs::create_directories(kDir2);
   write_file_atomic(kDir2 + "/ok.kvtc", good);
   write_file_atomic(kDir2 + "/fail_truncated.kvtc", std::vector<uint8_t>(good.begin(), good.end() - 5));
@@ -240,7 +231,7 @@ TEST(GoldenV2, ReencodeIsByteIdentical) {
   const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
   const std::vector<uint8_t> golden = read_file(kDir2 + "/ok.kvtc");
   for (int threads : {1, 2, 3}) {
-    const std::vector<uint8_t> now = compress(c, cal, ecsq_allocation_set(cal, 2), v2_options(threads));
+    const std::vector<uint8_t> now = compress(c, cal, ecsq_allocation_set(cal, 2), golden_options(threads));
     const container::Parsed g = container::parse(golden, "ok.kvtc"), n = container::parse(now, "re-encoded");
     EXPECT_EQ(g.header_json, n.header_json);
     ASSERT_EQ(n.sections.size(), g.sections.size());
@@ -268,7 +259,7 @@ TEST(GoldenV2, MustFail) {
 TEST(AppendV2, KeepsTheStep) {
   const KvCapture full = fuzz::small_capture(112);
   const Calibration cal = fuzz::small_calibration();
-  CompressOptions o = v2_options();
+  CompressOptions o = golden_options();
   o.chunk_tokens = 32;
   const std::vector<uint8_t> bytes = compress(prefix_of(full, 64), cal, ecsq_allocation_set(cal, 2), o);
   auto steps = [](const std::vector<uint8_t>& b) {

@@ -39,7 +39,7 @@ namespace kvtc {
 //          Not a DP type: ecsq_allocation_set makes it, the rate control of
 //          compress picks the step.
 enum class QType : uint8_t { kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3, kEcsq = 4 };
-constexpr int kNumQTypes = 4;  // the fixed-rate types the DP chooses among (kNone..kFp8)
+constexpr int kNumQTypes = 4;     // the fixed-rate types the DP chooses among (kNone..kFp8)
 const char* qtype_name(QType t);  // "none", "int2", "int4", "fp8", "ecsq"
 
 struct BlockAlloc {

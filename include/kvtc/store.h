@@ -39,8 +39,8 @@
 namespace kvtc {
 
 struct StoreOptions {
-  double ratio = 16;            // nominal ratio of the coded tokens
-  bool raw = false;             // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
+  double ratio = 16;  // nominal ratio of the coded tokens
+  bool raw = false;   // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
   // Pieces in the entropy-coded mode (container version 2,
   // ecsq_allocation_set: one step rate-controlled to `ratio` per piece,
   // rANS) instead of the DP allocation with DEFLATE (version 1).

@@ -321,8 +321,7 @@ class PyCalibration {
     if (coding != "dp" && coding != "ecsq") throw Error("coding '" + coding + "': expected 'dp' or 'ecsq'");
     const bool ecsq = coding == "ecsq";
     if (ecsq && joint) throw Error("joint=True applies to the DP allocation (coding='dp') only");
-    if (decoder_only_ && !ecsq)
-      throw Error(path_ + ": loaded with decoder_only=True, which has no allocation tables; load it in full to compress");
+    if (decoder_only_ && !ecsq) throw Error(path_ + ": loaded with decoder_only=True, which has no allocation tables; load it in full to compress");
     if (!(ratio >= 1 && ratio <= 4096)) throw Error("ratio " + std::to_string(ratio) + ": expected a nominal ratio in [1, 4096]");
     std::lock_guard<std::mutex> lock(allocs_->mu);
     auto key = std::make_tuple(ratio, joint, ecsq);

@@ -154,7 +154,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
       // Projected components: with rate control, those kept at half the
       // step the spectrum's Gaussian model predicts (the cache may need a
       // finer step than the calibration's held-out tokens).
-      E.ld[b][kv] = !trim ? cap
+      E.ld[b][kv] = !trim       ? cap
                     : fixed > 0 ? kept(t, fixed, cap)
                                 : kept(t, 0.5 * model_step(t.variance, std::floor(double(t.p) * 16 / alloc[b][kv].nominal_ratio)), cap);
     }

@@ -120,8 +120,8 @@ Parsed parse(const uint8_t* b, size_t size, const std::string& origin, int threa
   require(size >= kFileHeaderBytes, origin + ": not a .kvtc container (" + std::to_string(size) + " bytes, the 20-byte file header is missing)");
   require(std::memcmp(b, kMagic, 4) == 0, origin + ": not a .kvtc container (magic is not 'KVTC')");
   out.version = get_u32(b + 4);
-  require(out.version >= 1 && out.version <= kContainerVersion, origin + ": container version " + std::to_string(out.version) +
-                                                                    ", this kvtc reads versions 1 to " + std::to_string(kContainerVersion));
+  require(out.version >= 1 && out.version <= kContainerVersion,
+          origin + ": container version " + std::to_string(out.version) + ", this kvtc reads versions 1 to " + std::to_string(kContainerVersion));
   const uint32_t hl = get_u32(b + 8);
   require(hl <= kMaxHeaderBytes && hl <= size - kFileHeaderBytes,
           origin + ": header_len " + std::to_string(hl) + " exceeds the file (" + std::to_string(size) + " bytes; truncated?)");

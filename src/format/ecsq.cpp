@@ -333,6 +333,12 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     }
     return v;
   };
+  // The value after an escape symbol: 5 bits of length L, then L bits of u + 1.
+  auto escaped = [&]() -> uint32_t {
+    const uint32_t nb = bits_of(5);
+    if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
+    return ((1u << nb) | bits_of(nb)) - 1;
+  };
   // Decoded component-major (the stream's order), then transposed in tiles:
   // writing d column by column directly misses the cache on every value
   // (a row of 3,000 components is 12 KB).
@@ -365,9 +371,7 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
           col[t] = dq[u];
           continue;
         }
-        const uint32_t nb = bits_of(5);
-        if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
-        const int64_t c = unzigzag(((1u << nb) | bits_of(nb)) - 1);
+        const int64_t c = unzigzag(escaped());
         if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
         const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
         col[t] = c < 0 ? -a : a;
@@ -376,11 +380,7 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     }
     for (uint32_t t = 0; t < n; ++t) {
       uint32_t u = sym(k);
-      if (u == kEsc || kFreq[k][u] == 0) {
-        const uint32_t nb = bits_of(5);
-        if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
-        u = ((1u << nb) | bits_of(nb)) - 1;
-      }
+      if (u == kEsc) u = escaped();
       int64_t c = unzigzag(u);
       if (b) c = c * (int64_t(1) << b) + bits_of(b);
       if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");

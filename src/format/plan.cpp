@@ -271,8 +271,8 @@ void derive_token_counts(const Parsed& P, ContainerHeader& H, const std::string&
 ContainerHeader read_header(const Parsed& P, const std::string& origin) {
   ContainerHeader H = parse_header(P.header_json, origin);
   H.version = P.version;
-  require(container_version(H.alloc) <= H.version, origin + ": entropy-coded (ecsq) allocations in a version " + std::to_string(H.version) +
-                                                       " container (they need version 2)");
+  require(container_version(H.alloc) <= H.version,
+          origin + ": entropy-coded (ecsq) allocations in a version " + std::to_string(H.version) + " container (they need version 2)");
   derive_token_counts(P, H, origin);
   return H;
 }

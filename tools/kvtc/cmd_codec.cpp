@@ -180,7 +180,9 @@ Action add_compress(CLI::App& app) {
     KvCapture c = capture_load(a->in);
     Calibration cal = calibration_load(a->calib);
     const double load_ms = ms_since(t0);
-    require(a->coding == "ecsq" || (a->opt.ecsq_step == 0 && a->opt.ecsq_rounding == CompressOptions{}.ecsq_rounding && a->opt.ecsq_min_sd == CompressOptions{}.ecsq_min_sd), "compress: --step, --rounding and --min-sd need --coding ecsq");
+    require(a->coding == "ecsq" || (a->opt.ecsq_step == 0 && a->opt.ecsq_rounding == CompressOptions{}.ecsq_rounding &&
+                                    a->opt.ecsq_min_sd == CompressOptions{}.ecsq_min_sd),
+            "compress: --step, --rounding and --min-sd need --coding ecsq");
     AllocationSet al = a->coding == "ecsq" ? ecsq_allocation_set(cal, a->ratio) : allocation_set(cal, a->ratio);
     t0 = std::chrono::steady_clock::now();
     std::vector<uint8_t> bytes = compress(c, cal, al, a->opt);  // validates the match first
@@ -208,7 +210,7 @@ Action add_compress(CLI::App& app) {
     j["encode_ms"] = enc_ms;
     j["projection"] = precision_name(stats.projection);
     j["entropy_backend"] = stats.entropy_backend;
-    j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms}, {"project", stats.project_ms},
+    j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms},   {"project", stats.project_ms},
                             {"quant", stats.quant_ms},   {"entropy", stats.entropy_ms}, {"threads", stats.threads}};
     if (a->json)
       std::printf("%s\n", j.dump(2).c_str());
@@ -255,7 +257,7 @@ Action add_decompress(CLI::App& app) {
     j["decode_ms"] = ms;
     j["projection"] = precision_name(stats.projection);
     j["entropy_backend"] = stats.entropy_backend;
-    j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms}, {"project", stats.project_ms},
+    j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms},   {"project", stats.project_ms},
                             {"quant", stats.quant_ms},   {"entropy", stats.entropy_ms}, {"threads", stats.threads}};
     if (!ref->empty()) {
       const ContainerHeader h = inspect(bytes, *in).header;

@@ -125,6 +125,7 @@ def summarize(recs):
             for s, v in r["scores"].items():
                 scores[r["method"]][(r["task"], s)][r["index"]] = v
         prompts = {t: len({r["index"] for r in rs if r["task"] == t}) for t in {r["task"] for r in rs}}
+        by_prompt = {(r["method"], r["task"], r["index"]): r for r in rs}
         cj = {"context": ctx, "prompts_per_task": prompts, "runs": sorted(runs), "methods": []}
         ref = scores.get("vanilla", {})
         for m in methods:
@@ -145,6 +146,14 @@ def summarize(recs):
                         better = sum(1 for i in common if vals[i] > rv[i])
                         # The loss (worse - better) / n is at most the share made worse.
                         mj["paired_diff"][s].update(worse=worse, better=better, worse_upper95=100 * upper95(worse, len(common)))
+                        # Which prompts differ, with what each answered: what
+                        # "find out why" starts from.
+                        mj.setdefault("differs", [])
+                        for i in common:
+                            if vals[i] != rv[i]:
+                                mr, vr = by_prompt[(m, task, i)], by_prompt[("vanilla", task, i)]
+                                mj["differs"].append({"task": s, "index": i, "id": mr.get("id", ""), "expected": (mr.get("expected") or [""])[0],
+                                                      "vanilla": vr.get("output", ""), "method": mr.get("output", ""), "worse": vals[i] < rv[i]})
             cj["methods"].append(mj)
         out.append(cj)
     return out
@@ -196,9 +205,39 @@ def markdown(name, contexts, header, notes, dup):
             ratio = f"{m['ratio']:.2f}x" if m["ratio"] else "–"
             L.append(f"| {m['name']} | {ratio} | " + " | ".join(cells) + " |")
         L.append("")
+        L += differences(cj)
     if notes:
         L += [notes.rstrip(), ""]
     return "\n".join(L)
+
+
+# A method whose pass/fail differs from vanilla on more prompts than this
+# (q4_0 on Qwen: all of them) gets a count, not a list.
+MAX_LISTED = 12
+
+
+def differences(cj):
+    """Markdown: for pass/fail tasks, each prompt a method answered
+    differently from vanilla (right where vanilla was wrong, or the reverse)."""
+    def q(text):
+        text = text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'")
+        return "`" + (text[:60] + "…" if len(text) > 60 else text) + "`"
+    rows, skipped = [], []
+    for m in cj["methods"]:
+        d = m.get("differs", [])
+        if len(d) > MAX_LISTED:
+            skipped.append(f"{m['name']} ({len(d)})")
+            continue
+        for x in d:
+            rows.append(f"| {m['name']} | {x['task']} {x['index']}: {x['id']} | {'worse' if x['worse'] else 'better'} | {q(x['expected'])} | {q(x['vanilla'])} | {q(x['method'])} |")
+    if not rows and not skipped:
+        return []
+    L = [f"Prompts where a method's pass/fail differs from vanilla's at {cj['context']} tokens (outputs cut at 60 characters; ⏎ = newline):", ""]
+    if rows:
+        L += ["| method | prompt | | expected | vanilla | method |", "|---|---|---|---|---|---|"] + rows + [""]
+    if skipped:
+        L += [f"Not listed (more than {MAX_LISTED} prompts differ): " + ", ".join(skipped) + ".", ""]
+    return L
 
 
 def main():

@@ -377,6 +377,10 @@ class Codec(unittest.TestCase):
         d = kv["paired_diff"]["code"]  # pass/fail: discordant counts and an exact bound
         self.assertGreaterEqual(d["worse_upper95"], 100 * (1 - 0.05 ** (1 / 3)) - 1e-6)
         self.assertLessEqual(d["worse"] + d["better"], 3)
+        # ... and lists the prompts that differ, with both answers.
+        differs = [x for x in kv.get("differs", []) if x["task"] == "code"]
+        self.assertEqual(len(differs), d["worse"] + d["better"])
+        self.assertEqual(sum(x["worse"] for x in differs), d["worse"])
         self.assertGreater(kv["ratio"], 1.5)
         self.assertEqual(van["ratio"], 1.0)
         self.assertIn("code (edit sim.)", open(os.path.join(res, "t.md")).read())

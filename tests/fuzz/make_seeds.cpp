@@ -1,5 +1,5 @@
 // Writes seed inputs for the fuzzers: a valid container, capture file,
-// calibration file and state blob built from the synthetic capture.
+// calibration file and state blobs (sequence and context) built from the synthetic capture.
 #include <cstdio>
 #include <string>
 
@@ -25,5 +25,7 @@ int main(int argc, char** argv) {
   write_file_atomic(dir + "/safetensors/capture.safetensors", capture_serialize(c));
   write_file_atomic(dir + "/safetensors/calibration.safetensors", calibration_serialize(fuzz::small_calibration()));
   write_file_atomic(dir + "/state_blob/seed.bin", state_from_capture(c, StateLayout{{1}, 1, 0}));
+  // A context state (llama_state_get_data) holding the same cache.
+  write_file_atomic(dir + "/state_blob/seed_context.bin", context_state_join("llama", state_from_capture(c, StateLayout{{1}, 1, 0}), "seed"));
   return 0;
 }

@@ -1,7 +1,7 @@
 """kvtc-server from Python, over its real HTTP API (requests): start one on
 a free loopback port, wait until it is healthy, talk to it, read its
-Prometheus metrics, stop it. Used by tests/test_server.py and
-bench/serve.py."""
+Prometheus metrics, stop it; redis-server the same way. Used by
+tests/test_server*.py, bench/serve*.py and the Python package's tests."""
 import os
 import re
 import signal
@@ -9,7 +9,10 @@ import socket
 import subprocess
 import time
 
-import requests
+try:
+    import requests
+except ImportError:  # the Python package's venv has none: it uses the Redis helper only
+    requests = None
 
 
 def free_port():
@@ -23,6 +26,8 @@ class Server:
     and port; its log (stdout and stderr) goes to `log_path`."""
 
     def __init__(self, binary, model, args, log_path, ctx=8192, env=None, preexec_fn=None, port=None):
+        if requests is None:
+            raise RuntimeError("serverlib.Server talks HTTP with requests (Debian's python3-requests), which this Python lacks")
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path

@@ -1,15 +1,22 @@
 """KvtcCache in a real llama-cpp-python 0.3.35 session (SmolLM2-135M, the
 pinned llama.cpp): a follow-up prompt is answered from the compressed cache,
-the budget holds, states survive a restart on disk, and what the cache cannot
-keep is refused."""
+the budget holds, states survive a restart on disk, two Llamas share a real
+Redis tier (and answer with it down), and what the cache cannot keep is
+refused."""
+import os
+import sys
+
 import numpy as np
 import pytest
 
 import kvtc
-from conftest import SMOL, eval_text
+from conftest import SMOL, TOP, eval_text
 
 import llama_cpp  # noqa: E402  (a missing llama_cpp is a failure, not a skip)
 from kvtc.llama_cpp import KvtcCache
+
+sys.path.insert(0, os.path.join(TOP, "scripts"))
+from serverlib import Redis  # noqa: E402  (redis-server on a loopback port, as the server tests use)
 
 N_CTX = 2048
 
@@ -127,3 +134,35 @@ def test_what_it_cannot_keep_is_refused(smol_calibration):
     with pytest.raises(KeyError):
         cache[[1, 2, 3]]
     cache.close()
+
+
+def test_two_processes_share_a_redis_tier(smol_calibration, work):
+    """Turn 1 in one Llama, turn 2 in another (as two servers behind a load
+    balancer): the second restores turn 1 from a real redis-server. With Redis
+    stopped, a third still answers (it recomputes), and says Redis is down."""
+    r = Redis(str(work / "redis"))
+    try:
+        p1 = first_turn()
+        llm_a = make_llm()
+        with KvtcCache(smol_calibration, llm_a, redis_url=r.url) as a:
+            llm_a.set_cache(a)
+            a1 = ask(llm_a, p1, n=4)
+            a.flush()
+            assert a.stats()["redis_up"] == 1
+        assert int(r.info("keyspace").get("db0", "keys=0").split(",")[0].split("=")[1]) >= 1
+        p2 = p1 + a1 + "\nQuestion: To whom?\nAnswer:"
+        llm_b = make_llm()
+        with KvtcCache(smol_calibration, llm_b, redis_url=r.url) as b:  # RAM empty, no disk
+            llm_b.set_cache(b)
+            assert ask(llm_b, p2, n=4).strip()
+            s = b.stats()
+        assert s["hits_redis"] >= 1 and s["tokens_restored"] >= 512, s
+        r.stop()
+        llm_c = make_llm()
+        with KvtcCache(smol_calibration, llm_c, redis_url=r.url) as c:
+            llm_c.set_cache(c)
+            assert ask(llm_c, p2, n=4) == ask(make_llm(), p2, n=4)  # recomputed: the uncached answer
+            s = c.stats()
+        assert s["hits_redis"] == 0 and s["redis_up"] == 0 and s["redis_error"], s
+    finally:
+        r.stop()

@@ -154,6 +154,16 @@ def summarize(recs):
                                 mr, vr = by_prompt[(m, task, i)], by_prompt[("vanilla", task, i)]
                                 mj["differs"].append({"task": s, "index": i, "id": mr.get("id", ""), "expected": (mr.get("expected") or [""])[0],
                                                       "vanilla": vr.get("output", ""), "method": mr.get("output", ""), "worse": vals[i] < rv[i]})
+            # Pooled over the pass/fail tasks: every prompt one trial. A
+            # bound on the share of prompts made worse over this task mix,
+            # tighter than any one task's (3 x 100 prompts, none worse: 1.0
+            # point where each task alone says 3.0).
+            ds = [mj["paired_diff"][s] for s in ("niah", "vt", "kvr", "code") if "worse" in mj["paired_diff"].get(s, {})]
+            if len(ds) > 1:
+                n, worse, better = sum(d["n"] for d in ds), sum(d["worse"] for d in ds), sum(d["better"] for d in ds)
+                mj["pooled_pass_fail"] = {"tasks": [s for s in ("niah", "vt", "kvr", "code") if "worse" in mj["paired_diff"].get(s, {})],
+                                          "n": n, "worse": worse, "better": better, "mean": 100 * (better - worse) / n,
+                                          "worse_upper95": 100 * upper95(worse, n)}
             cj["methods"].append(mj)
         out.append(cj)
     return out
@@ -205,6 +215,15 @@ def markdown(name, contexts, header, notes, dup):
             ratio = f"{m['ratio']:.2f}x" if m["ratio"] else "–"
             L.append(f"| {m['name']} | {ratio} | " + " | ".join(cells) + " |")
         L.append("")
+        pooled = [m for m in cj["methods"] if "pooled_pass_fail" in m]
+        if pooled:
+            L += [f"Pooled over the pass/fail tasks at {cj['context']} tokens (each prompt of each task one trial; a bound on the share of",
+                  "prompts made worse over this mix of tasks, not on any one task):", ""]
+            for m in pooled:
+                d = m["pooled_pass_fail"]
+                L.append(f"- {m['name']} ({'+'.join(d['tasks'])}): {d['n']} prompts, worse on {d['worse']}, better on {d['better']} "
+                         f"(Δ {d['mean']:+.2f} points); share made worse ≤ {d['worse_upper95']:.1f} points (95%)")
+            L.append("")
         L += differences(cj)
     if notes:
         L += [notes.rstrip(), ""]

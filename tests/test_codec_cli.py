@@ -381,6 +381,8 @@ class Codec(unittest.TestCase):
         differs = [x for x in kv.get("differs", []) if x["task"] == "code"]
         self.assertEqual(len(differs), d["worse"] + d["better"])
         self.assertEqual(sum(x["worse"] for x in differs), d["worse"])
+        pooled = kv["pooled_pass_fail"]  # niah and code exact as one set of trials
+        self.assertEqual((pooled["n"], pooled["worse"]), (6, d["worse"] + kv["paired_diff"]["niah"]["worse"]))
         self.assertGreater(kv["ratio"], 1.5)
         self.assertEqual(van["ratio"], 1.0)
         self.assertIn("code (edit sim.)", open(os.path.join(res, "t.md")).read())

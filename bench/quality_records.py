@@ -17,7 +17,10 @@ twice (an interrupted run resumed) counts once. Scores: mean and 95%
 half-width over prompts (normal approximation, as kvtc-lab eval); a
 method's paired difference from vanilla uses only the prompts both have.
 The whole-cache ratio of a method is the f16 bytes over the stored bytes
-summed over all its prompts at that context.
+summed over all its prompts at that context. For the pass/fail tasks the
+report also counts the prompts made worse and better, bounds the share made
+worse (per task, and pooled over the tasks), and lists the prompts that
+differ with each answer.
 """
 import argparse
 import json

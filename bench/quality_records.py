@@ -127,7 +127,7 @@ def summarize(recs):
                 runs.add(r["run"])
             for s, v in r["scores"].items():
                 scores[r["method"]][(r["task"], s)][r["index"]] = v
-        prompts = {t: len({r["index"] for r in rs if r["task"] == t}) for t in {r["task"] for r in rs}}
+        prompts = {t: len({r["index"] for r in rs if r["task"] == t}) for t in sorted({r["task"] for r in rs})}  # sorted: a stable JSON
         by_prompt = {(r["method"], r["task"], r["index"]): r for r in rs}
         cj = {"context": ctx, "prompts_per_task": prompts, "runs": sorted(runs), "methods": []}
         ref = scores.get("vanilla", {})
@@ -161,11 +161,11 @@ def summarize(recs):
             # bound on the share of prompts made worse over this task mix,
             # tighter than any one task's (3 x 100 prompts, none worse: 1.0
             # point where each task alone says 3.0).
-            ds = [mj["paired_diff"][s] for s in ("niah", "vt", "kvr", "code") if "worse" in mj["paired_diff"].get(s, {})]
+            tasks = [s for s in ("niah", "kvr", "code") if "worse" in mj["paired_diff"].get(s, {})]  # BINARY, in column order
+            ds = [mj["paired_diff"][s] for s in tasks]
             if len(ds) > 1:
                 n, worse, better = sum(d["n"] for d in ds), sum(d["worse"] for d in ds), sum(d["better"] for d in ds)
-                mj["pooled_pass_fail"] = {"tasks": [s for s in ("niah", "vt", "kvr", "code") if "worse" in mj["paired_diff"].get(s, {})],
-                                          "n": n, "worse": worse, "better": better, "mean": 100 * (better - worse) / n,
+                mj["pooled_pass_fail"] = {"tasks": tasks, "n": n, "worse": worse, "better": better, "mean": 100 * (better - worse) / n,
                                           "worse_upper95": 100 * upper95(worse, n)}
             cj["methods"].append(mj)
         out.append(cj)

@@ -2,6 +2,7 @@
 // calibration file and state blobs (sequence and context) built from the synthetic capture.
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "codec/calibration_io.h"
 #include "core/capture_io.h"
@@ -24,8 +25,9 @@ int main(int argc, char** argv) {
   write_file_atomic(dir + "/container/seed_ecsq.kvtc", compress(c, fuzz::small_calibration(), ecsq_allocation_set(fuzz::small_calibration(), 2), o));
   write_file_atomic(dir + "/safetensors/capture.safetensors", capture_serialize(c));
   write_file_atomic(dir + "/safetensors/calibration.safetensors", calibration_serialize(fuzz::small_calibration()));
-  write_file_atomic(dir + "/state_blob/seed.bin", state_from_capture(c, StateLayout{{1}, 1, 0}));
+  const std::vector<uint8_t> seq_state = state_from_capture(c, StateLayout{{1}, 1, 0});
+  write_file_atomic(dir + "/state_blob/seed.bin", seq_state);
   // A context state (llama_state_get_data) holding the same cache.
-  write_file_atomic(dir + "/state_blob/seed_context.bin", context_state_join("llama", state_from_capture(c, StateLayout{{1}, 1, 0}), "seed"));
+  write_file_atomic(dir + "/state_blob/seed_context.bin", context_state_join("llama", seq_state, "seed"));
   return 0;
 }

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import unittest
 
-from kvtc_testlib import SMOL, eval_doc, run
+from kvtc_testlib import SMOL, eval_doc, run, small_calibration
 
 CMAKE = os.environ["CMAKE_COMMAND"]
 BUILD = os.environ["KVTC_BUILD_DIR"]
@@ -38,8 +38,7 @@ class Package(unittest.TestCase):
         cls.cap = os.path.join(cls.tmp, "cap.safetensors")
         run("capture", "-m", SMOL, "-t", eval_doc("prose", 1024), "--max-tokens", "700", "-o", cls.cap, check=0)
         cls.cal = os.path.join(cls.tmp, "cal.safetensors")
-        run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512", "--ratios", "16",
-            "-o", cls.cal, check=0)
+        small_calibration(cls.cal)
 
     @classmethod
     def tearDownClass(cls):

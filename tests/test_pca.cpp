@@ -132,3 +132,72 @@ TEST(Pca, RandomizedMatchesExact) {
     EXPECT_GT(std::fabs(dot), 0.999) << "component " << j;
   }
 }
+
+// Fewer rows than features: the Gram route (the default there) and the
+// covariance route (keep_rows 0) on the same rows, fed in uneven chunks,
+// give the same mean, total variance, spectrum and components; past p rows
+// the accumulator switches to the covariance and says so; a rank it cannot
+// support (r >= n) falls back to the covariance (synthetic data).
+TEST(Pca, GramRouteMatchesCovariance) {
+  const uint32_t p = 500, n = 320, k = 40;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> dirs(k * p);
+  for (auto& v : dirs) v = g(rng);
+  std::vector<float> x(size_t(n) * p);
+  for (uint32_t i = 0; i < n; ++i) {
+    for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] = 20.0f + 0.5f * f / p + 0.02f * g(rng);  // large mean: cancellation check
+    for (uint32_t j = 0; j < k; ++j) {
+      const float c = g(rng) * 4.0f * std::pow(0.85f, float(j));
+      for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] += c * dirs[j * p + f];
+    }
+  }
+  CovAccumulator gram(p), cov(p, 0);
+  for (size_t at = 0, chunk = 37; at < n; at += chunk, chunk += 11) {
+    const size_t m = std::min<size_t>(chunk, n - at);
+    gram.add(&x[at * p], m);
+    cov.add(&x[at * p], m);
+  }
+  const uint32_t r = 64;
+  Pca a = gram.finish(r), b = cov.finish(r);
+  EXPECT_TRUE(a.gram);
+  EXPECT_FALSE(b.gram);
+  ASSERT_EQ(a.r, r);
+  EXPECT_EQ(a.n_tokens, n);
+  EXPECT_NEAR(a.total_variance, b.total_variance, 1e-5 * b.total_variance);
+  for (uint32_t f = 0; f < p; ++f) EXPECT_NEAR(a.mu[f], b.mu[f], 1e-4);
+  for (uint32_t j = 0; j < r; ++j) {
+    EXPECT_NEAR(a.variance[j], b.variance[j], 1e-5 * b.variance[0]) << j;
+    if (j + 1 < r) {
+      EXPECT_GE(a.variance[j], a.variance[j + 1]);
+    }
+  }
+  for (uint32_t j = 0; j < k; ++j) {  // well separated: the same vector, the same sign
+    double dot = 0;
+    for (uint32_t f = 0; f < p; ++f) dot += double(a.basis[j * p + f]) * b.basis[j * p + f];
+    EXPECT_GT(dot, 0.9999) << "component " << j;
+  }
+  for (uint32_t i = 0; i < r; ++i)
+    for (uint32_t j = i; j < r; ++j) {
+      double dot = 0;
+      for (uint32_t f = 0; f < p; ++f) dot += double(a.basis[i * p + f]) * a.basis[j * p + f];
+      EXPECT_NEAR(dot, i == j ? 1.0 : 0.0, 1e-5) << i << "," << j;
+    }
+  // r >= n: the centred rows have rank n - 1, so the covariance route answers.
+  Pca full = gram.finish(n);
+  EXPECT_FALSE(full.gram);
+  EXPECT_EQ(full.r, n);
+  EXPECT_NEAR(full.variance[0], b.variance[0], 1e-5 * b.variance[0]);
+  // Past p rows the kept rows join the covariance: the same answer again.
+  std::vector<float> more(size_t(p) * p);
+  for (auto& v : more) v = 20.0f + g(rng);
+  CovAccumulator over(p), ref(p, 0);
+  for (CovAccumulator* c : {&over, &ref}) {
+    c->add(x.data(), n);
+    c->add(more.data(), p);
+  }
+  Pca o = over.finish(8), q = ref.finish(8);
+  EXPECT_FALSE(o.gram);
+  for (uint32_t j = 0; j < 8; ++j) EXPECT_NEAR(o.variance[j], q.variance[j], 1e-6 * q.variance[0]) << j;
+  EXPECT_NEAR(o.total_variance, q.total_variance, 1e-6 * q.total_variance);
+}

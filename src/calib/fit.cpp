@@ -190,12 +190,14 @@ Calibration CalibrationFitter::finish(const ProgressFn& progress) {
   cal.keys_derope = !I.opt.keep_rope;
   cal.blocks.resize(nb);
   uint64_t step = 0;
+  bool gram = false;  // any block's exact PCA through the Gram matrix (fewer tokens than features)
   for (size_t b = 0; b < nb; ++b)
     for (int k = 0; k < 2; ++k) {
       if (progress) progress("pca", step++, 2 * nb);
       RandomizedOptions ro;
       ro.power_iters = I.opt.power_iters;
       Pca pca = I.randomized[b] ? randomized_pca(*I.spool[b][k], I.opt.rank_max, ro) : I.acc[b][k]->finish(I.opt.rank_max);
+      gram = gram || pca.gram;
       I.acc[b][k].reset();
       I.spool[b][k].reset();
       Transform& t = cal.blocks[b][k];
@@ -232,7 +234,8 @@ Calibration CalibrationFitter::finish(const ProgressFn& progress) {
   cal.meta["skip_sinks"] = std::to_string(I.opt.skip_sinks);
   cal.meta["pca_route"] =
       I.randomized[0] ? "randomized: Halko subspace iteration, " + std::to_string(I.opt.power_iters) + " power iterations, rows spooled as f16"
-                      : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
+      : gram ? "exact: Gram matrix of the calibration rows (fewer than the features), LAPACK dsyevr"
+             : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
   cal.meta["kvtc_version"] = KVTC_VERSION;
   cal.id = calibration_compute_id(cal);
   return cal;

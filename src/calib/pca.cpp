@@ -12,7 +12,30 @@
 
 namespace kvtc {
 
-CovAccumulator::CovAccumulator(uint32_t p) : p_(p), shift_(p, 0.0), sum_(p, 0.0), s_(size_t(p) * p, 0.0), tmp_(size_t(p) * p) {}
+CovAccumulator::CovAccumulator(uint32_t p, size_t keep_rows) : p_(p), keep_rows_(std::min<size_t>(keep_rows, p)), shift_(p, 0.0), sum_(p, 0.0) {}
+
+namespace {
+
+// s (upper triangle, p x p f64) += xc' xc for n rows of p; tmp: p x p f32 scratch.
+void syrk_add(const float* xc, size_t n, uint32_t p, std::vector<float>& tmp, std::vector<double>& s) {
+  tmp.resize(size_t(p) * p);
+  s.resize(size_t(p) * p, 0.0);
+  cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, int(p), int(n), 1.0f, xc, int(p), 0.0f, tmp.data(), int(p));
+  for (uint32_t a = 0; a < p; ++a)
+    for (uint32_t b = a; b < p; ++b) s[size_t(a) * p + b] += tmp[size_t(a) * p + b];
+}
+
+// Row j of the basis from eigenvector column col of z ([p][ld], f64), with
+// the sign convention: largest-magnitude entry positive (stable across runs).
+void store_component(const double* z, size_t ld, uint32_t col, double scale, uint32_t p, float* out) {
+  double best = 0;
+  for (uint32_t f = 0; f < p; ++f)
+    if (std::fabs(z[size_t(f) * ld + col]) > std::fabs(best)) best = z[size_t(f) * ld + col];
+  const double sgn = best < 0 ? -scale : scale;
+  for (uint32_t f = 0; f < p; ++f) out[f] = float(sgn * z[size_t(f) * ld + col]);
+}
+
+}  // namespace
 
 void CovAccumulator::add(const float* x, size_t n) {
   if (n == 0) return;
@@ -28,9 +51,16 @@ void CovAccumulator::add(const float* x, size_t n) {
       xc_[i * p_ + f] = c;
       sum_[f] += c;
     }
-  cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, int(p_), int(n), 1.0f, xc_.data(), int(p_), 0.0f, tmp_.data(), int(p_));
-  for (uint32_t a = 0; a < p_; ++a)
-    for (uint32_t b = a; b < p_; ++b) s_[size_t(a) * p_ + b] += tmp_[size_t(a) * p_ + b];
+  if (s_.empty() && n_ + n <= keep_rows_) {
+    kept_.insert(kept_.end(), xc_.begin(), xc_.end());
+  } else {
+    if (!kept_.empty()) {  // past keep_rows: the kept rows join the covariance, and no more are kept
+      syrk_add(kept_.data(), kept_.size() / p_, p_, tmp_, s_);
+      kept_.clear();
+      kept_.shrink_to_fit();
+    }
+    syrk_add(xc_.data(), n, p_, tmp_, s_);
+  }
   n_ += n;
 }
 
@@ -38,6 +68,14 @@ Pca CovAccumulator::finish(uint32_t r_max) const {
   require(n_ >= 2, "PCA: need at least 2 calibration tokens, have " + std::to_string(n_));
   const uint32_t r = std::min(r_max, p_);
   require(r >= 1, "PCA: rank must be at least 1");
+  if (s_.empty() && r < n_) {
+    Pca g = finish_gram(r);
+    if (g.r == r) return g;
+  }
+  std::vector<double> kept_sum;  // rows still kept (the Gram route declined): their covariance now
+  std::vector<float> tmp;
+  if (s_.empty()) syrk_add(kept_.data(), kept_.size() / p_, p_, tmp, kept_sum);
+  const std::vector<double>& s = s_.empty() ? kept_sum : s_;
   Pca out;
   out.p = p_;
   out.r = r;
@@ -48,7 +86,7 @@ Pca CovAccumulator::finish(uint32_t r_max) const {
   for (uint32_t f = 0; f < p_; ++f) out.mu[f] = float(shift_[f] + m[f]);
   std::vector<double> cov(size_t(p_) * p_, 0.0);
   for (uint32_t a = 0; a < p_; ++a)
-    for (uint32_t b = a; b < p_; ++b) cov[size_t(a) * p_ + b] = s_[size_t(a) * p_ + b] / double(n_) - m[a] * m[b];
+    for (uint32_t b = a; b < p_; ++b) cov[size_t(a) * p_ + b] = s[size_t(a) * p_ + b] / double(n_) - m[a] * m[b];
   for (uint32_t f = 0; f < p_; ++f) out.total_variance += cov[size_t(f) * p_ + f];
   std::vector<double> w(p_), z(size_t(p_) * r);
   std::vector<lapack_int> isuppz(2 * size_t(r));
@@ -62,12 +100,54 @@ Pca CovAccumulator::finish(uint32_t r_max) const {
   for (uint32_t j = 0; j < r; ++j) {
     const uint32_t col = r - 1 - j;  // descending
     out.variance[j] = std::max(0.0, w[col]);
-    // Sign convention: largest-magnitude entry positive (stable across runs).
-    double best = 0;
-    for (uint32_t f = 0; f < p_; ++f)
-      if (std::fabs(z[size_t(f) * r + col]) > std::fabs(best)) best = z[size_t(f) * r + col];
-    const double sgn = best < 0 ? -1.0 : 1.0;
-    for (uint32_t f = 0; f < p_; ++f) out.basis[size_t(j) * p_ + f] = float(sgn * z[size_t(f) * r + col]);
+    store_component(z.data(), r, col, 1.0, p_, &out.basis[size_t(j) * p_]);
+  }
+  return out;
+}
+
+// The covariance C = X'X / n of the n centred rows X (n x p) and the Gram
+// matrix G = X X' / n share their nonzero eigenvalues, and C's eigenvector
+// for lambda is X'u / sqrt(n lambda) where G u = lambda u. Returns r = 0 when
+// a wanted eigenvalue is not clearly positive (rows of lower rank than r):
+// those directions are arbitrary, and the covariance route picks them.
+Pca CovAccumulator::finish_gram(uint32_t r) const {
+  const size_t n = size_t(n_);
+  Pca out;
+  out.p = p_;
+  out.n_tokens = n_;
+  out.gram = true;
+  std::vector<double> m(p_);
+  for (uint32_t f = 0; f < p_; ++f) m[f] = sum_[f] / double(n);
+  out.mu.resize(p_);
+  for (uint32_t f = 0; f < p_; ++f) out.mu[f] = float(shift_[f] + m[f]);
+  std::vector<double> x(n * p_);
+  for (size_t i = 0; i < n; ++i)
+    for (uint32_t f = 0; f < p_; ++f) {
+      const double c = double(kept_[i * p_ + f]) - m[f];
+      x[i * p_ + f] = c;
+      out.total_variance += c * c;
+    }
+  out.total_variance /= double(n);
+  std::vector<double> g(n * n);
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, int(n), int(p_), 1.0 / double(n), x.data(), int(p_), 0.0, g.data(), int(n));
+  std::vector<double> w(n), u(n * r);
+  std::vector<lapack_int> isuppz(2 * size_t(r));
+  lapack_int found = 0;
+  lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', lapack_int(n), g.data(), lapack_int(n), 0.0, 0.0, lapack_int(n - r + 1),
+                                   lapack_int(n), 0.0, &found, w.data(), u.data(), lapack_int(r), isuppz.data());
+  require(info == 0 && found == lapack_int(r), "PCA: LAPACK dsyevr on the Gram matrix failed (info " + std::to_string(info) + ")");
+  // 1e-10 of the top eigenvalue: the basis then stays orthonormal to ~1e-6
+  // (the back-projection's error grows as lambda_1 / lambda_j).
+  if (!(w[0] > 1e-10 * w[r - 1])) return out;
+  std::vector<double> v(size_t(p_) * r);  // X'U: [p][r]
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(p_), int(r), int(n), 1.0, x.data(), int(p_), u.data(), int(r), 0.0, v.data(), int(r));
+  out.r = r;
+  out.basis.resize(size_t(r) * p_);
+  out.variance.resize(r);
+  for (uint32_t j = 0; j < r; ++j) {
+    const uint32_t col = r - 1 - j;  // descending
+    out.variance[j] = w[col];
+    store_component(v.data(), r, col, 1.0 / std::sqrt(double(n) * w[col]), p_, &out.basis[size_t(j) * p_]);
   }
   return out;
 }

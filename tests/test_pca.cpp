@@ -99,24 +99,32 @@ class VectorSource : public RowSource {
   size_t at_ = 0;
 };
 
+// n rows of p features (synthetic low-rank-plus-noise data): a mean of
+// base + slope * f / p, noise of sd `noise`, and k random directions whose
+// coefficients have sd amp * decay^j.
+std::vector<float> low_rank_rows(uint32_t p, uint32_t n, uint32_t k, float base, float slope, float noise, float amp, float decay, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> dirs(k * p);
+  for (auto& v : dirs) v = g(rng);
+  std::vector<float> x(size_t(n) * p);
+  for (uint32_t i = 0; i < n; ++i) {
+    for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] = base + slope * f / p + noise * g(rng);
+    for (uint32_t j = 0; j < k; ++j) {
+      const float c = g(rng) * amp * std::pow(decay, float(j));
+      for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] += c * dirs[j * p + f];
+    }
+  }
+  return x;
+}
+
 }  // namespace
 
 // The two routes on the same rows: equal spectra and subspaces for the
 // leading components (synthetic low-rank-plus-noise data).
 TEST(Pca, RandomizedMatchesExact) {
   const uint32_t p = 300, n = 6000, k = 12;
-  std::mt19937 rng(9);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  std::vector<float> dirs(k * p);
-  for (auto& v : dirs) v = g(rng);
-  std::vector<float> x(size_t(n) * p);
-  for (uint32_t i = 0; i < n; ++i) {
-    for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] = 3.0f + 0.05f * g(rng);
-    for (uint32_t j = 0; j < k; ++j) {
-      const float c = g(rng) * 5.0f * std::pow(0.75f, float(j));
-      for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] += c * dirs[j * p + f];
-    }
-  }
+  const std::vector<float> x = low_rank_rows(p, n, k, 3.0f, 0.0f, 0.05f, 5.0f, 0.75f, 9);
   CovAccumulator acc(p);
   acc.add(x.data(), n);
   const uint32_t r = 16;
@@ -140,18 +148,9 @@ TEST(Pca, RandomizedMatchesExact) {
 // support (r >= n) falls back to the covariance (synthetic data).
 TEST(Pca, GramRouteMatchesCovariance) {
   const uint32_t p = 500, n = 320, k = 40;
-  std::mt19937 rng(11);
+  const std::vector<float> x = low_rank_rows(p, n, k, 20.0f, 0.5f, 0.02f, 4.0f, 0.85f, 11);  // large mean: cancellation check
+  std::mt19937 rng(12);
   std::normal_distribution<float> g(0.0f, 1.0f);
-  std::vector<float> dirs(k * p);
-  for (auto& v : dirs) v = g(rng);
-  std::vector<float> x(size_t(n) * p);
-  for (uint32_t i = 0; i < n; ++i) {
-    for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] = 20.0f + 0.5f * f / p + 0.02f * g(rng);  // large mean: cancellation check
-    for (uint32_t j = 0; j < k; ++j) {
-      const float c = g(rng) * 4.0f * std::pow(0.85f, float(j));
-      for (uint32_t f = 0; f < p; ++f) x[size_t(i) * p + f] += c * dirs[j * p + f];
-    }
-  }
   CovAccumulator gram(p), cov(p, 0);
   for (size_t at = 0, chunk = 37; at < n; at += chunk, chunk += 11) {
     const size_t m = std::min<size_t>(chunk, n - at);

@@ -413,7 +413,9 @@ def tradeoff_series(res, ctx, where):
     if not cs:
         raise PlotError(f"{where}: no context {ctx} (has {[c.get('context') for c in res['contexts']]})")
     out = {}
-    for m in need(cs[0], "methods", f"{where}: context {ctx}"):
+    methods = need(cs[0], "methods", f"{where}: context {ctx}")
+    vanilla = next((m.get("scores") or {} for m in methods if m.get("name") == "vanilla"), {})
+    for m in methods:
         name, ratio, scores = m.get("name"), m.get("ratio"), m.get("scores") or {}
         for metric, _ in TRADEOFF_METRICS:
             if metric not in scores:
@@ -421,6 +423,15 @@ def tradeoff_series(res, ctx, where):
             y = number(scores[metric], f"{where}: {name}.scores.{metric}")
             n = (m.get("n") or {}).get(metric, cs[0].get("samples"))  # eval JSON: one count per task
             h = (m.get("half_width") or {}).get(metric) or 0
+            pd = (m.get("paired_diff") or {}).get(metric)
+            if metric != "kld" and pd and metric in vanilla:
+                # Records with prompt counts that differ by method (100 for
+                # some, 2 for others): a method's own mean is over its own
+                # prompts, so plot vanilla's mean plus the paired difference
+                # on the prompts both have, with that difference's half-width.
+                # Clamped to the score's 0-100 range (vanilla 94 and every prompt lost: 0, not -6).
+                y = min(100.0, max(0.0, number(vanilla[metric], f"{where}: vanilla.scores.{metric}") + number(pd["mean"], f"{where}: {name}.paired_diff")))
+                h = pd.get("half_width") or 0
             d = out.setdefault(metric, {})
             if name == "vanilla":
                 d["vanilla"] = (y, n)
@@ -452,7 +463,7 @@ def fig_tradeoff(mpl, panels):
                     pts = sorted(d.get(fam, []))
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, ms=5, lw=1.5, label=fam)
-                        if metric != "kld":  # 95% half-widths over prompts
+                        if metric != "kld":  # 95% half-widths: of the paired difference where records give one, else over prompts
                             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[3] for p in pts], fmt="none", ecolor=color,
                                         elinewidth=0.8, capsize=2, alpha=0.6)
                 if metric == "kld":

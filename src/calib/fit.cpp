@@ -234,8 +234,8 @@ Calibration CalibrationFitter::finish(const ProgressFn& progress) {
   cal.meta["skip_sinks"] = std::to_string(I.opt.skip_sinks);
   cal.meta["pca_route"] =
       I.randomized[0] ? "randomized: Halko subspace iteration, " + std::to_string(I.opt.power_iters) + " power iterations, rows spooled as f16"
-      : gram ? "exact: Gram matrix of the calibration rows (fewer than the features), LAPACK dsyevr"
-             : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
+      : gram          ? "exact: Gram matrix of the calibration rows (fewer than the features), LAPACK dsyevr"
+                      : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
   cal.meta["kvtc_version"] = KVTC_VERSION;
   cal.id = calibration_compute_id(cal);
   return cal;

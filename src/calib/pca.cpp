@@ -64,6 +64,17 @@ void CovAccumulator::add(const float* x, size_t n) {
   n_ += n;
 }
 
+// p, n_tokens and mu of out; returns the mean of the shifted rows (both routes centre by it).
+std::vector<double> CovAccumulator::start(Pca& out) const {
+  out.p = p_;
+  out.n_tokens = n_;
+  std::vector<double> m(p_);
+  for (uint32_t f = 0; f < p_; ++f) m[f] = sum_[f] / double(n_);
+  out.mu.resize(p_);
+  for (uint32_t f = 0; f < p_; ++f) out.mu[f] = float(shift_[f] + m[f]);
+  return m;
+}
+
 Pca CovAccumulator::finish(uint32_t r_max) const {
   require(n_ >= 2, "PCA: need at least 2 calibration tokens, have " + std::to_string(n_));
   const uint32_t r = std::min(r_max, p_);
@@ -77,13 +88,8 @@ Pca CovAccumulator::finish(uint32_t r_max) const {
   if (s_.empty()) syrk_add(kept_.data(), kept_.size() / p_, p_, tmp, kept_sum);
   const std::vector<double>& s = s_.empty() ? kept_sum : s_;
   Pca out;
-  out.p = p_;
   out.r = r;
-  out.n_tokens = n_;
-  std::vector<double> m(p_);  // mean of shifted rows
-  for (uint32_t f = 0; f < p_; ++f) m[f] = sum_[f] / double(n_);
-  out.mu.resize(p_);
-  for (uint32_t f = 0; f < p_; ++f) out.mu[f] = float(shift_[f] + m[f]);
+  const std::vector<double> m = start(out);
   std::vector<double> cov(size_t(p_) * p_, 0.0);
   for (uint32_t a = 0; a < p_; ++a)
     for (uint32_t b = a; b < p_; ++b) cov[size_t(a) * p_ + b] = s[size_t(a) * p_ + b] / double(n_) - m[a] * m[b];
@@ -113,13 +119,8 @@ Pca CovAccumulator::finish(uint32_t r_max) const {
 Pca CovAccumulator::finish_gram(uint32_t r) const {
   const size_t n = size_t(n_);
   Pca out;
-  out.p = p_;
-  out.n_tokens = n_;
   out.gram = true;
-  std::vector<double> m(p_);
-  for (uint32_t f = 0; f < p_; ++f) m[f] = sum_[f] / double(n);
-  out.mu.resize(p_);
-  for (uint32_t f = 0; f < p_; ++f) out.mu[f] = float(shift_[f] + m[f]);
+  const std::vector<double> m = start(out);
   std::vector<double> x(n * p_);
   for (size_t i = 0; i < n; ++i)
     for (uint32_t f = 0; f < p_; ++f) {

@@ -45,6 +45,7 @@ class CovAccumulator {
  private:
   void syrk_into_sum(const float* xc, size_t n);  // s_ += xc' xc
   Pca finish_gram(uint32_t r) const;
+  std::vector<double> start(Pca& out) const;  // p, n_tokens, mu; the shifted rows' mean
 
   uint32_t p_;
   size_t keep_rows_;

@@ -12,7 +12,7 @@
 #   paired-4k  vanilla, kvtc-16x, kvtc-32x on niah, kvr, code: 100 prompts each (~5 h)
 #   tasks-4k   every method on niah, vt, kvr, code: 8 prompts each (~7 min a prompt: ~3.7 h)
 #   text-4k    every method on ppl, kld, agree: 8 prompts (~10 min a prompt)
-#   8k         every method on every task: 4 prompts each (hours: 28 prompts, each longer than at 4K)
+#   8k         every method on every task: 4 prompts each (~24 min a task prompt: ~8 h for 20 prompts)
 # KVTC_QWEN_PAIRED=N sets paired-4k's count, KVTC_QWEN_SAMPLES=N the other
 # parts' (the same prompts, first N: a later, larger run adds the rest).
 set -euo pipefail

@@ -13,8 +13,10 @@
 //
 // --records FILE keeps one JSON line per (prompt, method) as each prompt
 // finishes (fsynced), and a later run with the same file computes only the
-// prompts it lacks: long evaluations survive a stop and grow over sessions;
-// bench/quality_records.py turns the records into tables.
+// (prompt, method) pairs it lacks: long evaluations survive a stop and grow
+// over sessions, and a method added to recorded prompts costs one prefill
+// and its own restores per prompt; bench/quality_records.py turns the
+// records into tables.
 #include <unistd.h>
 
 #include <algorithm>
@@ -189,10 +191,10 @@ RecordKey record_key(const nlohmann::json& r) {
           r.at("continuation"), r.at("greedy"),         r.at("context"), r.at("index")};
 }
 
-// Keys of the records already in `path` (absent file: none). A torn last
+// The records already in `path` by key (absent file: none). A torn last
 // line (a run killed while writing) is skipped with a note.
-std::set<RecordKey> read_record_keys(const std::string& path) {
-  std::set<RecordKey> keys;
+std::map<RecordKey, nlohmann::json> read_records(const std::string& path) {
+  std::map<RecordKey, nlohmann::json> keys;
   std::ifstream f(path);
   std::string line;
   size_t n = 0, bad = 0;
@@ -200,7 +202,9 @@ std::set<RecordKey> read_record_keys(const std::string& path) {
     ++n;
     if (line.empty()) continue;
     try {
-      keys.insert(record_key(nlohmann::json::parse(line)));
+      nlohmann::json r = nlohmann::json::parse(line);
+      RecordKey k = record_key(r);  // before the move: json's operator= takes its argument by value
+      keys[std::move(k)] = std::move(r);
     } catch (const std::exception&) {
       ++bad;
     }
@@ -281,9 +285,9 @@ int run_eval(const EvalArgs& a) {
   bool vanilla_exact = true;
   const Corpus corpus = Corpus::load(a.corpus);
   const std::string calib_id = cals.count("") ? cals.at("").id : "";
-  std::set<RecordKey> have;
-  if (!a.records.empty()) have = read_record_keys(a.records);
-  size_t skipped = 0;
+  std::map<RecordKey, nlohmann::json> have;
+  if (!a.records.empty()) have = read_records(a.records);
+  size_t skipped = 0, reused = 0;
   require(a.samples.size() == 1 || a.samples.size() == a.contexts.size(), "eval: --samples takes one count or one per --context");
   for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
     const uint32_t ctx = a.contexts[ci], n_samples = a.samples[a.samples.size() == 1 ? 0 : ci];
@@ -363,10 +367,38 @@ int run_eval(const EvalArgs& a) {
       }
       std::vector<float> ref_logits;
       std::vector<int32_t> ref_greedy;
+      // A record stands in only if it holds every score this run takes
+      // from the prompt (a text record written without agree does not).
+      std::vector<std::string> wanted{P.task};
+      if (P.task == "text")
+        wanted = has("agree") ? std::vector<std::string>{"ppl", "kld", "agree", "agree_all"} : std::vector<std::string>{"ppl", "kld"};
+      if (P.task == "code") wanted = {"code", "code_es"};
+      auto reusable = [&](const nlohmann::json& r) {
+        return std::all_of(wanted.begin(), wanted.end(), [&](const std::string& t) { return r.at("scores").contains(t); });
+      };
+      // Vanilla runs on text whenever another method does: KL and
+      // agreement are measured against its logits and tokens.
+      const bool need_ref = P.task == "text" && std::any_of(methods.begin(), methods.end(), [&](const auto& m) {
+                              auto it = have.find(key_of(m->name()));
+                              return !m->is_reference() && !m->ratio_only() && (it == have.end() || !reusable(it->second));
+                            });
       for (const auto& mp : methods) {
         const Method& m = *mp;
         Session* run = &s;
         uint64_t stored = 0;
+        // A method another run recorded on this prompt is not recomputed
+        // (adding one method to 100 recorded prompts then costs its own
+        // restores and one prefill each, not every method's again); its
+        // recorded scores stand in, so this run's tables stay paired.
+        if (auto it = have.find(key_of(m.name())); it != have.end() && reusable(it->second) && !(m.is_reference() && need_ref)) {
+          const nlohmann::json& r = it->second;
+          bytes[m.name()].first += r.at("f16_bytes").get<uint64_t>();
+          bytes[m.name()].second += r.at("stored_bytes").get<uint64_t>();
+          if (!m.ratio_only())
+            for (const std::string& t : wanted) sc[m.name()][t].x.push_back(r.at("scores").at(t).get<double>());
+          ++reused;
+          continue;
+        }
         if (m.ratio_only()) {  // the cache would come back bit for bit
           m.apply(cap, &stored);
           bytes[m.name()].first += cap.f16_bytes();
@@ -481,7 +513,9 @@ int run_eval(const EvalArgs& a) {
   if (!a.records.empty()) {
     result["records"] = a.records;
     result["prompts_already_recorded"] = skipped;
-    std::fprintf(stderr, "[eval] %zu prompts were in %s already (skipped)\n", skipped, a.records.c_str());
+    result["method_results_reused"] = reused;
+    std::fprintf(stderr, "[eval] %zu prompts were in %s already (skipped); %zu results of single methods on other prompts were reused\n", skipped,
+                 a.records.c_str(), reused);
   }
   result["vanilla_equals_no_restore"] = vanilla_exact;
   result["seconds"] = std::chrono::duration<double>(clock::now() - t_start).count();
@@ -561,7 +595,8 @@ Action add_eval(CLI::App& app) {
   sub->add_option("--out-json", a->out_json, "Write the JSON result here");
   sub->add_option("--out-md", a->out_md, "Write the markdown table here");
   sub->add_option("--records", a->records,
-                  "Append one JSON line per prompt and method here; prompts every method already has a record for are skipped (resume)");
+                  "Append one JSON line per prompt and method here; a (prompt, method) already recorded is not recomputed, its "
+                  "recorded scores stand in (resume, or add a method)");
   sub->add_option("--record-tag", a->record_tag, "Stored in each new record as \"run\" (commit, machine)");
   sub->add_flag("--json", a->json, "Print JSON instead of the table");
   sub->add_flag("--show-generations", a->verbose_tasks, "Print each retrieval generation and its score to stderr");

@@ -386,6 +386,23 @@ class Codec(unittest.TestCase):
         self.assertGreater(kv["ratio"], 1.5)
         self.assertEqual(van["ratio"], 1.0)
         self.assertIn("code (edit sim.)", open(os.path.join(res, "t.md")).read())
+        # A method added later is computed alone: the recorded methods'
+        # scores stand in for theirs, so the run's own tables stay paired.
+        at = args.index("kvtc-16x") + 1
+        p = run_lab(*args[:at], "kvtc-32x", *args[at:], "--samples", "3", check=0)
+        j = json.loads(p.stdout)
+        self.assertEqual((j["prompts_already_recorded"], j["method_results_reused"]), (0, 12))  # 2 tasks x 3 prompts x 2 methods
+        with open(rec) as f:
+            after = [json.loads(x) for x in f.read().splitlines() if x.endswith("}")]
+        self.assertEqual(after[:len(recs)], recs)
+        self.assertEqual(sorted((r["method"], r["task"], r["index"]) for r in after[len(recs):]),
+                         sorted(("kvtc-32x", t, i) for t in ("code", "niah") for i in range(3)))
+        ms = {m["name"]: m for m in j["contexts"][0]["methods"]}
+        for name in ("vanilla", "kvtc-16x"):
+            for t in ("code", "code_es", "niah"):
+                want = sum(r["scores"][t] for r in recs if r["method"] == name and r["task"] == t.split("_")[0]) / 3
+                self.assertAlmostEqual(ms[name]["scores"][t], want, places=6)
+        self.assertAlmostEqual(ms["kvtc-16x"]["ratio"], kv["ratio"], places=6)
 
     def test_must_fail_containers(self):
         good = self.path("good.kvtc")

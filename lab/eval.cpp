@@ -373,29 +373,32 @@ int run_eval(const EvalArgs& a) {
       if (P.task == "text")
         wanted = has("agree") ? std::vector<std::string>{"ppl", "kld", "agree", "agree_all"} : std::vector<std::string>{"ppl", "kld"};
       if (P.task == "code") wanted = {"code", "code_es"};
-      auto reusable = [&](const nlohmann::json& r) {
-        return std::all_of(wanted.begin(), wanted.end(), [&](const std::string& t) { return r.at("scores").contains(t); });
-      };
+      // Per method, the record that stands in for it, or none (ratio-only
+      // methods record no scores, so they are always recomputed: cheap).
+      std::vector<const nlohmann::json*> recorded(methods.size(), nullptr);
+      for (size_t mi = 0; mi < methods.size(); ++mi)
+        if (auto it = have.find(key_of(methods[mi]->name())); it != have.end()) {
+          const nlohmann::json& sc_r = it->second.at("scores");
+          if (std::all_of(wanted.begin(), wanted.end(), [&](const std::string& t) { return sc_r.contains(t); })) recorded[mi] = &it->second;
+        }
       // Vanilla runs on text whenever another method does: KL and
       // agreement are measured against its logits and tokens.
-      const bool need_ref = P.task == "text" && std::any_of(methods.begin(), methods.end(), [&](const auto& m) {
-                              auto it = have.find(key_of(m->name()));
-                              return !m->is_reference() && !m->ratio_only() && (it == have.end() || !reusable(it->second));
-                            });
-      for (const auto& mp : methods) {
-        const Method& m = *mp;
+      bool need_ref = false;
+      for (size_t mi = 0; mi < methods.size(); ++mi)
+        need_ref = need_ref || (P.task == "text" && !recorded[mi] && !methods[mi]->is_reference() && !methods[mi]->ratio_only());
+      for (size_t mi = 0; mi < methods.size(); ++mi) {
+        const Method& m = *methods[mi];
         Session* run = &s;
         uint64_t stored = 0;
         // A method another run recorded on this prompt is not recomputed
         // (adding one method to 100 recorded prompts then costs its own
         // restores and one prefill each, not every method's again); its
         // recorded scores stand in, so this run's tables stay paired.
-        if (auto it = have.find(key_of(m.name())); it != have.end() && reusable(it->second) && !(m.is_reference() && need_ref)) {
-          const nlohmann::json& r = it->second;
+        if (recorded[mi] && !(m.is_reference() && need_ref)) {
+          const nlohmann::json& r = *recorded[mi];
           bytes[m.name()].first += r.at("f16_bytes").get<uint64_t>();
           bytes[m.name()].second += r.at("stored_bytes").get<uint64_t>();
-          if (!m.ratio_only())
-            for (const std::string& t : wanted) sc[m.name()][t].x.push_back(r.at("scores").at(t).get<double>());
+          for (const std::string& t : wanted) sc[m.name()][t].x.push_back(r.at("scores").at(t).get<double>());
           ++reused;
           continue;
         }

@@ -53,15 +53,29 @@ void CovAccumulator::add(const float* x, size_t n) {
     }
   if (s_.empty() && n_ + n <= keep_rows_) {
     kept_.insert(kept_.end(), xc_.begin(), xc_.end());
+    kept_chunks_.push_back(n);
   } else {
     if (!kept_.empty()) {  // past keep_rows: the kept rows join the covariance, and no more are kept
-      syrk_add(kept_.data(), kept_.size() / p_, p_, tmp_, s_);
+      add_kept(tmp_, s_);
       kept_.clear();
       kept_.shrink_to_fit();
+      kept_chunks_.clear();
     }
     syrk_add(xc_.data(), n, p_, tmp_, s_);
   }
   n_ += n;
+}
+
+// One f32 SYRK per add() as it came, not one over all kept rows: the f32 sums
+// then run over the same rows as on the covariance route (keep_rows 0), so
+// both give the same bits and a calibration does not depend on keep_rows
+// (the quality records are keyed by a calibration's id, a hash of its bits).
+void CovAccumulator::add_kept(std::vector<float>& tmp, std::vector<double>& s) const {
+  size_t row = 0;
+  for (size_t n : kept_chunks_) {
+    syrk_add(kept_.data() + row * p_, n, p_, tmp, s);
+    row += n;
+  }
 }
 
 // p, n_tokens and mu of out; returns the mean of the shifted rows (both routes centre by it).
@@ -85,7 +99,7 @@ Pca CovAccumulator::finish(uint32_t r_max) const {
   }
   std::vector<double> kept_sum;  // rows still kept (the Gram route declined): their covariance now
   std::vector<float> tmp;
-  if (s_.empty()) syrk_add(kept_.data(), kept_.size() / p_, p_, tmp, kept_sum);
+  if (s_.empty()) add_kept(tmp, kept_sum);
   const std::vector<double>& s = s_.empty() ? kept_sum : s_;
   Pca out;
   out.r = r;

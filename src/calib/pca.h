@@ -43,7 +43,7 @@ class CovAccumulator {
   Pca finish(uint32_t r_max) const;
 
  private:
-  void syrk_into_sum(const float* xc, size_t n);  // s_ += xc' xc
+  void add_kept(std::vector<float>& tmp, std::vector<double>& s) const;  // s += the kept rows' x'x, chunk by chunk
   Pca finish_gram(uint32_t r) const;
   std::vector<double> start(Pca& out) const;  // p, n_tokens, mu; the shifted rows' mean
 
@@ -52,6 +52,7 @@ class CovAccumulator {
   uint64_t n_ = 0;
   std::vector<double> shift_, sum_, s_;  // s_: upper triangle of sum (x-shift)(x-shift)', allocated past keep_rows
   std::vector<float> tmp_, xc_, kept_;   // kept_: [n][p] shifted rows while n <= keep_rows
+  std::vector<size_t> kept_chunks_;      // rows of each add() in kept_, in order
 };
 
 // Rows that can be read more than once (the randomized route makes several

@@ -39,28 +39,7 @@ for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked bef
 # order changed) would silently start a second set, which the report then
 # refuses to mix with the first, hours later. Checked before any work.
 if [ $# -gt 0 ] && [ -s "$rec" ]; then
-  python3 - "$calib" "$rec" <<'EOF' || exit 2
-import json, struct, sys
-cal, rec = sys.argv[1:]
-try:
-    with open(cal, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        cid = json.loads(f.read(n))["__metadata__"]["calibration_id"]
-except (OSError, ValueError, KeyError, struct.error) as e:
-    sys.exit(f"bench/quality_qwen.sh: {cal}: no calibration_id in its header ({e})")
-ids = set()
-with open(rec) as f:
-    for line in f:
-        try:
-            ids.add(json.loads(line)["calibration_id"])
-        except (ValueError, KeyError):
-            pass
-if ids and cid not in ids:
-    sys.exit(f"bench/quality_qwen.sh: {cal} has calibration_id {cid[:16]}…, but the records in {rec} were made with "
-             + ", ".join(i[:16] + "…" for i in sorted(ids))
-             + ": a run would start a second set the report cannot merge. Use the calibration they were made with"
-             " (KVTC_QWEN_CALIB=FILE), or move the records aside to start anew.")
-EOF
+  python3 "$top/bench/quality_records.py" "$name" "$rec" --check-calib "$calib" || exit 2
 fi
 tag="commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
 for part in "$@"; do

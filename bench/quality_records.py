@@ -26,8 +26,12 @@ import argparse
 import json
 import math
 import os
+import struct
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import safetensors_meta  # noqa: E402
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(TOP, "bench", "results")
@@ -262,6 +266,20 @@ def differences(cj):
     return L
 
 
+def check_calib(cal, recs):
+    """Exits naming both ids when the records (one setting, as load checked)
+    were made with another calibration than the file cal."""
+    try:
+        cid = safetensors_meta(cal)["calibration_id"]
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        sys.exit(f"{cal}: no calibration_id in its header ({e})")
+    rid = next(iter(recs.values()))["calibration_id"]
+    if cid != rid:
+        sys.exit(f"{cal} has calibration_id {cid[:16]}…, but the records were made with {rid[:16]}…: a run would start a second "
+                 "set the report cannot merge. Use the calibration they were made with (KVTC_QWEN_CALIB=FILE), or move the "
+                 "records aside to start anew.")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
@@ -269,8 +287,12 @@ def main():
     ap.add_argument("--header")
     ap.add_argument("--notes")
     ap.add_argument("--results", default=RES)
+    ap.add_argument("--check-calib", metavar="CAL", help="only check that the records were made with calibration CAL (exit 1 if not)")
     a = ap.parse_args()
     recs, dup, bad = load(a.records)
+    if a.check_calib:
+        check_calib(a.check_calib, recs)
+        return
     contexts = summarize(recs)
     any_rec = next(iter(recs.values()))
     result = {"records": [os.path.relpath(p, TOP) for p in a.records], "model_sha256": any_rec["model_sha256"],

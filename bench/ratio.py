@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import platform
-import struct
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402
+from provenance import safetensors_meta  # noqa: E402
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATIOS = [8, 16, 32, 64]
@@ -32,12 +32,6 @@ def run(kvtc, *args):
     if p.returncode != 0:
         sys.exit(f"kvtc {' '.join(args)} failed:\n{p.stderr}")
     return p.stdout
-
-
-def safetensors_meta(path):
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)).get("__metadata__", {})
 
 
 QTYPES = {1: ("int2", 2), 2: ("int4", 4), 3: ("fp8", 8)}  # table block type -> (name, code bits); 0: dropped

@@ -189,9 +189,8 @@ TEST(Pca, GramRouteMatchesCovariance) {
   EXPECT_NEAR(full.variance[0], b.variance[0], 1e-5 * b.variance[0]);
   // Past p rows the kept rows join the covariance chunk by chunk, as the
   // covariance route summed them: the same bits, not only the same answer (a
-  // 160K-token calibration must keep its id, or the quality records made
-  // with it cannot be extended). Two kept chunks, so one SYRK over both would
-  // round differently.
+  // calibration's id hashes its bits, and the quality records are keyed by
+  // it). Two kept chunks, so one SYRK over both would round differently.
   std::vector<float> more(size_t(p) * p);
   for (auto& v : more) v = 20.0f + g(rng);
   CovAccumulator over(p), ref(p, 0);

@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -110,8 +112,9 @@ inline std::vector<int32_t> cat(std::vector<int32_t> a, const std::vector<int32_
 }
 
 // What the codec gives for a whole prompt in one container with a store's
-// sink, window, ratio and precision: the store must restore exactly this,
-// as the codes are per token and chunking changes nothing.
+// sink, window, ratio and precision: the store must restore this, as the
+// codes are per token and chunking changes nothing but the GEMM's rounding
+// (see matches_prefix).
 inline KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions& o, const Calibration& cal) {
   CompressOptions c;
   c.sink = o.sink;
@@ -123,20 +126,72 @@ inline KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const Store
   return decompress(bytes, cal, "whole", d);
 }
 
-// The first n tokens of `got` are bit for bit those of `full`.
-inline ::testing::AssertionResult same_prefix(const KvCapture& got, const KvCapture& full, uint32_t n) {
+// One f16 unit in the last place at |v| (the spacing of f16 values there).
+inline double f16_ulp(double v) {
+  v = std::fabs(v);
+  return v < 6.103515625e-05 ? 5.960464477539063e-08 : std::ldexp(1.0, std::ilogb(v) - 10);
+}
+
+// The first n tokens of `got` are those of `full` (a whole_roundtrip of the
+// same prompt) up to the projection GEMM's f32 rounding. Bit equality is not
+// what a CPU promises: OpenBLAS's AVX2 sgemm (its Haswell and Zen kernels)
+// rounds a row differently with the number of rows in the call and the row's
+// place in it (OPENBLAS_CORETYPE=Sandybridge, and the AVX-512 machines CI
+// had before: bit-equal on these tests), and a chunk is another call than
+// the whole prompt. Measured on such a CPU (Store.RestoresWhat...): 1 of
+// 38,400 values differed, by one f16 step. So, for each token and kind (K,
+// V), over all layers and heads:
+// - every value within one f16 step of full's (an f32 rounding that moved
+//   the f16 rounding), or
+// - d <= 2 e (1 + 1e-3) + 1e-3 x, with d = |got - full|, e = |full -
+//   original| (the codec's error on that token), x = |original|: a rounding
+//   moved a coefficient across a quantizer step boundary. Such a coefficient
+//   sat on the boundary, so both restores are half a step from it and differ
+//   by one step, at most twice the token's error (1e-3 x: the f16 steps).
+//   At most 1% of the rows (and 1) may do this.
+// A token restored from the wrong place, position or chunk differs by about
+// its own norm (20x or more the codec's error at ratio 8), and fails.
+inline ::testing::AssertionResult matches_prefix(const KvCapture& got, const KvCapture& full, uint32_t n) {
   if (got.blocks.size() != 1) return ::testing::AssertionFailure() << got.blocks.size() << " blocks, expected 1";
   const KvBlock& a = got.blocks.at(0);
   const KvBlock& b = full.blocks.at(0);
   if (a.n_tokens() != n || b.n_tokens() < n) return ::testing::AssertionFailure() << "tokens " << a.n_tokens() << ", expected " << n;
-  for (uint32_t l = 0; l < a.n_layer(); ++l)
-    for (uint32_t h = 0; h < a.n_head_kv; ++h)
-      for (uint32_t t = 0; t < n; ++t) {
-        if (a.pos[t] != b.pos[t]) return ::testing::AssertionFailure() << "pos " << t;
-        for (uint32_t d = 0; d < a.head_dim; ++d)
-          if (a.k[a.index(l, h, t, d)] != b.k[b.index(l, h, t, d)] || a.v[a.index(l, h, t, d)] != b.v[b.index(l, h, t, d)])
-            return ::testing::AssertionFailure() << "l" << l << " h" << h << " t" << t << " d" << d;
-      }
+  if (full.tokens.size() < n) return ::testing::AssertionFailure() << "the reference holds " << full.tokens.size() << " token ids, expected " << n;
+  const KvCapture original = prompt_capture(std::span<const int32_t>(full.tokens.data(), n));
+  const KvBlock& o = original.blocks.at(0);
+  const auto f32 = [](uint16_t h) {
+    float x;
+    f16_to_f32_n(&h, &x, 1);
+    return double(x);
+  };
+  uint32_t flips = 0;
+  const uint32_t max_flips = std::max<uint32_t>(1, 2 * n / 100);
+  for (uint32_t t = 0; t < n; ++t) {
+    if (a.pos[t] != b.pos[t]) return ::testing::AssertionFailure() << "pos " << t;
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::vector<uint16_t>& A = kv ? a.v : a.k;
+      const std::vector<uint16_t>& B = kv ? b.v : b.k;
+      const std::vector<uint16_t>& O = kv ? o.v : o.k;
+      double dd = 0, ee = 0, xx = 0;
+      bool rounding = true;
+      for (uint32_t l = 0; l < a.n_layer(); ++l)
+        for (uint32_t h = 0; h < a.n_head_kv; ++h)
+          for (uint32_t d = 0; d < a.head_dim; ++d) {
+            const double g = f32(A[a.index(l, h, t, d)]), f = f32(B[b.index(l, h, t, d)]), x = f32(O[o.index(l, h, t, d)]);
+            dd += (g - f) * (g - f), ee += (f - x) * (f - x), xx += x * x;
+            rounding = rounding && std::fabs(g - f) <= f16_ulp(std::max(std::fabs(g), std::fabs(f)));
+          }
+      if (rounding) continue;
+      const double dn = std::sqrt(dd), en = std::sqrt(ee), xn = std::sqrt(xx);
+      const char* kind = kv ? "V" : "K";
+      if (dn > 2 * en * (1 + 1e-3) + 1e-3 * xn)
+        return ::testing::AssertionFailure() << "token " << t << " " << kind << ": differs by " << dn << ", more than twice the codec's error " << en
+                                             << " (norm " << xn << ")";
+      if (++flips > max_flips)
+        return ::testing::AssertionFailure() << "more than " << max_flips << " of " << 2 * n << " token rows differ beyond rounding (token " << t << " " << kind
+                                             << ": " << dn << ", norm " << xn << ")";
+    }
+  }
   return ::testing::AssertionSuccess();
 }
 

@@ -57,7 +57,7 @@ KvCapture whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOptions
 }
 
 void expect_prefix_of(const KvCapture& got, const KvCapture& full, uint32_t n) {
-  ASSERT_TRUE(same_prefix(got, full, n));
+  ASSERT_TRUE(matches_prefix(got, full, n));
 }
 
 void flip_byte(const fs::path& p, size_t at) {
@@ -474,6 +474,24 @@ TEST(Store, BadInputIsRefusedOrSkipped) {
   EXPECT_EQ(st.entries, 0u);
   EXPECT_EQ(logs.size(), 3u);
   EXPECT_FALSE(s.take({}, p));
+}
+
+// The comparison above forgives the GEMM's rounding, not a misplaced token:
+// two tokens' values swapped, or one token's from another prompt, fail it; a
+// value one f16 step off passes.
+TEST(Store, TheWholePromptComparisonCatchesMisplacedTokens) {
+  const StoreOptions o = small();
+  const auto p = seq(1000, 300);
+  const KvCapture ref = whole_roundtrip(p, o);
+  ASSERT_TRUE(matches_prefix(ref, ref, 300));
+  KvCapture c = whole_roundtrip(p, o);
+  KvBlock& b = c.blocks.at(0);
+  b.k[b.index(1, 1, 136, 0)] ^= 1;  // one f16 step
+  EXPECT_TRUE(matches_prefix(c, ref, 300));
+  for (uint32_t d = 0; d < b.head_dim; ++d) std::swap(b.v[b.index(0, 1, 70, d)], b.v[b.index(0, 1, 71, d)]);
+  EXPECT_FALSE(matches_prefix(c, ref, 300));
+  KvCapture other = whole_roundtrip(cat(seq(1000, 200), seq(5000, 100)), o);
+  EXPECT_FALSE(matches_prefix(other, ref, 300));
 }
 
 TEST(Store, RawModeKeepsTheCacheExactly) {

@@ -121,13 +121,20 @@ TEST(StoreRedis, AnyReplicaResumesAnyConversation) {
   const KvCapture ref = whole_roundtrip(p, o);
 
   // Turn 2 lands on B, which never saw turn 1: restored from Redis, the
-  // same bits A would restore.
+  // same bits A restores from its RAM (the same pieces, decoded alike).
   auto m = b.take({}, cat(p, seq(7, 30)));
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "redis");
   EXPECT_EQ(m->common_prefix, 300u);
   EXPECT_EQ(m->tokens, p);
-  EXPECT_TRUE(same_prefix(m->cache, ref, 300));
+  EXPECT_TRUE(matches_prefix(m->cache, ref, 300));
+  {
+    auto on_a = a.take({}, cat(p, seq(7, 30)));
+    ASSERT_TRUE(on_a);
+    EXPECT_STREQ(on_a->tier, "ram");
+    EXPECT_EQ(on_a->cache.blocks.at(0).k, m->cache.blocks.at(0).k);
+    EXPECT_EQ(on_a->cache.blocks.at(0).v, m->cache.blocks.at(0).v);
+  }
   StoreStats st = b.stats();
   EXPECT_EQ(st.hits_redis, 1u);
   EXPECT_EQ(st.redis_lookups, 1u);
@@ -146,7 +153,7 @@ TEST(StoreRedis, AnyReplicaResumesAnyConversation) {
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "redis");
   EXPECT_EQ(m->common_prefix, 128u);
-  EXPECT_TRUE(same_prefix(m->cache, ref, 128));
+  EXPECT_TRUE(matches_prefix(m->cache, ref, 128));
 }
 
 TEST(StoreRedis, ContainedEntriesAreDroppedSharedChunksWrittenOnce) {
@@ -243,7 +250,7 @@ TEST(StoreRedis, DamagedValuesAreDroppedAndTheRestUsed) {
     auto m = b.take({}, cat(p, seq(3, 10)));
     ASSERT_TRUE(m);
     EXPECT_EQ(m->common_prefix, 128u);
-    EXPECT_TRUE(same_prefix(m->cache, ref, 128));
+    EXPECT_TRUE(matches_prefix(m->cache, ref, 128));
     EXPECT_EQ(b.stats().corrupt_dropped, 1u);
     EXPECT_EQ(redis.cmd({"EXISTS", c3}).integer, 0);
   }
@@ -259,7 +266,7 @@ TEST(StoreRedis, DamagedValuesAreDroppedAndTheRestUsed) {
     auto m = b.take({}, cat(p, seq(3, 10)));
     ASSERT_TRUE(m);
     EXPECT_EQ(m->common_prefix, 256u);  // the chunks, without the tail
-    EXPECT_TRUE(same_prefix(m->cache, ref, 256));
+    EXPECT_TRUE(matches_prefix(m->cache, ref, 256));
     EXPECT_EQ(b.stats().corrupt_dropped, 1u);
     EXPECT_EQ(keys_of(redis, a, 'e').size(), 0u);
     EXPECT_EQ(redis.cmd({"HLEN", index_key(a, p, 3, 64)}).integer, 0);
@@ -291,7 +298,7 @@ TEST(StoreRedis, MissingPiecesGiveAShorterPrefixNeverAPartialEntry) {
     auto m = b.take({}, cat(p, seq(3, 10)));
     ASSERT_TRUE(m);
     EXPECT_EQ(m->common_prefix, 256u);
-    EXPECT_TRUE(same_prefix(m->cache, ref, 256));
+    EXPECT_TRUE(matches_prefix(m->cache, ref, 256));
     EXPECT_EQ(b.stats().redis_missing, 1u);
   }
   // An evicted middle chunk: the chunks before it.
@@ -300,7 +307,7 @@ TEST(StoreRedis, MissingPiecesGiveAShorterPrefixNeverAPartialEntry) {
   auto m = b.take({}, cat(p, seq(3, 10)));
   ASSERT_TRUE(m);
   EXPECT_EQ(m->common_prefix, 64u);
-  EXPECT_TRUE(same_prefix(m->cache, ref, 64));
+  EXPECT_TRUE(matches_prefix(m->cache, ref, 64));
   redis.cmd({"DEL", chunk_key(a, p, 0, 64)});
   EXPECT_FALSE(b.take({}, cat(p, seq(3, 10))));
 }
@@ -350,7 +357,7 @@ TEST(StoreRedis, MaxmemoryEvictionOnlyShortensMatches) {
     ASSERT_GE(m->common_prefix, shared.size());
     ASSERT_LE(m->common_prefix, p.size());
     ASSERT_EQ(m->common_prefix % 64 == 0 || m->common_prefix == p.size(), true) << m->common_prefix;
-    ASSERT_TRUE(same_prefix(m->cache, whole_roundtrip(p, o), m->common_prefix));
+    ASSERT_TRUE(matches_prefix(m->cache, whole_roundtrip(p, o), m->common_prefix));
   }
   // Which keys went is Redis's sampled choice (keys written within one LRU
   // second are alike to it), so how many prompts survive whole varies from
@@ -438,7 +445,7 @@ TEST(StoreRedisCluster, ReplicasShareAClusterThroughMigrations) {
   auto m = b.take({}, cat(ps[0], seq(3, 5)));
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "redis");
-  EXPECT_TRUE(same_prefix(m->cache, whole_roundtrip(ps[0], o), uint32_t(ps[0].size())));
+  EXPECT_TRUE(matches_prefix(m->cache, whole_roundtrip(ps[0], o), uint32_t(ps[0].size())));
 
   // Move the slot of ps[1]'s first chunk to another master, as a resharding
   // does: first half-way (ASK), then for good (MOVED).
@@ -464,7 +471,7 @@ TEST(StoreRedisCluster, ReplicasShareAClusterThroughMigrations) {
   m = b.take({}, cat(ps[1], seq(3, 5)));  // b's map is stale: MOVED, refreshed
   ASSERT_TRUE(m);
   EXPECT_EQ(m->common_prefix, ps[1].size());
-  EXPECT_TRUE(same_prefix(m->cache, whole_roundtrip(ps[1], o), uint32_t(ps[1].size())));
+  EXPECT_TRUE(matches_prefix(m->cache, whole_roundtrip(ps[1], o), uint32_t(ps[1].size())));
   EXPECT_GT(b.stats().redis_redirects, before);
 
   // A master down: a miss for what it held, and the store keeps serving.

@@ -15,6 +15,7 @@
 #   make models-large  the large model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB): --model qwen
 #   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
+#   make tsan     ThreadSanitizer over the codec's and the store's threads (clang, libomp + Archer)
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make calibrate-qwen  the large model's calibration (160K tokens, ~1 h)
@@ -30,7 +31,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-redis models-large check-long fuzz calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-redis models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -165,6 +166,9 @@ bench-speed: $(CALIB)
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60
+tsan:
+	@scripts/tsan.sh
+
 fuzz: bootstrap
 	@CC=clang CXX=clang++ cmake -S . -B build-fuzz -DKVTC_FUZZ=ON -DKVTC_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >build-fuzz.configure.log 2>&1 || (cat build-fuzz.configure.log; exit 1)
 	@cmake --build build-fuzz -j$(JOBS) --target fuzz_container fuzz_state_blob fuzz_safetensors fuzz_make_seeds

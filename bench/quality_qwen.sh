@@ -13,14 +13,16 @@
 #   tasks-4k   every method on niah, vt, kvr, code: 8 prompts each (~7 min a prompt: ~3.7 h)
 #   text-4k    every method on ppl, kld, agree: 8 prompts (~10 min a prompt)
 #   8k         every method on every task: 4 prompts each (~24 min a task prompt: ~8 h for 20 prompts)
+#   16k        vanilla, kvtc-16x, kvtc-32x on niah, kvr and text (no code: the evaluation split's longest
+#              Python file part is under 16K tokens): 2 prompts each (timed in
+#              bench/quality-qwen-16k-notes.md); its own record set, quality-qwen-16k
+#              (records made later with another calibration file need not wait for the first's)
 # KVTC_QWEN_PAIRED=N sets paired-4k's count, KVTC_QWEN_SAMPLES=N the other
 # parts' (the same prompts, first N: a later, larger run adds the rest).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
-name=quality-qwen
-rec="$res/$name.records.jsonl"
 calib=${KVTC_QWEN_CALIB:-$top/.deps/calib/qwen-160k.safetensors}
 all=(vanilla kvtc-8x kvtc-16x kvtc-32x kvtc-64x fp8 kivi-4 kivi-2 q8_0 q4_0 streaming-8x svd-16x)
 part_args() {
@@ -29,34 +31,45 @@ part_args() {
     tasks-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks niah vt kvr code --methods ${all[*]}" ;;
     text-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --methods ${all[*]}" ;;
     8k) echo "--context 8192 --samples ${KVTC_QWEN_SAMPLES:-4} --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
-    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k)" >&2; return 2 ;;
+    16k) echo "--context 16384 --samples ${KVTC_QWEN_SAMPLES:-2} --tasks niah kvr ppl kld agree --methods vanilla kvtc-16x kvtc-32x" ;;
+    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k)" >&2; return 2 ;;
   esac
 }
+# The record set a part writes: one set is one calibration file.
+set_of() { if [ "$1" = 16k ]; then echo quality-qwen-16k; else echo quality-qwen; fi; }
+parts_of() { if [ "$1" = quality-qwen-16k ]; then echo 16k; else echo paired-4k tasks-4k text-4k 8k; fi; }
 for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked before hours of work
 [ $# -eq 0 ] || [ -f "$calib" ] || { echo "bench/quality_qwen.sh: $calib missing: run make calibrate-qwen" >&2; exit 2; }
 # The records are keyed by the calibration's id (a hash of its means and bases):
 # a calibration made again with other bits (another BLAS kernel, a summation
 # order changed) would silently start a second set, which the report then
 # refuses to mix with the first, hours later. Checked before any work.
-if [ $# -gt 0 ] && [ -s "$rec" ]; then
-  python3 "$top/bench/quality_records.py" "$name" "$rec" --check-calib "$calib" || exit 2
-fi
+for part in "$@"; do
+  rec="$res/$(set_of "$part").records.jsonl"
+  if [ -s "$rec" ]; then
+    python3 "$top/bench/quality_records.py" "$(set_of "$part")" "$rec" --check-calib "$calib" || exit 2
+  fi
+done
 tag="commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
 for part in "$@"; do
   # shellcheck disable=SC2046  # the part's arguments are words
-  "$lab" eval --model qwen --calib "$calib" --records "$rec" --record-tag "$tag" $(part_args "$part") >/dev/null
+  "$lab" eval --model qwen --calib "$calib" --records "$res/$(set_of "$part").records.jsonl" --record-tag "$tag" $(part_args "$part") >/dev/null
 done
-[ -s "$rec" ] || { echo "bench/quality_qwen.sh: no records yet ($rec)" >&2; exit 2; }
-{
-  echo "- command: \`bench/quality_qwen.sh PART ...\` (records appended by every run; this report rebuilt from all of them)"
-  echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
-  echo "- calibration: $(basename "$calib") (make calibrate-qwen: 160K tokens, documents cut at 8,192 tokens)"
-  echo "- parts (at their full counts; the prompts each context holds so far are counted below): $(for p in paired-4k tasks-4k text-4k 8k; do printf '%s = `%s`; ' "$p" "$(unset KVTC_QWEN_PAIRED KVTC_QWEN_SAMPLES; part_args $p)"; done)"
-  echo "- commit and machine of each run: the \"run\" field of every record, listed under each context below"
-} >"$res/$name.header.part"
-notes=()
-[ -f "$top/bench/$name-notes.md" ] && notes=(--notes "$top/bench/$name-notes.md")
-python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}"
-rm -f "$res/$name.header.part"
+[ -s "$res/quality-qwen.records.jsonl" ] || { echo "bench/quality_qwen.sh: no records yet ($res/quality-qwen.records.jsonl)" >&2; exit 2; }
+for name in quality-qwen quality-qwen-16k; do
+  rec="$res/$name.records.jsonl"
+  [ -s "$rec" ] || continue
+  {
+    echo "- command: \`bench/quality_qwen.sh PART ...\` (records appended by every run; this report rebuilt from all of them)"
+    echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
+    echo "- calibration: make calibrate-qwen (160K tokens, documents cut at 8,192 tokens); its id, in every record: $(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["calibration_id"][:16])' "$rec")…"
+    echo "- parts (at their full counts; the prompts each context holds so far are counted below): $(for p in $(parts_of $name); do printf '%s = `%s`; ' "$p" "$(unset KVTC_QWEN_PAIRED KVTC_QWEN_SAMPLES; part_args $p)"; done)"
+    echo "- commit and machine of each run: the \"run\" field of every record, listed under each context below"
+  } >"$res/$name.header.part"
+  notes=()
+  [ -f "$top/bench/$name-notes.md" ] && notes=(--notes "$top/bench/$name-notes.md")
+  python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}"
+  rm -f "$res/$name.header.part"
+done
 # The figure: both models, at the context each has most prompts at.
-python3 "$top/bench/plots.py" tradeoff "$res/quality-tradeoff.png" "SmolLM2-135M=$res/quality.json@2048" "Qwen2.5-Coder-1.5B=$res/$name.json@4096"
+python3 "$top/bench/plots.py" tradeoff "$res/quality-tradeoff.png" "SmolLM2-135M=$res/quality.json@2048" "Qwen2.5-Coder-1.5B=$res/quality-qwen.json@4096"

@@ -166,9 +166,6 @@ bench-speed: $(CALIB)
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60
-tsan:
-	@scripts/tsan.sh
-
 fuzz: bootstrap
 	@CC=clang CXX=clang++ cmake -S . -B build-fuzz -DKVTC_FUZZ=ON -DKVTC_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >build-fuzz.configure.log 2>&1 || (cat build-fuzz.configure.log; exit 1)
 	@cmake --build build-fuzz -j$(JOBS) --target fuzz_container fuzz_state_blob fuzz_safetensors fuzz_make_seeds
@@ -180,6 +177,10 @@ fuzz: bootstrap
 	    build-fuzz/corpus/$$f >build-fuzz/fuzz_$$f.log 2>&1 || { tail -40 build-fuzz/fuzz_$$f.log; exit 1; }; \
 	  grep -E "stat::(number_of_executed_units|new_units_added)" build-fuzz/fuzz_$$f.log; \
 	done
+
+# ThreadSanitizer over the codec's and the store's threads (scripts/tsan.sh).
+tsan:
+	@scripts/tsan.sh
 
 clean:
 	rm -rf $(BUILD) $(BUILD).configure.log build-fuzz build-fuzz.configure.log out

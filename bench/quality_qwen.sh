@@ -37,18 +37,16 @@ part_args() {
 }
 # The record set a part writes: one set is one calibration file.
 set_of() { if [ "$1" = 16k ]; then echo quality-qwen-16k; else echo quality-qwen; fi; }
-parts_of() { if [ "$1" = quality-qwen-16k ]; then echo 16k; else echo paired-4k tasks-4k text-4k 8k; fi; }
+parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
 for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked before hours of work
 [ $# -eq 0 ] || [ -f "$calib" ] || { echo "bench/quality_qwen.sh: $calib missing: run make calibrate-qwen" >&2; exit 2; }
 # The records are keyed by the calibration's id (a hash of its means and bases):
 # a calibration made again with other bits (another BLAS kernel, a summation
 # order changed) would silently start a second set, which the report then
 # refuses to mix with the first, hours later. Checked before any work.
-for part in "$@"; do
-  rec="$res/$(set_of "$part").records.jsonl"
-  if [ -s "$rec" ]; then
-    python3 "$top/bench/quality_records.py" "$(set_of "$part")" "$rec" --check-calib "$calib" || exit 2
-  fi
+for name in $(for part in "$@"; do set_of "$part"; done | sort -u); do
+  rec="$res/$name.records.jsonl"
+  [ ! -s "$rec" ] || python3 "$top/bench/quality_records.py" "$name" "$rec" --check-calib "$calib" || exit 2
 done
 tag="commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
 for part in "$@"; do

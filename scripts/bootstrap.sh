@@ -49,6 +49,9 @@ apt_pkgs=(
   libhiredis-dev redis-server redis-tools
   python3-dev python3-venv ninja-build
 )
+# Side targets add their own (make tsan: clang libomp-14-dev), never make test's path.
+# shellcheck disable=SC2206  # a list of package names
+apt_pkgs+=(${KVTC_APT_EXTRA:-})
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

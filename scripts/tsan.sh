@@ -9,25 +9,17 @@
 # (OpenBLAS's threads, libomp itself) are ignored.
 #
 # Usage: scripts/tsan.sh   (make tsan)  -> build-tsan/, exit 1 on any report
-# Needs clang and libomp-14-dev (Debian), installed here when missing.
+# Needs clang and libomp-14-dev (Debian), installed by the bootstrap when missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 log() { echo "[tsan] $*" >&2; }
 die() { echo "[tsan] error: $*" >&2; exit 1; }
 
-scripts/bootstrap.sh
+# clang and LLVM's libomp (with Archer), through the bootstrap's Debian step.
+KVTC_APT_EXTRA="clang libomp-14-dev" scripts/bootstrap.sh
 archer=/usr/lib/llvm-14/lib/libarcher.so
-missing=()
-command -v clang++ >/dev/null || missing+=(clang)
-[ -f "$archer" ] || missing+=(libomp-14-dev)
-if [ ${#missing[@]} -gt 0 ]; then
-  log "installing Debian packages: ${missing[*]}"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}" >.deps/apt-tsan.log 2>&1 \
-    || die "apt-get install ${missing[*]} failed; see .deps/apt-tsan.log"
-fi
+[ -f "$archer" ] || die "$archer missing after installing libomp-14-dev"
 
 tests=(api codec store store_redis)
 mkdir -p build-tsan

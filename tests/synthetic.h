@@ -188,8 +188,8 @@ inline ::testing::AssertionResult matches_prefix(const KvCapture& got, const KvC
         return ::testing::AssertionFailure() << "token " << t << " " << kind << ": differs by " << dn << ", more than twice the codec's error " << en
                                              << " (norm " << xn << ")";
       if (++flips > max_flips)
-        return ::testing::AssertionFailure() << "more than " << max_flips << " of " << 2 * n << " token rows differ beyond rounding (token " << t << " " << kind
-                                             << ": " << dn << ", norm " << xn << ")";
+        return ::testing::AssertionFailure() << "more than " << max_flips << " of " << 2 * n << " token rows differ beyond rounding (token " << t
+                                             << " " << kind << ": " << dn << ", norm " << xn << ")";
     }
   }
   return ::testing::AssertionSuccess();

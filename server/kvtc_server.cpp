@@ -184,15 +184,14 @@ void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* c
 
 bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_new, llama_context* ctx, int32_t id_slot) {
   const auto t0 = Clock::now();
-  std::optional<kvtc::PromptStore::Match> m;
+  std::optional<kvtc::PromptStore::StateMatch> m;
   try {
-    m = p->store->take(prompt.tokens.get_text_tokens(), tokens_new.get_text_tokens());
-    if (!m) return true;  // nothing better than what the slot holds
     kvtc::StateLayout to = p->layout;
     to.seq_id = id_slot;
-    const std::vector<uint8_t> blob = kvtc::state_from_capture(m->cache, to);
-    const size_t n = llama_state_seq_set_data_ext(ctx, blob.data(), blob.size(), id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
-    if (n != blob.size()) throw kvtc::Error("llama.cpp refused the restored state (" + std::to_string(blob.size()) + " bytes)");
+    m = p->store->take_state(prompt.tokens.get_text_tokens(), tokens_new.get_text_tokens(), to);
+    if (!m) return true;  // nothing better than what the slot holds
+    const size_t n = llama_state_seq_set_data_ext(ctx, m->state.data(), m->state.size(), id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
+    if (n != m->state.size()) throw kvtc::Error("llama.cpp refused the restored state (" + std::to_string(m->state.size()) + " bytes)");
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> g(p->mu);
     ++p->times.restore_failures;
@@ -261,20 +260,10 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
       const std::string w = e.what();
       throw kvtc::Error(w.rfind("redis", 0) == 0 ? w : cfg.calib + ": " + w);  // a bad --kvtc-redis names itself
     }
-    // The context's state layout (V transposed or not, streams per block):
-    // a blob of an empty sequence does not say, so one token is decoded in
-    // sequence 0 and removed again (the slots have not started yet).
-    const llama_vocab* vocab = llama_model_get_vocab(model);
-    llama_token tok = llama_vocab_bos(vocab);
-    if (tok == LLAMA_TOKEN_NULL) tok = 0;
-    llama_memory_t mem = llama_get_memory(ctx);
-    llama_memory_seq_rm(mem, 0, -1, -1);
-    if (llama_decode(ctx, llama_batch_get_one(&tok, 1)) != 0) throw kvtc::Error("could not decode a probe token to learn the state layout");
-    std::vector<uint8_t> blob(llama_state_seq_get_size_ext(ctx, 0, LLAMA_STATE_SEQ_FLAGS_NONE));
-    llama_state_seq_get_data_ext(ctx, blob.data(), blob.size(), 0, LLAMA_STATE_SEQ_FLAGS_NONE);
-    llama_memory_seq_rm(mem, 0, -1, -1);
-    I->layout = kvtc::state_layout_of(blob, "the server's context");
-    (void)kvtc::capture_from_state(blob, geom, "the server's cache (kvtc codes f16 caches: --cache-type-k/v f16)");
+    // The context's state layout (V transposed or not, streams per block),
+    // which restores are written for; also refuses a quantized cache. The
+    // slots have not started yet, so sequence 0 is free for the probe.
+    I->layout = kvtc::context_state_layout(ctx, geom, 0);
     const kvtc::StoreStats s = I->store->stats();
     if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
     if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");

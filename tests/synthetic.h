@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/util.h"
 #include "kvtc/kvtc.h"
 
 namespace kvtc {
@@ -193,6 +194,20 @@ inline ::testing::AssertionResult matches_prefix(const KvCapture& got, const KvC
     }
   }
   return ::testing::AssertionSuccess();
+}
+
+// The chain key c_{i+1} of the chunks of `tokens` in store `s`
+// (docs/store.md "Keys"), computed here from the spec, not by the store.
+inline std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
+  std::string h = s.fingerprint();
+  for (size_t j = 0; j <= i; ++j) {
+    std::vector<uint8_t> b = {uint8_t('c')};
+    b.insert(b.end(), h.begin(), h.end());
+    for (size_t t = j * C; t < (j + 1) * C; ++t)
+      for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(tokens[t]) >> (8 * k)));
+    h = sha256_bytes(b);
+  }
+  return h;
 }
 
 inline std::string error_of(const std::function<void()>& f) {

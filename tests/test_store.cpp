@@ -445,6 +445,121 @@ TEST(Store, StateBlobsInCapturesOut) {
   EXPECT_FALSE(state_from_capture(m->cache, {}).empty());
 }
 
+// take_state writes the llama.cpp state straight from the decoded pieces;
+// it must be byte for byte what state_from_capture makes of take()'s cache,
+// for every tier a match can come from and every layout a context can have
+// (V transposed or not, one stream or one per sequence, any slot).
+TEST(Store, TakeStateIsTheStateOfTheMatch) {
+  TempDir dir("take-state");
+  StoreOptions o = small(true);
+  o.disk_dir = dir.path.string();
+  const auto a = seq(1000, 300), b = seq(50000, 200);
+  const std::vector<StateLayout> layouts = {{}, {{1}, 1, 0}, {{4}, 0, 2}, {{4}, 1, 3}, {{2}, 1, 5}};
+  auto same = [&](PromptStore& s, const std::vector<int32_t>& cur, const std::vector<int32_t>& tok, const char* tier, uint32_t n) {
+    for (const StateLayout& to : layouts) {
+      auto ms = s.take_state(cur, tok, to);
+      auto m = s.take(cur, tok);
+      ASSERT_TRUE(m && ms);
+      EXPECT_STREQ(ms->tier, tier);
+      EXPECT_EQ(ms->common_prefix, n);
+      EXPECT_EQ(ms->tokens, m->tokens);
+      EXPECT_EQ(ms->state, state_from_capture(m->cache, to)) << tier << " v_trans " << to.v_trans << " seq " << to.seq_id;
+    }
+  };
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(a, prompt_capture(a));
+    s.flush();
+    same(s, {}, cat(a, seq(7, 20)), "ram", 300);               // the tail too
+    same(s, {}, cat(seq(1000, 150), seq(9, 40)), "ram", 150);  // a prefix ending inside a chunk
+  }
+  for (const StateLayout& to : layouts) {  // the disk tier read back (a take promotes the entry to RAM: a new store each time)
+    PromptStore s(cal(), lowrank_geometry(), o);
+    auto ms = s.take_state({}, a, to);
+    auto m = s.take({}, a);
+    ASSERT_TRUE(m && ms);
+    EXPECT_STREQ(ms->tier, "disk");
+    EXPECT_EQ(ms->state, state_from_capture(m->cache, to));
+  }
+  // A queued put, restored from its raw state: it waits behind a large one
+  // (when the worker was quicker, the match comes from RAM, compared above).
+  StoreOptions q = small(true);
+  q.threads = 1;
+  PromptStore s(cal(), lowrank_geometry(), q);
+  const auto big = seq(90000, 2000);
+  s.put(big, prompt_capture(big));
+  s.put(b, prompt_capture(b));
+  auto m = s.take({}, b);
+  auto ms = s.take_state({}, b, layouts[1]);
+  ASSERT_TRUE(m && ms);
+  EXPECT_STREQ(ms->tier, "pending");
+  EXPECT_EQ(ms->state, state_from_capture(m->cache, layouts[1]));
+}
+
+// A piece that fails its checks ends the match before it, in every tier: a
+// damaged middle chunk file gives the chunks before it (and is dropped with
+// every entry naming it), never the damaged bytes.
+TEST(Store, ADamagedChunkShortensTheMatch) {
+  TempDir dir("damaged-chunk");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const auto p = seq(1000, 300);  // 4 chunks of 64 and a 44-token tail
+  fs::path f;
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(p, prompt_capture(p));
+    f = dir.path / s.fingerprint().substr(0, 16) / "chunks" / (chain_key(s, p, 2, 64) + ".kvtc");
+  }
+  ASSERT_TRUE(fs::exists(f)) << f;
+  flip_byte(f, fs::file_size(f) / 2);
+  std::vector<std::string> logs;
+  o.log = [&](const std::string& x) { logs.push_back(x); };
+  PromptStore s(cal(), lowrank_geometry(), o);
+  auto m = s.take({}, p);
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "disk");
+  EXPECT_EQ(m->common_prefix, 128u);
+  expect_prefix_of(m->cache, whole_roundtrip(p, o), 128);
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.corrupt_dropped, 1u);
+  EXPECT_EQ(st.disk_entries, 0u);  // the entry named the chunk: gone with it
+  EXPECT_FALSE(fs::exists(f));
+  bool named = false;
+  for (const auto& l : logs) named = named || l.find("chunk 2") != std::string::npos;
+  EXPECT_TRUE(named) << "the log names the piece";
+}
+
+// Every tier reports itself, in lookup order, with the hits it served.
+TEST(Store, StatsListTheTiersInOrder) {
+  TempDir dir("tiers");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const auto p = seq(1000, 300);
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(p, prompt_capture(p));
+    ASSERT_TRUE(s.take({}, p));
+    const StoreStats st = s.stats();
+    ASSERT_EQ(st.tiers.size(), 3u);
+    EXPECT_EQ(st.tiers[0].name, "ram");
+    EXPECT_EQ(st.tiers[1].name, "pending");
+    EXPECT_EQ(st.tiers[2].name, "disk");
+    EXPECT_EQ(st.tiers[0].hits, 1u);
+    EXPECT_EQ(st.tiers[0].entries, st.entries);
+    EXPECT_EQ(st.tiers[0].bytes, st.ram_bytes);
+    EXPECT_EQ(st.tiers[2].bytes, st.disk_bytes);
+    EXPECT_TRUE(st.tiers[2].enabled);
+  }
+  PromptStore s(cal(), lowrank_geometry(), o);
+  ASSERT_TRUE(s.take({}, p));
+  ASSERT_TRUE(s.take({}, p));  // promoted: RAM's now
+  const StoreStats st = s.stats();
+  EXPECT_EQ(st.tiers[2].hits, 1u);
+  EXPECT_EQ(st.hits_disk, 1u);
+  EXPECT_EQ(st.tiers[0].hits, 1u);
+  EXPECT_EQ(st.hits_ram, 1u);
+}
+
 TEST(Store, BadInputIsRefusedOrSkipped) {
   // Construction: another model's calibration, an iSWA cache, bad options.
   CacheGeometry other = lowrank_geometry();

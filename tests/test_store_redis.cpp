@@ -68,19 +68,7 @@ std::vector<std::string> keys_of(const RedisServer& r, const PromptStore& s, cha
   return out;
 }
 
-// The chain key c_{i+1} of the chunks of `tokens` (docs/store.md "Keys"),
-// and the Redis key of that chunk or of its index hash.
-std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
-  std::string h = s.fingerprint();
-  for (size_t j = 0; j <= i; ++j) {
-    std::vector<uint8_t> b = {uint8_t('c')};
-    b.insert(b.end(), h.begin(), h.end());
-    for (size_t t = j * C; t < (j + 1) * C; ++t)
-      for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(tokens[t]) >> (8 * k)));
-    h = sha256_bytes(b);
-  }
-  return h;
-}
+// The Redis key of chunk i + 1 of `tokens` (chain_key, tests/synthetic.h) or of its index hash.
 std::string chunk_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
   return "kvtc:" + s.fingerprint().substr(0, 16) + ":c:" + chain_key(s, tokens, i, C);
 }

@@ -114,6 +114,18 @@ class Model {
 // SHA-256 the fingerprint: ~0.3 s per 100 MB). Error as Model::geometry().
 CacheGeometry model_geometry(const llama_model* m, const std::string& gguf_path);
 
+// The state layout of a context another program created (a server), for
+// the states it restores into it (PromptStore::take_state,
+// decompress_state): the streams of each cache block and the V layout
+// (transposed without flash attention), which llama.cpp's API does not
+// expose once the context has resolved "auto". Learned from the state of
+// one token decoded into sequence `probe_seq`, which must be empty and is
+// emptied again: call it before the context serves. Also checks that the
+// cache is one kvtc codes with geometry `g` (f16 K and V, one sequence per
+// cell); Error naming what differs otherwise. The result's seq_id is
+// probe_seq; set it per restore.
+StateLayout context_state_layout(llama_context* ctx, const CacheGeometry& g, int32_t probe_seq = 0);
+
 struct SessionOptions {
   uint32_t n_ctx = 0;      // 0: the model's trained context
   bool flash_attn = true;  // fixed, never AUTO: it decides the V layout (v_trans = !flash_attn)

@@ -80,6 +80,19 @@ struct StoreOptions {
   std::function<void(const std::string&)> log;
 };
 
+// One tier's figures (StoreStats::tiers), in the order a take asks them.
+struct TierStats {
+  std::string name;              // "ram", "pending" (puts not coded yet), "disk", "redis"
+  bool enabled = true;           // false: configured, but disabled by an error (error says why)
+  bool up = true;                // remote tiers: the last exchange worked
+  std::string error;             // why it is disabled or down, if it is
+  uint64_t entries = 0;          // prompts it holds (remote tiers: not counted, 0)
+  uint64_t chunks = 0;           // distinct chunks it holds
+  uint64_t bytes = 0;            // bytes it holds (the queue: raw state bytes)
+  uint64_t hits = 0;             // takes it served
+  uint64_t corrupt_dropped = 0;  // pieces or entries it refused by checksum or content, and dropped
+};
+
 struct StoreStats {
   uint64_t entries = 0, chunks = 0, ram_bytes = 0;  // the RAM tier
   uint64_t disk_entries = 0, disk_chunks = 0, disk_bytes = 0;
@@ -108,6 +121,7 @@ struct StoreStats {
   double redis_write_ms = 0;     // the worker's time writing to Redis, in all
   double save_ms = 0;            // worker time coding puts, in all
   double restore_ms = 0;         // caller time decoding takes, in all
+  std::vector<TierStats> tiers;  // every tier, in lookup order (the named fields above repeat some of it)
 };
 
 class PromptStore {
@@ -139,6 +153,23 @@ class PromptStore {
     uint64_t redis_bytes = 0;    // redis: bytes fetched
   };
   std::optional<Match> take(std::span<const int32_t> current, std::span<const int32_t> tokens);
+
+  // The same match as a llama.cpp sequence state for a context of layout
+  // `to` (streams, V layout, the slot's sequence id: state_layout, or
+  // context_state_layout in <kvtc/llama.h>), ready for
+  // llama_state_seq_set_data: what take() returns passed through
+  // state_from_capture, but written straight from the decoded pieces (one
+  // copy of the K/V bytes after decoding instead of three). The state holds
+  // match.tokens at positions 0..n-1.
+  struct StateMatch {
+    std::vector<int32_t> tokens;
+    std::vector<uint8_t> state;
+    uint32_t common_prefix = 0;
+    const char* tier = "";
+    double redis_ms = 0;
+    uint64_t redis_bytes = 0;
+  };
+  std::optional<StateMatch> take_state(std::span<const int32_t> current, std::span<const int32_t> tokens, const StateLayout& to);
 
   void flush();  // waits until every queued put is stored
   // SHA-256 (hex) of the scheme, model, calibration and settings: the root

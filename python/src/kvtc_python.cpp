@@ -598,21 +598,16 @@ class PyStore {
   std::optional<nb::dict> take(nb::handle current, nb::handle tokens, uint32_t v_trans, std::vector<uint32_t> streams, int32_t seq_id,
                                const std::string& arch) {
     const std::vector<int32_t> cur = int_vector(current, "current"), tok = int_vector(tokens, "tokens");
-    std::optional<kvtc::PromptStore::Match> m;
-    std::vector<uint8_t> blob;
+    std::optional<kvtc::PromptStore::StateMatch> m;
     {
       nb::gil_scoped_release unlocked;
-      m = store().take(cur, tok);
-      if (m) {
-        const kvtc::StateLayout to{streams, v_trans, seq_id};
-        blob = kvtc::state_from_capture(m->cache, to);
-        if (!arch.empty()) blob = kvtc::context_state_join(arch, blob, "take");
-      }
+      m = store().take_state(cur, tok, kvtc::StateLayout{streams, v_trans, seq_id});
+      if (m && !arch.empty()) m->state = kvtc::context_state_join(arch, m->state, "take");
     }
     if (!m) return std::nullopt;
     nb::dict d;
     d["tokens"] = int_array(std::move(m->tokens));
-    d["state"] = to_bytes(blob);
+    d["state"] = to_bytes(m->state);
     d["common_prefix"] = m->common_prefix;
     d["tier"] = std::string(m->tier);
     return d;

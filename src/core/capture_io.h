@@ -50,6 +50,19 @@ KvCapture capture_from_blob(const SeqBlob& blob, const CacheGeometry& g, const s
 // Capture -> blob for a context of layout `to`; cells in the capture's order.
 SeqBlob capture_to_blob(const KvCapture& c, const StateLayout& to);
 
+// Tokens [t0, t0 + n) of a single-block cache: one decoded piece's share of
+// a state assembled from pieces (the prompt store's restores).
+struct BlockRun {
+  const KvBlock* block = nullptr;
+  uint32_t t0 = 0, n = 0;
+};
+// The sequence state of the runs' tokens in order, for a context of layout
+// `to`: byte for byte state_from_capture of the capture the runs would join
+// into, written straight from the runs (one copy of the K/V bytes instead
+// of three: join, rows, blob). The runs must share one single-block
+// geometry; cells take the runs' positions.
+std::vector<uint8_t> state_from_runs(std::span<const BlockRun> runs, const StateLayout& to);
+
 // A llama.cpp state read into a capture with what it takes to write it back
 // in the same form: the state's layout and, for a context state
 // (llama_state_get_data), its architecture name, recorded in c.meta under

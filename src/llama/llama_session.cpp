@@ -362,6 +362,37 @@ CacheGeometry model_geometry(const llama_model* m, const std::string& gguf_path)
   return geometry_of(mi, sha256_file(gguf_path));
 }
 
+StateLayout context_state_layout(llama_context* ctx, const CacheGeometry& g, int32_t probe_seq) {
+  require(ctx != nullptr, "context_state_layout: no context");
+  const llama_model* model = llama_get_model(ctx);
+  llama_memory_t mem = llama_get_memory(ctx);
+  require(llama_memory_seq_pos_max(mem, probe_seq) < 0,
+          "context_state_layout: sequence " + std::to_string(probe_seq) + " holds tokens; the probe needs an empty one");
+  const llama_vocab* vocab = llama_model_get_vocab(model);
+  llama_token tok = llama_vocab_bos(vocab);
+  if (tok == LLAMA_TOKEN_NULL) tok = 0;
+  llama_batch b = llama_batch_init(1, 0, 1);
+  b.n_tokens = 1;
+  b.token[0] = tok;
+  b.pos[0] = 0;
+  b.n_seq_id[0] = 1;
+  b.seq_id[0][0] = probe_seq;
+  b.logits[0] = 0;
+  const int rc = llama_decode(ctx, b);
+  llama_batch_free(b);
+  std::vector<uint8_t> blob;
+  if (rc == 0) {
+    blob.resize(llama_state_seq_get_size_ext(ctx, probe_seq, LLAMA_STATE_SEQ_FLAGS_NONE));
+    blob.resize(llama_state_seq_get_data_ext(ctx, blob.data(), blob.size(), probe_seq, LLAMA_STATE_SEQ_FLAGS_NONE));
+  }
+  llama_memory_seq_rm(mem, probe_seq, -1, -1);
+  require(rc == 0, "context_state_layout: could not decode a probe token (llama_decode returned " + std::to_string(rc) + ")");
+  StateLayout l = state_layout_of(blob, "the context's state");
+  (void)capture_from_state(blob, g, "the context's cache (kvtc codes f16 caches: --cache-type-k/v f16)");
+  l.seq_id = probe_seq;
+  return l;
+}
+
 Session::Session(const Model& model, const SessionOptions& opt) : model_(model), opt_(opt) {
   llama_context_params cp = llama_context_default_params();
   n_ctx_ = opt.n_ctx ? opt.n_ctx : model.info().n_ctx_train;

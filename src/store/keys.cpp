@@ -1,0 +1,159 @@
+#include "store/keys.h"
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/util.h"
+#include "format/container.h"
+#include "kvtc/error.h"
+
+namespace kvtc::store {
+namespace {
+
+constexpr char kEntryMagic[4] = {'K', 'V', 'S', 'E'};
+constexpr uint32_t kEntryVersion = 1;
+constexpr size_t kEntryHeaderBytes = 20;  // magic, version, json length, xxh64
+
+void put32(Bytes& o, uint32_t v) {
+  for (int i = 0; i < 4; ++i) o.push_back(uint8_t(v >> (8 * i)));
+}
+void put64(Bytes& o, uint64_t v) {
+  for (int i = 0; i < 8; ++i) o.push_back(uint8_t(v >> (8 * i)));
+}
+uint32_t get32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
+  return v;
+}
+uint64_t get64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
+// One link of the key chain: SHA-256 over a domain byte ('c' chunk, 'e'
+// entry), the parent's 64 hex digits and the tokens as little-endian int32.
+std::string link(char domain, const std::string& parent, std::span<const int32_t> tokens) {
+  Bytes b;
+  b.reserve(1 + parent.size() + tokens.size() * 4);
+  b.push_back(uint8_t(domain));
+  b.insert(b.end(), parent.begin(), parent.end());
+  for (int32_t t : tokens) put32(b, uint32_t(t));
+  return sha256_bytes(b);
+}
+
+nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
+  return {{"scheme", kStoreScheme},
+          {"salt", salt},
+          {"model_sha256", f.model_sha256},
+          {"calibration_id", f.calibration_id},
+          {"container_version", f.container_version},
+          {"chunk_tokens", f.chunk_tokens},
+          {"ratio", f.ratio},
+          {"sink", f.sink},
+          {"window", f.window}};
+}
+
+}  // namespace
+
+size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+Scheme::Scheme(const SchemeFields& f) : f_(f) {
+  const std::string text = std::string(kStoreScheme) + "\nmodel_sha256=" + f.model_sha256 + "\ncalibration_id=" + f.calibration_id +
+                           "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
+                           "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) + "\n";
+  salt_ = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  compat_ = salt_.substr(0, 16);
+}
+
+std::vector<std::string> Scheme::chunk_keys(std::span<const int32_t> tokens, uint32_t m) const {
+  std::vector<std::string> keys;
+  keys.reserve(m);
+  std::string h = salt_;
+  const uint32_t C = f_.chunk_tokens;
+  for (uint32_t i = 0; i < m; ++i) keys.push_back(h = link('c', h, tokens.subspan(size_t(i) * C, C)));
+  return keys;
+}
+
+std::string Scheme::entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks) const {
+  const size_t m = chunks.size();
+  return link('e', m ? chunks.back() : salt_, tokens.subspan(m * f_.chunk_tokens));
+}
+
+uint32_t Scheme::full_chunks(size_t n) const {
+  return n > f_.window ? uint32_t((n - f_.window) / f_.chunk_tokens) : 0;
+}
+
+Piece Scheme::piece_of(std::vector<int32_t> tokens) const {
+  Piece p;
+  p.tokens = std::move(tokens);
+  p.chunks = chunk_keys(p.tokens, full_chunks(p.tokens.size()));
+  p.key = entry_key(p.tokens, p.chunks);
+  return p;
+}
+
+std::string Scheme::fingerprint_json(int indent) const {
+  return fingerprint(f_, salt_).dump(indent);
+}
+
+Bytes Scheme::entry_file(const Piece& e, std::span<const uint8_t> tail) const {
+  nlohmann::json j = fingerprint(f_, salt_);
+  j["format"] = "kvtc-store-entry";
+  j["version"] = kEntryVersion;
+  j["key"] = e.key;
+  j["n_tokens"] = e.tokens.size();
+  j["chunks"] = e.chunks;
+  j["tail_bytes"] = tail.size();
+  const std::string js = j.dump();
+  Bytes body(js.begin(), js.end());
+  body.reserve(js.size() + 4 * e.tokens.size() + tail.size());
+  for (int32_t t : e.tokens) put32(body, uint32_t(t));
+  body.insert(body.end(), tail.begin(), tail.end());
+  Bytes o(kEntryMagic, kEntryMagic + 4);
+  put32(o, kEntryVersion);
+  put32(o, uint32_t(js.size()));
+  put64(o, container::xxh64(body.data(), body.size()));
+  o.insert(o.end(), body.begin(), body.end());
+  return o;
+}
+
+Piece Scheme::parse_entry(std::span<const uint8_t> f, const std::string& origin, Bytes* tail) const {
+  require(f.size() >= kEntryHeaderBytes && std::memcmp(f.data(), kEntryMagic, 4) == 0, origin + ": not a kvtc store entry (magic)");
+  require(get32(f.data() + 4) == kEntryVersion,
+          origin + ": entry version " + std::to_string(get32(f.data() + 4)) + ", expected " + std::to_string(kEntryVersion));
+  const uint32_t jl = get32(f.data() + 8);
+  require(jl <= f.size() - kEntryHeaderBytes, origin + ": header length past the end (truncated file)");
+  require(container::xxh64(f.data() + kEntryHeaderBytes, f.size() - kEntryHeaderBytes) == get64(f.data() + 12),
+          origin + ": checksum mismatch (corrupted or truncated file)");
+  Piece e;
+  uint64_t tail_bytes = 0;
+  try {
+    const auto j = nlohmann::json::parse(f.begin() + kEntryHeaderBytes, f.begin() + kEntryHeaderBytes + jl);
+    require(j.at("salt") == salt_, "salt: written by another model, calibration or setting");
+    e.key = j.at("key").get<std::string>();
+    const uint64_t n = j.at("n_tokens").get<uint64_t>();
+    e.chunks = j.at("chunks").get<std::vector<std::string>>();
+    tail_bytes = j.at("tail_bytes").get<uint64_t>();
+    require(n <= (1u << 24) && f.size() - kEntryHeaderBytes - jl == n * 4 + tail_bytes, "n_tokens, tail_bytes: do not match the file size");
+    const uint8_t* p = f.data() + kEntryHeaderBytes + jl;
+    e.tokens.reserve(n);
+    for (uint64_t i = 0; i < n; ++i) e.tokens.push_back(int32_t(get32(p + 4 * i)));
+  } catch (const nlohmann::json::exception& x) {
+    throw Error(origin + ": bad header: " + x.what());
+  } catch (const Error& x) {
+    throw Error(origin + ": " + x.what());
+  }
+  require(e.chunks.size() == full_chunks(e.tokens.size()) && chunk_keys(e.tokens, uint32_t(e.chunks.size())) == e.chunks &&
+              entry_key(e.tokens, e.chunks) == e.key,
+          origin + ": the keys do not match the tokens");
+  if (tail) tail->assign(f.end() - std::ptrdiff_t(tail_bytes), f.end());
+  return e;
+}
+
+}  // namespace kvtc::store

@@ -1,0 +1,76 @@
+// Internal: the prompt store's key scheme and entry file (docs/store.md
+// "Keys" and "Entry file"), written once for every tier. What two stores
+// must agree on to share pieces lives here and nowhere else: how a prompt
+// is cut into chunks and a tail, the salt that names a store's settings,
+// the chained SHA-256 keys, and the bytes of an entry (.kvse) file.
+// Thread safety: a Scheme is immutable after construction; its members
+// are reentrant.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvtc::store {
+
+using Bytes = std::vector<uint8_t>;
+using BytesPtr = std::shared_ptr<const Bytes>;  // pieces are shared, never changed once coded
+
+constexpr const char* kStoreScheme = "kvtc-store/1";
+
+// Leading tokens a and b have in common.
+size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
+
+// A stored prompt as the tiers index it: its tokens (positions 0..n-1),
+// the keys of its full chunks in order, and its entry key.
+struct Piece {
+  std::string key;
+  std::vector<int32_t> tokens;
+  std::vector<std::string> chunks;  // keys of chunks 1..m
+};
+
+// What names a store's pieces: the salt's fields (docs/store.md "Salt").
+struct SchemeFields {
+  std::string model_sha256, calibration_id;
+  uint32_t container_version = 1;
+  uint32_t chunk_tokens = 256;
+  std::string ratio;  // ratio_key(ratio), "-ecsq" appended when entropy-coded, or "raw"
+  uint32_t sink = 4, window = 128;
+};
+
+class Scheme {
+ public:
+  explicit Scheme(const SchemeFields& f);
+
+  const std::string& salt() const { return salt_; }      // 64 hex digits: the chain's root
+  const std::string& compat() const { return compat_; }  // its first 16: the store's directory and Redis namespace
+  uint32_t chunk_tokens() const { return f_.chunk_tokens; }
+  const SchemeFields& fields() const { return f_; }
+
+  // c_1..c_m of `tokens` (at least m * chunk_tokens of them).
+  std::vector<std::string> chunk_keys(std::span<const int32_t> tokens, uint32_t m) const;
+  // The entry key of a prompt whose full chunks are `chunks`.
+  std::string entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks) const;
+  // Full chunks of an n-token prompt: those that end at or before the raw
+  // window, so a chunk never holds a token the tail keeps raw.
+  uint32_t full_chunks(size_t n) const;
+  // The Piece of a whole prompt (keys computed from its tokens).
+  Piece piece_of(std::vector<int32_t> tokens) const;
+
+  // The salt's fields as JSON text (store.json, and every entry file's header).
+  std::string fingerprint_json(int indent = -1) const;
+  // An entry (.kvse) file: header, tokens, tail container.
+  Bytes entry_file(const Piece& e, std::span<const uint8_t> tail) const;
+  // Parses and checks an entry file (checksum, salt, sizes, keys recomputed
+  // from the tokens); Error names `origin` and what is wrong. `tail`
+  // receives the tail container when given.
+  Piece parse_entry(std::span<const uint8_t> f, const std::string& origin, Bytes* tail) const;
+
+ private:
+  SchemeFields f_;
+  std::string salt_, compat_;
+};
+
+}  // namespace kvtc::store

@@ -1,0 +1,137 @@
+#include "store/queue.h"
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "kvtc/error.h"
+
+namespace kvtc::store {
+
+PutQueue::PutQueue(const TierContext& ctx, Coder code) : ctx_(ctx), code_(std::move(code)) {
+  if (ctx_.opt.async) worker_ = std::thread([this] { run(); });
+}
+
+PutQueue::~PutQueue() {
+  stop();
+}
+
+void PutQueue::stop() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stopping_ = true;
+  }
+  cv_work_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+bool PutQueue::push(std::shared_ptr<Pending> q) {
+  if (!ctx_.opt.async) {
+    code_(*q);
+    return true;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (bytes_ + q->bytes > ctx_.opt.max_pending_bytes) {
+      ctx_.log("kvtc store: put skipped: " + std::to_string(bytes_) + " bytes already wait to be compressed (max_pending_bytes " +
+               std::to_string(ctx_.opt.max_pending_bytes) + ")");
+      return false;
+    }
+    q->seq = next_seq_++;
+    bytes_ += q->bytes;
+    queue_.push_back(std::move(q));
+  }
+  cv_work_.notify_one();
+  return true;
+}
+
+void PutQueue::flush() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_idle_.wait(lk, [&] { return queue_.empty() && !busy_; });
+}
+
+void PutQueue::run() {
+  if (ctx_.opt.worker_nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), ctx_.opt.worker_nice);
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_work_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and everything queued is coded
+    busy_ = true;
+    std::shared_ptr<const Pending> q = queue_.front();
+    lk.unlock();
+    code_(*q);
+    lk.lock();
+    queue_.pop_front();
+    bytes_ -= q->bytes;
+    busy_ = false;
+    cv_idle_.notify_all();
+  }
+}
+
+PutQueue::Taking::Taking(PutQueue& q) : q_(q) {
+  std::lock_guard<std::mutex> g(q_.mu_);
+  ++q_.takers_;
+}
+
+PutQueue::Taking::~Taking() {
+  {
+    std::lock_guard<std::mutex> g(q_.mu_);
+    --q_.takers_;
+  }
+  q_.cv_takes_.notify_all();
+}
+
+void PutQueue::yield_to_takes() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_takes_.wait(lk, [&] { return takers_ == 0; });
+}
+
+std::vector<Candidate> PutQueue::lookup(std::span<const int32_t> tokens) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<Candidate> out;
+  for (const auto& q : queue_) {
+    const size_t lcp = common_prefix(q->tokens, tokens);
+    if (lcp) out.push_back({lcp, float(lcp) / float(q->tokens.size()), std::to_string(q->seq)});
+  }
+  return out;
+}
+
+std::optional<Fetched> PutQueue::fetch(std::span<const int32_t>, const Candidate& c, uint32_t n) {
+  std::shared_ptr<const Pending> q;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& p : queue_)
+      if (std::to_string(p->seq) == c.entry) q = p;
+  }
+  if (!q) return std::nullopt;  // coded meanwhile: in the other tiers now
+  Fetched f;
+  f.piece.tokens = q->tokens;
+  f.n = n;
+  // The raw state, exact; a blob is parsed here, outside the lock.
+  f.raw = q->blob.empty() ? std::shared_ptr<const KvCapture>(q, &q->cap)
+                          : std::make_shared<const KvCapture>(capture_from_state(q->blob, ctx_.codec->geometry(), "kvtc store: pending put"));
+  require(f.raw->blocks.size() == 1 && f.raw->blocks[0].n_tokens() >= n, "kvtc store: the pending put holds too few tokens");
+  return f;
+}
+
+bool PutQueue::holds(std::span<const int32_t> tokens) const {
+  std::lock_guard<std::mutex> g(mu_);
+  for (const auto& q : queue_)
+    if (common_prefix(q->tokens, tokens) == tokens.size()) return true;
+  return false;
+}
+
+void PutQueue::add_stats(StoreStats& s) const {
+  std::lock_guard<std::mutex> g(mu_);
+  s.pending = queue_.size();
+  s.pending_bytes = bytes_;
+  TierStats t;
+  t.name = name();
+  t.entries = queue_.size();
+  t.bytes = bytes_;
+  s.tiers.push_back(std::move(t));
+}
+
+}  // namespace kvtc::store

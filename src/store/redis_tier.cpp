@@ -1,0 +1,389 @@
+// The shared tier (docs/store.md "Redis"): the same pieces as the disk tier
+// under kvtc:<compat>:c:<chunk key> and kvtc:<compat>:e:<entry key>, and
+// per chunk level an index hash kvtc:<compat>:x:<c_j> from the key of every
+// entry whose last full chunk is c_j (c_0: the salt) to its tokens after
+// that chunk. A lookup is one round trip (which chunks exist, the indexes
+// along the prompt), a fetch one more; a put four (the worker's thread).
+// Two connections: a take never waits behind the worker's writes. A Redis
+// that is down, a missing or damaged value: a miss or a shorter match,
+// never an error (counted, logged once per outage).
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+
+#include "core/util.h"
+#include "kvtc/error.h"
+#include "store/redis.h"
+#include "store/tier.h"
+
+namespace kvtc::store {
+namespace {
+
+using detail::RedisCommand;
+using detail::RedisReply;
+
+uint32_t get32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
+  return v;
+}
+uint64_t get64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
+// An index value: u64 LE write time (ms since the Unix epoch), then the
+// entry's tokens after its last full chunk (int32 LE).
+std::string index_value(std::span<const int32_t> t) {
+  std::string s;
+  s.reserve(8 + 4 * t.size());
+  const uint64_t now = uint64_t(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+  for (int i = 0; i < 8; ++i) s.push_back(char(now >> (8 * i)));
+  for (int32_t x : t)
+    for (int i = 0; i < 4; ++i) s.push_back(char(uint32_t(x) >> (8 * i)));
+  return s;
+}
+bool index_value_ok(const std::string& v) {
+  return v.size() >= 8 && (v.size() - 8) % 4 == 0;
+}
+size_t index_tokens(const std::string& v) {
+  return (v.size() - 8) / 4;
+}
+uint64_t index_time(const std::string& v) {
+  return get64(reinterpret_cast<const uint8_t*>(v.data()));
+}
+// How many leading tokens of `t` the index value `v` matches.
+size_t value_prefix(const std::string& v, std::span<const int32_t> t) {
+  const size_t n = std::min(index_tokens(v), t.size());
+  size_t i = 0;
+  while (i < n && int32_t(get32(reinterpret_cast<const uint8_t*>(v.data()) + 8 + 4 * i)) == t[i]) ++i;
+  return i;
+}
+// Fails on an error reply (OOM under maxmemory-policy noeviction, WRONGTYPE).
+void check(std::span<const RedisReply> r, const char* what) {
+  for (const auto& x : r)
+    if (!x.ok()) throw detail::RedisError(std::string(what) + ": " + x.str);
+}
+
+// Fields one index hash keeps at most: a lookup reads every field of the
+// levels it visits (up to ~1.5 KB each at chunk 256 + window 128), so a
+// chunk that thousands of short chats share (a system prompt) must not make
+// every lookup read megabytes. The oldest go first; their entries stay
+// reachable through their chunks until LRU evicts them.
+constexpr size_t kIndexFieldsMax = 32;
+
+class RedisTier final : public Tier {
+ public:
+  explicit RedisTier(const TierContext& ctx) : ctx_(ctx) {
+    detail::RedisOptions ro;
+    ro.url = ctx.opt.redis_url;
+    ro.cluster = ctx.opt.redis_cluster;
+    ro.connect_timeout_ms = ctx.opt.redis_connect_timeout_ms;
+    ro.timeout_ms = ctx.opt.redis_timeout_ms;
+    ro.retry_ms = ctx.opt.redis_retry_ms;
+    take_ = std::make_unique<detail::Redis>(ro);  // Error on a malformed URL: refused at start
+    put_ = std::make_unique<detail::Redis>(ro);
+    where_ = take_->describe();
+    try {
+      check(take_->run({{"PING"}}), "PING");
+      std::lock_guard<std::mutex> g(mu_);
+      fine();
+    } catch (const std::exception& x) {  // not fatal: retried later
+      std::lock_guard<std::mutex> g(mu_);
+      failed(x.what());
+    }
+  }
+
+  const char* name() const override { return "redis"; }
+  bool remote() const override { return true; }
+
+  // Round trip 1: which chunks of the prompt are stored, and the entries
+  // hanging off each of them. Candidates: the leading run of stored chunks
+  // (kept whole), and every index field at a level within that run.
+  std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
+    std::lock_guard<std::mutex> rg(take_mu_);
+    const auto t0 = Clock::now();
+    const uint32_t C = ctx_.scheme->chunk_tokens();
+    const size_t K = tokens.size() / C;
+    const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(K));
+    std::vector<Candidate> out;
+    try {
+      std::vector<RedisCommand> q;
+      for (size_t i = 0; i < K; ++i) q.push_back({"EXISTS", rkey('c', keys[i])});
+      for (size_t j = 0; j <= K; ++j) q.push_back({"HGETALL", rkey('x', level_key(keys, j))});
+      const auto r = take_->run(q);
+      // EXISTS cannot fail but for the connection (NOAUTH, LOADING): Redis
+      // is not usable. An index of the wrong type reads as empty.
+      check(std::span(r).first(K), "EXISTS");
+      size_t run = 0;
+      while (run < K && r[run].integer == 1) ++run;
+      const double ms = ms_since(t0);
+      out.push_back({run * C, 1.0f, "", run, ms});
+      for (size_t j = 0; j <= run; ++j) {
+        const auto& h = r[K + j].elements;
+        const auto rest = tokens.subspan(j * C);
+        for (size_t f = 0; f + 1 < h.size(); f += 2) {
+          const std::string& v = h[f + 1].str;
+          if (!index_value_ok(v)) continue;
+          const size_t lcp = j * C + value_prefix(v, rest), whole = j * C + index_tokens(v);
+          out.push_back({lcp, float(lcp) / float(whole), h[f].str, j, ms});
+        }
+      }
+      account(t0, true, "");
+    } catch (const detail::RedisError& x) {
+      account(t0, false, x.what());
+      out.clear();
+    }
+    return out;
+  }
+
+  // Round trip 2: the chunks the match needs, and the entry when its tail is.
+  std::optional<Fetched> fetch(std::span<const int32_t> tokens, const Candidate& c, uint32_t n) override {
+    std::lock_guard<std::mutex> rg(take_mu_);
+    const auto t0 = Clock::now();
+    const uint32_t C = ctx_.scheme->chunk_tokens();
+    const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(c.level));
+    Fetched f;
+    f.ms = c.ms;
+    std::vector<RedisCommand> drop;  // damaged or dangling values
+    uint64_t missing = 0, corrupt = 0;
+    try {
+      const bool want_tail = !c.entry.empty() && n > c.level * C;
+      const size_t need = std::min<size_t>((n + C - 1) / C, c.level);
+      std::vector<RedisCommand> q;
+      for (size_t i = 0; i < need; ++i) q.push_back({"GET", rkey('c', keys[i])});
+      if (want_tail) q.push_back({"GET", rkey('e', c.entry)});
+      auto r = take_->run(q);
+      f.ms += ms_since(t0);  // both round trips, before any decoding
+      for (size_t i = 0; i < r.size(); ++i) {
+        f.bytes += r[i].str.size();
+        if (r[i].type != RedisReply::Type::kString && r[i].type != RedisReply::Type::kNil) {
+          // Not ours (WRONGTYPE): a miss; the key is cleared for the next writer.
+          ctx_.log("kvtc store: dropped a Redis value that is not a string: " + q[i][1] + ": " + r[i].str);
+          drop.push_back({"DEL", q[i][1]});
+          r[i] = RedisReply{};
+        }
+      }
+      size_t have = 0;  // leading chunks fetched
+      while (have < need && r[have].type == RedisReply::Type::kString) ++have;
+      if (have < need) {
+        ++missing;  // evicted: a shorter match
+        n = std::min<uint32_t>(n, uint32_t(have * C));
+      }
+      f.piece.tokens.assign(tokens.begin(), tokens.end());
+      f.piece.chunks.assign(keys.begin(), keys.begin() + std::ptrdiff_t(have));
+      if (want_tail && n > c.level * C) {
+        const RedisReply& e = r.back();
+        const std::string where = "redis " + rkey('e', c.entry);
+        if (e.type != RedisReply::Type::kString) {
+          ++missing;
+          drop.push_back({"HDEL", rkey('x', level_key(keys, c.level)), c.entry});
+          n = uint32_t(c.level * C);
+        } else {
+          try {
+            auto tb = std::make_shared<Bytes>();
+            Piece p = ctx_.scheme->parse_entry(std::span(reinterpret_cast<const uint8_t*>(e.str.data()), e.str.size()), where, tb.get());
+            require(p.chunks.size() == c.level && p.key == c.entry, where + ": not the entry its index names");
+            f.piece = std::move(p);
+            f.tail = std::move(tb);
+          } catch (const std::exception& x) {
+            ++corrupt;
+            ctx_.log(std::string("kvtc store: dropped a damaged Redis entry: ") + x.what());
+            drop.push_back({"HDEL", rkey('x', level_key(keys, c.level)), c.entry});
+            drop.push_back({"DEL", rkey('e', c.entry)});
+            n = uint32_t(c.level * C);
+          }
+        }
+      }
+      if (!f.tail) n = std::min<uint32_t>(n, uint32_t(f.piece.chunks.size() * C));
+      for (size_t i = 0; i < have; ++i) f.chunks.push_back(std::make_shared<const Bytes>(r[i].str.begin(), r[i].str.end()));
+      f.n = n;
+      f.whole = f.tail && have == c.level;
+      finish(drop, missing, corrupt, f.bytes, ms_since(t0), true, "");
+      return f;
+    } catch (const detail::RedisError& x) {  // down or failing: nothing restored, and no second lookup
+      finish(drop, missing, corrupt, f.bytes, ms_since(t0), false, x.what());
+      return Fetched{};
+    }
+  }
+
+  bool drop_damaged(const Fetched& f, size_t i, const std::string& why) override {
+    const size_t m = f.piece.chunks.size();
+    std::vector<RedisCommand> drop;
+    if (i == m) {
+      drop.push_back({"HDEL", rkey('x', level_key(f.piece.chunks, m)), f.piece.key});
+      drop.push_back({"DEL", rkey('e', f.piece.key)});
+    } else {
+      drop.push_back({"DEL", rkey('c', f.piece.chunks[i])});
+    }
+    ctx_.log("kvtc store: dropped a damaged Redis value: " + why);
+    std::lock_guard<std::mutex> rg(take_mu_);
+    finish(drop, 0, 1, 0, 0, true, "", /*lookup=*/false);
+    return true;
+  }
+
+  // Writes a coded prompt: the chunks it lacks, then the entry, then the
+  // index (data before index; a reader treats a dangling index or a missing
+  // chunk as a shorter match), and drops the entries this prompt contains.
+  void put(const Coded& c) override {
+    const Piece& p = c.piece;
+    std::lock_guard<std::mutex> rg(put_mu_);
+    const auto t0 = Clock::now();
+    const uint32_t C = ctx_.scheme->chunk_tokens();
+    const size_t m = p.chunks.size(), n = p.tokens.size();
+    uint64_t chunks = 0, bytes = 0, dropped = 0;
+    try {
+      const Bytes ef_own = c.entry_file ? Bytes() : ctx_.scheme->entry_file(p, *c.tail);
+      const Bytes& ef = c.entry_file ? *c.entry_file : ef_own;
+      // 1: which chunks are there (TOUCH refreshes their LRU clock too), and
+      // the entries that may be prefixes of this prompt.
+      std::vector<RedisCommand> q;
+      for (size_t i = 0; i < m; ++i) q.push_back({"TOUCH", rkey('c', p.chunks[i])});
+      for (size_t j = 0; j <= m; ++j) q.push_back({"HGETALL", rkey('x', level_key(p.chunks, j))});
+      const auto r = put_->run(q);
+      check(std::span(r).first(m), "TOUCH");
+      // 2: the missing chunks.
+      q.clear();
+      for (size_t i = 0; i < m; ++i)
+        if (r[i].integer == 0) {
+          q.push_back({"SET", rkey('c', p.chunks[i]), std::string(c.chunks[i]->begin(), c.chunks[i]->end())});
+          bytes += c.chunks[i]->size();
+          ++chunks;
+        }
+      check(put_->run(q), "SET chunk");
+      // 3: the entry.
+      check(put_->run({{"SET", rkey('e', p.key), std::string(ef.begin(), ef.end())}}), "SET entry");
+      bytes += ef.size();
+      // 4: the index; then the entries this one contains go.
+      q.clear();
+      if (!r[2 * m].ok()) q.push_back({"DEL", rkey('x', level_key(p.chunks, m))});  // not a hash (not ours): replaced
+      q.push_back({"HSET", rkey('x', level_key(p.chunks, m)), p.key, index_value(std::span(p.tokens).subspan(m * C))});
+      for (size_t j = 0; j <= m; ++j) {
+        const auto& h = r[m + j].elements;
+        const auto rest = std::span(p.tokens).subspan(j * C);
+        std::vector<std::pair<uint64_t, std::string>> kept;  // (time, key) of the fields that stay
+        for (size_t f = 0; f + 1 < h.size(); f += 2) {
+          const std::string &key = h[f].str, &v = h[f + 1].str;
+          if (key == p.key) continue;
+          if (!index_value_ok(v)) {  // not ours: cleared
+            q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), key});
+            continue;
+          }
+          if (index_tokens(v) <= rest.size() && value_prefix(v, rest) == index_tokens(v)) {
+            q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), key});
+            q.push_back({"DEL", rkey('e', key)});
+            ++dropped;
+            continue;
+          }
+          kept.emplace_back(index_time(v), key);
+        }
+        if (j == m && kept.size() + 1 > kIndexFieldsMax) {  // the new field counts
+          std::sort(kept.begin(), kept.end());
+          for (size_t i = 0; i + kIndexFieldsMax < kept.size() + 1; ++i) q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), kept[i].second});
+        }
+      }
+      check(put_->run(q), "HSET index");
+      std::lock_guard<std::mutex> g(mu_);
+      fine();
+      chunks_written_ += chunks;
+      ++entries_written_;
+      entries_dropped_ += dropped;
+      bytes_written_ += bytes;
+      write_ms_ += ms_since(t0);
+    } catch (const std::exception& x) {
+      std::lock_guard<std::mutex> g(mu_);
+      failed(std::string("writing a ") + std::to_string(n) + "-token prompt: " + x.what());
+      write_ms_ += ms_since(t0);
+    }
+  }
+
+  void add_stats(StoreStats& s) const override {
+    std::lock_guard<std::mutex> g(mu_);
+    s.redis_enabled = true;
+    s.redis_up = up_;
+    s.redis_error = error_;
+    s.redis_where = where_;
+    s.redis_lookups = lookups_;
+    s.redis_errors = errors_;
+    s.redis_missing = missing_;
+    s.redis_chunks_written = chunks_written_;
+    s.redis_entries_written = entries_written_;
+    s.redis_entries_dropped = entries_dropped_;
+    s.redis_bytes_written = bytes_written_;
+    s.redis_bytes_read = bytes_read_;
+    s.redis_redirects = take_->redirects() + put_->redirects();
+    s.redis_lookup_ms = lookup_ms_;
+    s.redis_write_ms = write_ms_;
+    s.corrupt_dropped += corrupt_;
+    TierStats t;
+    t.name = name();
+    t.up = up_;
+    t.error = error_;
+    t.corrupt_dropped = corrupt_;
+    s.tiers.push_back(std::move(t));
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  std::string rkey(char kind, const std::string& k) const { return "kvtc:" + ctx_.scheme->compat() + ":" + kind + ":" + k; }
+  const std::string& level_key(const std::vector<std::string>& chunks, size_t j) const { return j == 0 ? ctx_.scheme->salt() : chunks[j - 1]; }
+
+  void fine() {  // under mu_
+    if (!up_ && !error_.empty()) ctx_.log("kvtc store: Redis " + where_ + " reachable again");
+    up_ = true;
+  }
+  void failed(const std::string& why) {  // under mu_
+    ++errors_;
+    if (up_ || error_ != why) ctx_.log("kvtc store: Redis unavailable (recomputing instead): " + why);
+    up_ = false;
+    error_ = why;
+  }
+  void account(Clock::time_point t0, bool ok, const std::string& err) {  // a lookup's figures
+    std::lock_guard<std::mutex> g(mu_);
+    ++lookups_;
+    lookup_ms_ += ms_since(t0);
+    if (ok)
+      fine();
+    else
+      failed(err);
+  }
+  // Sends the drops (best effort) and adds a fetch's figures. Under take_mu_.
+  void finish(const std::vector<RedisCommand>& drop, uint64_t missing, uint64_t corrupt, uint64_t read, double ms, bool ok, const std::string& err,
+              bool lookup = true) {
+    if (!drop.empty()) {
+      try {
+        (void)take_->run(drop);
+      } catch (const std::exception&) {
+      }
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    missing_ += missing;
+    corrupt_ += corrupt;
+    bytes_read_ += read;
+    if (lookup) lookup_ms_ += ms;
+    if (ok)
+      fine();
+    else
+      failed(err);
+  }
+
+  TierContext ctx_;
+  std::unique_ptr<detail::Redis> take_, put_;
+  std::mutex take_mu_, put_mu_;  // one exchange at a time on each connection
+  mutable std::mutex mu_;        // the figures below
+  bool up_ = false;
+  std::string error_, where_;
+  uint64_t lookups_ = 0, errors_ = 0, missing_ = 0, corrupt_ = 0;
+  uint64_t chunks_written_ = 0, entries_written_ = 0, entries_dropped_ = 0, bytes_written_ = 0, bytes_read_ = 0;
+  double lookup_ms_ = 0, write_ms_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Tier> make_redis_tier(const TierContext& ctx) {
+  return std::make_unique<RedisTier>(ctx);
+}
+
+}  // namespace kvtc::store

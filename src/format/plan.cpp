@@ -5,7 +5,6 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "codec/rope.h"
 #include "core/capture_io.h"
 #include "format/ecsq.h"
 #include "kvtc/error.h"

@@ -22,7 +22,6 @@
 #include <random>
 #include <tuple>
 
-#include "codec/quant.h"
 #include "core/scalar.h"
 #include "cuda/center.cuh"
 #include "cuda/codec_impl.h"
@@ -32,6 +31,7 @@
 #include "cuda/rope_gather.cuh"
 #include "cuda/testing.h"
 #include "format/plan.h"
+#include "format/quantizers.h"
 #include "kvtc/cuda.h"
 #include "kvtc/kvtc.h"
 
@@ -269,7 +269,8 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
       EXPECT_EQ(s.row0, 7u);
       EXPECT_EQ(s.n, n);
       EXPECT_NE(QType(s.type), QType::kNone);
-      off += size_t(n) * qtype_param_bits(QType(s.type)) / 8 + (size_t(n) * s.size * qtype_code_bits(QType(s.type)) + 7) / 8;
+      off +=
+          size_t(n) * 2 * container::quantizer(QType(s.type)).n_params + (size_t(n) * s.size * container::quantizer(QType(s.type)).code_bits + 7) / 8;
     }
     EXPECT_EQ(off, 1000 + bytes);
     std::vector<cuda::QSeg> with_none;
@@ -282,11 +283,11 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
     std::map<uint32_t, size_t> enc_cover, dec_cover;
     for (const cuda::QTile& t : et) {
       const cuda::QSeg& s = segs[t.seg];
-      const size_t code_bytes = (size_t(n) * s.size * qtype_code_bits(QType(s.type)) + 7) / 8;
+      const size_t code_bytes = (size_t(n) * s.size * container::quantizer(QType(s.type)).code_bits + 7) / 8;
       enc_cover[t.seg] += std::min<size_t>(cuda::kEncTileBytes, code_bytes - t.begin);
     }
     for (size_t i = 0; i < segs.size(); ++i)
-      EXPECT_EQ(enc_cover[uint32_t(i)], (size_t(n) * segs[i].size * qtype_code_bits(QType(segs[i].type)) + 7) / 8);
+      EXPECT_EQ(enc_cover[uint32_t(i)], (size_t(n) * segs[i].size * container::quantizer(QType(segs[i].type)).code_bits + 7) / 8);
     for (const cuda::QTile& t : dt) dec_cover[t.seg] += std::min<size_t>(cuda::kDecTileCodes, size_t(n) * with_none[t.seg].size - t.begin);
     for (size_t i = 0; i < with_none.size(); ++i) EXPECT_EQ(dec_cover[uint32_t(i)], size_t(n) * with_none[i].size);
   }
@@ -473,8 +474,8 @@ TEST(CudaKernels, QuantizeAndPackByteIdentical) {
         uint8_t codes[64];
         uint16_t p[2];
         float want[64];
-        quantize_block(blk.type, &d[size_t(t) * r + blk.start], blk.size, codes, p);
-        dequantize_block(blk.type, codes, blk.size, p, want);
+        container::quantize_block(blk.type, &d[size_t(t) * r + blk.start], blk.size, codes, p);
+        container::dequantize_block(blk.type, codes, blk.size, p, want);
         for (uint32_t i = 0; i < blk.size; ++i) {
           const float g = back[size_t(blk.start + i) * ld + t];
           if (std::memcmp(&g, &want[i], 4) != 0) ++mismatches;

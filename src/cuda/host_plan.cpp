@@ -1,6 +1,6 @@
 #include "host_plan.h"
 
-#include "codec/quant.h"
+#include "format/quantizers.h"
 
 namespace kvtc::cuda {
 
@@ -31,7 +31,7 @@ void append_encode_tiles(const std::vector<QSeg>& segs, size_t first, std::vecto
   for (size_t i = first; i < segs.size(); ++i) {
     const QSeg& s = segs[i];
     if (QType(s.type) == QType::kNone) continue;
-    const size_t bytes = (size_t(s.n) * s.size * qtype_code_bits(QType(s.type)) + 7) / 8;
+    const size_t bytes = (size_t(s.n) * s.size * container::quantizer(QType(s.type)).code_bits + 7) / 8;
     for (size_t b = 0; b < bytes; b += kEncTileBytes) tiles.push_back({uint32_t(i), uint32_t(b)});
   }
 }

@@ -7,6 +7,7 @@
 
 #include "core/capture_io.h"
 #include "format/ecsq.h"
+#include "format/quantizers.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -129,7 +130,7 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
       uint32_t next = 0;
       const bool ecsq = is_ecsq(alloc[b][kv].blocks);
       for (const BlockAlloc& a : alloc[b][kv].blocks) {
-        require(ecsq || (a.start == next && a.size >= 1 && a.size <= 4096 && int(a.type) < kNumQTypes),
+        require(ecsq || (a.start == next && a.size >= 1 && a.size <= 4096 && find_quantizer(uint32_t(a.type))),
                 "compress: allocation blocks must tile a prefix of the components, each of 1..4096 (an entropy-coded allocation is one "
                 "ecsq block)");
         next = a.start + a.size;
@@ -224,10 +225,11 @@ ContainerHeader parse_header(const std::string& js, const std::string& origin) {
         for (const json& a : aj) {
           const int ty = a.at(2).get<int>();
           BlockAlloc ba{a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(ty)};
-          if (ty == int(QType::kEcsq))
+          if (ty == int(kEcsqTypeCode))
             require(aj.size() == 1 && ba.start == 0 && ba.size >= 1 && ba.size <= (1u << 20), "an ecsq block must be its allocation's only one");
           else
-            require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && ty < kNumQTypes, "allocation blocks must tile a prefix");
+            require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && find_quantizer(uint32_t(ty)),
+                    "allocation blocks must tile a prefix");
           next = ba.start + ba.size;
           al[kv].blocks.push_back(ba);
         }

@@ -261,7 +261,7 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
   for (uint32_t n : {1u, 3u, 16u, 31u, 32u, 100u, 256u}) {
     std::vector<cuda::QSeg> segs;
     const size_t bytes = cuda::append_chunk_segments(a.blocks, 7, n, 1000, false, segs);
-    EXPECT_EQ(bytes, container::packed_bytes(a.blocks, n));
+    EXPECT_EQ(bytes, container::packed_bytes(a, n));
     // Segments tile the chunk in allocation order, each params then codes.
     uint64_t off = 1000;
     for (const cuda::QSeg& s : segs) {
@@ -302,8 +302,8 @@ TEST(CudaHost, ChunkTokensFittingNvcompLimit) {
   AllocationSet set{{a, a}};
   const uint32_t n = cuda::chunk_tokens_fitting(set, 256, cuda::kNvcompMaxChunkBytes);
   EXPECT_EQ(n % 16, 0u);
-  EXPECT_LE(container::packed_bytes(a.blocks, n), cuda::kNvcompMaxChunkBytes);
-  EXPECT_GT(container::packed_bytes(a.blocks, n + 16), cuda::kNvcompMaxChunkBytes);
+  EXPECT_LE(container::packed_bytes(a, n), cuda::kNvcompMaxChunkBytes);
+  EXPECT_GT(container::packed_bytes(a, n + 16), cuda::kNvcompMaxChunkBytes);
   EXPECT_EQ(n, 80u);                                                                // 718 bytes per token
   EXPECT_EQ(cuda::chunk_tokens_fitting(set, 64, cuda::kNvcompMaxChunkBytes), 64u);  // the caller's limit wins
   Allocation big;

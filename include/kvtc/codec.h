@@ -24,7 +24,7 @@
 namespace kvtc {
 
 // The newest container version this library writes and reads. Version 2
-// adds entropy-coded chunks (QType::kEcsq); a container without them is
+// adds entropy-coded chunks (Coding::kEntropy); a container without them is
 // still written as version 1, byte for byte what earlier releases wrote.
 constexpr uint32_t kContainerVersion = 2;
 
@@ -69,7 +69,7 @@ struct CompressOptions {
   // The codes depend on it (bf16 rounds the projection's input).
   Precision precision = Precision::kAuto;
   CodecStats* stats = nullptr;  // optional, not owned
-  // Entropy-coded allocations only (QType::kEcsq, ecsq_allocation_set;
+  // Entropy-coded allocations only (Coding::kEntropy, ecsq_allocation_set;
   // the decoder needs neither): a fixed quantizer step in feature units
   // instead of rate control's search for the allocation's nominal ratio
   // (0: search), and the quantizer's rounding, q = sign(d) floor(|d| /
@@ -173,6 +173,11 @@ struct ContainerInfo {
   double ratio_whole_cache() const;
 };
 ContainerInfo inspect(std::span<const uint8_t> container, const std::string& origin);
+// The type code block `b` of allocation `a` carries in the container
+// header's "alloc" triples (docs/format.md "Header"): b.type's value in a
+// fixed-rate allocation, 4 in an entropy-coded one (`kvtc inspect --json`
+// prints these).
+uint32_t header_type_code(const Allocation& a, const BlockAlloc& b);
 
 // Relative squared reconstruction error ||x - x'||^2 / ||x||^2 of keys and
 // values over the tokens that are not raw (sink/window), all blocks pooled.

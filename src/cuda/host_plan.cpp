@@ -9,7 +9,7 @@ uint32_t chunk_tokens_fitting(const AllocationSet& alloc, uint32_t limit, size_t
   for (uint32_t n = 16; n <= limit; n += 16) {
     bool ok = true;
     for (const auto& bk : alloc)
-      for (const Allocation& a : bk) ok = ok && container::packed_bytes(a.blocks, n) <= max_bytes;
+      for (const Allocation& a : bk) ok = ok && container::packed_bytes(a, n) <= max_bytes;
     if (!ok) break;  // bytes grow with n
     best = n;
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <string>
 
 #include "core/scalar.h"
 #include "format/ecsq.h"
@@ -27,16 +28,16 @@ std::vector<PlaneSpan> chunk_layout(const std::vector<BlockAlloc>& alloc, uint32
   return out;
 }
 
-bool is_ecsq(const std::vector<BlockAlloc>& alloc) {
-  return alloc.size() == 1 && alloc[0].type == QType::kEcsq;
-}
-
-size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n) {
+size_t packed_bytes(const Allocation& alloc, uint32_t n) {
   // Entropy-coded: the worst case, every code escaped with a 25-bit value
-  // and a 20-bit shift (at most 62 bits, under 8 bytes), plus rANS flush slack.
-  if (is_ecsq(alloc)) return ecsq_fixed_bytes(alloc[0].size) + size_t(n) * alloc[0].size * 8 + 64;
+  // and a 20-bit shift (at most 62 bits, under 8 bytes), plus rANS flush
+  // slack.
+  if (is_ecsq(alloc)) {
+    require(alloc.blocks.size() == 1, "an entropy-coded allocation must be one block, found " + std::to_string(alloc.blocks.size()));
+    return ecsq_fixed_bytes(alloc.blocks[0].size) + size_t(n) * alloc.blocks[0].size * 8 + 64;
+  }
   size_t bytes = 0;
-  for (const BlockAlloc& b : alloc) {
+  for (const BlockAlloc& b : alloc.blocks) {
     const Quantizer& q = quantizer(b.type);
     bytes += size_t(n) * 2 * q.n_params + (size_t(n) * b.size * q.code_bits + 7) / 8;
   }

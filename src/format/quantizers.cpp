@@ -10,9 +10,12 @@
 namespace kvtc {
 
 const char* qtype_name(QType t) {
-  if (const container::Quantizer* q = container::find_quantizer(uint32_t(t))) return q->name;
-  if (uint32_t(t) == container::kEcsqTypeCode) return container::kEcsqName;
-  return "?";
+  const container::Quantizer* q = container::find_quantizer(uint32_t(t));
+  return q ? q->name : "?";
+}
+
+uint32_t header_type_code(const Allocation& a, const BlockAlloc& b) {
+  return a.coding == Coding::kEntropy ? container::kEcsqTypeCode : uint32_t(b.type);
 }
 
 void quantize_roundtrip(QType t, const float* x, size_t n, float* out) {

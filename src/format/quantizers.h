@@ -14,10 +14,11 @@
 // segment's rule and widths from its row; cuda/quant.cu switches on the
 // rule and never sees a type code).
 //
-// The entropy-coded block (container version 2, format/ecsq.h) is not a
-// fixed-rate quantizer: it has a type code of its own in the container
-// header (kEcsqTypeCode) but no row, no fixed width, and the DP never
-// chooses it.
+// The entropy-coded mode (container version 2, format/ecsq.h) is not a
+// fixed-rate quantizer but a coding of a whole allocation
+// (Allocation::coding): its one block has a type code of its own in the
+// container header (kEcsqTypeCode) but no row, no fixed width, and the DP
+// never chooses it.
 //
 // Adding a quantizer: docs/architecture.md "Adding a quantizer".
 // Thread safety: constants and pure functions.
@@ -49,10 +50,11 @@ inline constexpr std::array<Quantizer, kNumQTypes> kQuantizers{{
     {QType::kFp8, "fp8", 8, 1, QRule::kE4M3},      // f16 scale = absmax / 448
 }};
 
-// The type code of the entropy-coded block (docs/format.md "Entropy-coded
-// chunks": the single [0, r_used, 4] triple of its kind), and its name.
+// The type code of the block of an entropy-coded allocation
+// (Coding::kEntropy) in the container header: docs/format.md "Entropy-coded
+// chunks", the single [0, r_used, 4] triple of its kind. header_type_code
+// (kvtc/codec.h) writes it, parse_header (format/plan.cpp) reads it.
 inline constexpr uint32_t kEcsqTypeCode = 4;
-inline constexpr const char* kEcsqName = "ecsq";
 
 // The row of a type code; nullptr when no fixed-rate quantizer has it (the
 // entropy-coded block's code included). Parsers validate codes with it.

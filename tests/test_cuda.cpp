@@ -268,14 +268,20 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
       EXPECT_EQ(s.off, off);
       EXPECT_EQ(s.row0, 7u);
       EXPECT_EQ(s.n, n);
-      EXPECT_NE(QType(s.type), QType::kNone);
-      off +=
-          size_t(n) * 2 * container::quantizer(QType(s.type)).n_params + (size_t(n) * s.size * container::quantizer(QType(s.type)).code_bits + 7) / 8;
+      EXPECT_NE(s.rule, QRule::kZero);
+      off += size_t(n) * 2 * s.n_params + (size_t(n) * s.size * s.code_bits + 7) / 8;
     }
     EXPECT_EQ(off, 1000 + bytes);
     std::vector<cuda::QSeg> with_none;
     cuda::append_chunk_segments(a.blocks, 0, n, 0, true, with_none);
-    EXPECT_EQ(with_none.size(), a.blocks.size());
+    ASSERT_EQ(with_none.size(), a.blocks.size());
+    // Each segment carries its block's quantizer row (format/quantizers.h).
+    for (size_t i = 0; i < a.blocks.size(); ++i) {
+      const container::Quantizer& q = container::quantizer(a.blocks[i].type);
+      EXPECT_EQ(with_none[i].rule, q.rule);
+      EXPECT_EQ(with_none[i].code_bits, q.code_bits);
+      EXPECT_EQ(with_none[i].n_params, q.n_params);
+    }
     // Encode tiles cover every code byte once; decode tiles every code once.
     std::vector<cuda::QTile> et, dt;
     cuda::append_encode_tiles(segs, 0, et);
@@ -283,11 +289,10 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
     std::map<uint32_t, size_t> enc_cover, dec_cover;
     for (const cuda::QTile& t : et) {
       const cuda::QSeg& s = segs[t.seg];
-      const size_t code_bytes = (size_t(n) * s.size * container::quantizer(QType(s.type)).code_bits + 7) / 8;
+      const size_t code_bytes = (size_t(n) * s.size * s.code_bits + 7) / 8;
       enc_cover[t.seg] += std::min<size_t>(cuda::kEncTileBytes, code_bytes - t.begin);
     }
-    for (size_t i = 0; i < segs.size(); ++i)
-      EXPECT_EQ(enc_cover[uint32_t(i)], (size_t(n) * segs[i].size * container::quantizer(QType(segs[i].type)).code_bits + 7) / 8);
+    for (size_t i = 0; i < segs.size(); ++i) EXPECT_EQ(enc_cover[uint32_t(i)], (size_t(n) * segs[i].size * segs[i].code_bits + 7) / 8);
     for (const cuda::QTile& t : dt) dec_cover[t.seg] += std::min<size_t>(cuda::kDecTileCodes, size_t(n) * with_none[t.seg].size - t.begin);
     for (size_t i = 0; i < with_none.size(); ++i) EXPECT_EQ(dec_cover[uint32_t(i)], size_t(n) * with_none[i].size);
   }

@@ -33,6 +33,7 @@
 #include <sstream>
 
 #include "kvtc/corpus.h"
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 #include "kvtc/llama.h"
 #include "lab.h"

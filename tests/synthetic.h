@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtc/internal/lab_support.h"  // set_feature_rows
 #include "kvtc/kvtc.h"
 
 namespace kvtc {

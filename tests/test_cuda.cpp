@@ -33,6 +33,7 @@
 #include "format/plan.h"
 #include "format/quantizers.h"
 #include "kvtc/cuda.h"
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 
 using namespace kvtc;

@@ -139,24 +139,7 @@ AllocationSet allocation_set(const Calibration& cal, double ratio, bool joint = 
 // calibration loaded decoder_only too (it needs only the spectrum).
 AllocationSet ecsq_allocation_set(const Calibration& cal, double ratio);
 
-// What the codec stores for x[0..n) coded as one allocation block of type
-// t (docs/format.md "Dequantization"): out[i] is x[i]'s reconstruction
-// (out may alias x). For tools that measure the quantizers (kvtc-lab's FP8
-// and KIVI baselines).
-void quantize_roundtrip(QType t, const float* x, size_t n, float* out);
-
 // ---- fitting --------------------------------------------------------------
-// The feature vectors of docs/method.md §1 that the PCA sees: tokens [t0, t1)
-// of block b, all layers and heads concatenated (feature
-// (layer * n_head_kv + head) * head_dim + dim), keys with RoPE removed when
-// derope. Returns [t1 - t0][b.features()] f32.
-std::vector<float> feature_rows(const KvBlock& b, bool keys, bool derope, uint32_t t0, uint32_t t1);
-// The inverse: writes rows [t1 - t0][b.features()] back into tokens
-// [t0, t1) of b, re-applying RoPE to keys when rerope, rounded to f16
-// (nearest even). For tools that edit caches in the feature domain
-// (kvtc-lab's per-prompt SVD baseline).
-void set_feature_rows(KvBlock& b, bool keys, bool rerope, uint32_t t0, uint32_t t1, std::vector<float> rows);
-
 struct FitOptions {
   uint32_t rank_max = 10000;                  // r = min(rank_max, p)
   std::vector<double> ratios{8, 16, 32, 64};  // tables stored in the calibration

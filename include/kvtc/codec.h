@@ -190,7 +190,10 @@ struct ReconError {
   void add(const ReconError& o);  // pools another measurement (sums add, ratios follow)
 };
 // per_token, when given, receives block 0's measurement token by token
-// ([n_tokens]; zero for raw tokens), to pool by position.
+// ([n_tokens]; zero for raw tokens), to pool by position. Public, unlike
+// the lab's other measuring helpers (kvtc/internal/lab_support.h), because
+// the product reports it: `kvtc decompress --reference` and the installed
+// example (examples/roundtrip.cpp).
 ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint32_t sink, uint32_t window,
                                 std::vector<ReconError>* per_token = nullptr);
 
@@ -200,10 +203,6 @@ ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint
 // example "brg:avx512_core_bf16") or the reason it is not available.
 // Thread-safe; probes once.
 bool bf16_projection_available(std::string* impl = nullptr);
-// The projection's GEMM alone, for benchmarks: C[m][n] = A[m][k] B' in `p`
-// (resolved as the codec would), on all threads, best of `repeat`;
-// returns GFLOP/s (2 m n k flops).
-double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
 
 struct LibraryInfo {
   std::string version;                    // kvtc's

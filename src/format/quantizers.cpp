@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvtc/error.h"
+#include "kvtc/internal/lab_support.h"  // quantize_roundtrip
 
 namespace kvtc {
 

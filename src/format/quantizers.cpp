@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "kvtc/error.h"
-#include "kvtc/internal/lab_support.h"  // quantize_roundtrip
+#include "kvtc/internal/lab_support.h"  // quantize_roundtrip, qtype_code_bits
 
 namespace kvtc {
 
@@ -17,6 +17,10 @@ const char* qtype_name(QType t) {
 
 uint32_t header_type_code(const Allocation& a, const BlockAlloc& b) {
   return a.coding == Coding::kEntropy ? container::kEcsqTypeCode : uint32_t(b.type);
+}
+
+uint32_t qtype_code_bits(QType t) {
+  return container::quantizer(t).code_bits;
 }
 
 void quantize_roundtrip(QType t, const float* x, size_t n, float* out) {

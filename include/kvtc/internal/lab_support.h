@@ -23,6 +23,9 @@ namespace kvtc {
 // reconstruction (out may alias x). For the lab's FP8 and KIVI baselines,
 // which quantize with the codec's own quantizers (src/format/quantizers.h).
 void quantize_roundtrip(QType t, const float* x, size_t n, float* out);
+// Bits per component of t's codes (0, 2, 4, 8; parameters aside), from its
+// descriptor (src/format/quantizers.h), for kvtc-lab analyze's runs.
+uint32_t qtype_code_bits(QType t);
 
 // The feature vectors of docs/method.md §1 that the PCA sees: tokens [t0, t1)
 // of block b, all layers and heads concatenated (feature

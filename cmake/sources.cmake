@@ -5,15 +5,15 @@
 get_filename_component(_kvtc_src_root "${CMAKE_CURRENT_LIST_DIR}/.." ABSOLUTE)
 # core: in-memory caches and their files, state blobs, checksums, threads
 set(KVTC_CORE_SOURCES src/core/util.cpp src/core/safetensors.cpp src/core/state_blob.cpp src/core/capture.cpp src/core/parallel.cpp)
-# format + the CPU decoder: the container rules, the calibration file,
-# RoPE, features, quantizers, the projection, decompress and inspect
+# format + the CPU decoder: the container rules and its quantizers, the
+# calibration file, RoPE, features, the projection, decompress and inspect
 set(KVTC_DECODER_SOURCES
   src/format/container.cpp
   src/format/chunk.cpp
   src/format/ecsq.cpp
   src/format/plan.cpp
+  src/format/quantizers.cpp
   src/codec/rope.cpp
-  src/codec/quant.cpp
   src/codec/features.cpp
   src/codec/calibration.cpp
   src/codec/project.cpp

@@ -33,6 +33,7 @@
 #include <sstream>
 
 #include "kvtc/corpus.h"
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 #include "kvtc/llama.h"
 #include "lab.h"
@@ -610,12 +611,8 @@ int run_analyze(const AnalyzeArgs& a) {
             if (!runs.empty() && runs.back()["type"] == qtype_name(ba.type) && runs.back()["to"].get<uint32_t>() == ba.start)
               runs.back()["to"] = ba.start + ba.size;
             else
-              runs.push_back({{"from", ba.start},
-                              {"to", ba.start + ba.size},
-                              {"type", qtype_name(ba.type)},
-                              {"bits_per_component", ba.type == QType::kFp8    ? 8
-                                                     : ba.type == QType::kInt4 ? 4
-                                                                               : 2}});
+              runs.push_back(
+                  {{"from", ba.start}, {"to", ba.start + ba.size}, {"type", qtype_name(ba.type)}, {"bits_per_component", qtype_code_bits(ba.type)}});
           }
           j["components"] = cal.blocks[b][kv].r;
           j["components_coded"] = coded;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 
 namespace kvtc::baselines {

@@ -26,6 +26,7 @@
 
 #include "baselines.h"
 #include "kvtc/corpus.h"
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 #include "kvtc/llama.h"
 #include "lab.h"

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/util.h"
+#include "kvtc/internal/lab_support.h"  // set_feature_rows
 #include "kvtc/kvtc.h"
 
 namespace kvtc {

@@ -16,6 +16,7 @@
 #include "codec/calibration_io.h"
 #include "core/state_blob.h"
 #include "fuzz/fuzz_common.h"
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 #include "synthetic.h"
 

@@ -22,7 +22,6 @@
 #include <random>
 #include <tuple>
 
-#include "codec/quant.h"
 #include "core/scalar.h"
 #include "cuda/center.cuh"
 #include "cuda/codec_impl.h"
@@ -32,7 +31,9 @@
 #include "cuda/rope_gather.cuh"
 #include "cuda/testing.h"
 #include "format/plan.h"
+#include "format/quantizers.h"
 #include "kvtc/cuda.h"
+#include "kvtc/internal/lab_support.h"
 #include "kvtc/kvtc.h"
 
 using namespace kvtc;
@@ -261,20 +262,27 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
   for (uint32_t n : {1u, 3u, 16u, 31u, 32u, 100u, 256u}) {
     std::vector<cuda::QSeg> segs;
     const size_t bytes = cuda::append_chunk_segments(a.blocks, 7, n, 1000, false, segs);
-    EXPECT_EQ(bytes, container::packed_bytes(a.blocks, n));
+    EXPECT_EQ(bytes, container::packed_bytes(a, n));
     // Segments tile the chunk in allocation order, each params then codes.
     uint64_t off = 1000;
     for (const cuda::QSeg& s : segs) {
       EXPECT_EQ(s.off, off);
       EXPECT_EQ(s.row0, 7u);
       EXPECT_EQ(s.n, n);
-      EXPECT_NE(QType(s.type), QType::kNone);
-      off += size_t(n) * qtype_param_bits(QType(s.type)) / 8 + (size_t(n) * s.size * qtype_code_bits(QType(s.type)) + 7) / 8;
+      EXPECT_NE(s.rule, QRule::kZero);
+      off += size_t(n) * 2 * s.n_params + (size_t(n) * s.size * s.code_bits + 7) / 8;
     }
     EXPECT_EQ(off, 1000 + bytes);
     std::vector<cuda::QSeg> with_none;
     cuda::append_chunk_segments(a.blocks, 0, n, 0, true, with_none);
-    EXPECT_EQ(with_none.size(), a.blocks.size());
+    ASSERT_EQ(with_none.size(), a.blocks.size());
+    // Each segment carries its block's quantizer row (format/quantizers.h).
+    for (size_t i = 0; i < a.blocks.size(); ++i) {
+      const container::Quantizer& q = container::quantizer(a.blocks[i].type);
+      EXPECT_EQ(with_none[i].rule, q.rule);
+      EXPECT_EQ(with_none[i].code_bits, q.code_bits);
+      EXPECT_EQ(with_none[i].n_params, q.n_params);
+    }
     // Encode tiles cover every code byte once; decode tiles every code once.
     std::vector<cuda::QTile> et, dt;
     cuda::append_encode_tiles(segs, 0, et);
@@ -282,11 +290,10 @@ TEST(CudaHost, ChunkBytesSegmentsAndTilesMatchTheFormat) {
     std::map<uint32_t, size_t> enc_cover, dec_cover;
     for (const cuda::QTile& t : et) {
       const cuda::QSeg& s = segs[t.seg];
-      const size_t code_bytes = (size_t(n) * s.size * qtype_code_bits(QType(s.type)) + 7) / 8;
+      const size_t code_bytes = (size_t(n) * s.size * s.code_bits + 7) / 8;
       enc_cover[t.seg] += std::min<size_t>(cuda::kEncTileBytes, code_bytes - t.begin);
     }
-    for (size_t i = 0; i < segs.size(); ++i)
-      EXPECT_EQ(enc_cover[uint32_t(i)], (size_t(n) * segs[i].size * qtype_code_bits(QType(segs[i].type)) + 7) / 8);
+    for (size_t i = 0; i < segs.size(); ++i) EXPECT_EQ(enc_cover[uint32_t(i)], (size_t(n) * segs[i].size * segs[i].code_bits + 7) / 8);
     for (const cuda::QTile& t : dt) dec_cover[t.seg] += std::min<size_t>(cuda::kDecTileCodes, size_t(n) * with_none[t.seg].size - t.begin);
     for (size_t i = 0; i < with_none.size(); ++i) EXPECT_EQ(dec_cover[uint32_t(i)], size_t(n) * with_none[i].size);
   }
@@ -301,8 +308,8 @@ TEST(CudaHost, ChunkTokensFittingNvcompLimit) {
   AllocationSet set{{a, a}};
   const uint32_t n = cuda::chunk_tokens_fitting(set, 256, cuda::kNvcompMaxChunkBytes);
   EXPECT_EQ(n % 16, 0u);
-  EXPECT_LE(container::packed_bytes(a.blocks, n), cuda::kNvcompMaxChunkBytes);
-  EXPECT_GT(container::packed_bytes(a.blocks, n + 16), cuda::kNvcompMaxChunkBytes);
+  EXPECT_LE(container::packed_bytes(a, n), cuda::kNvcompMaxChunkBytes);
+  EXPECT_GT(container::packed_bytes(a, n + 16), cuda::kNvcompMaxChunkBytes);
   EXPECT_EQ(n, 80u);                                                                // 718 bytes per token
   EXPECT_EQ(cuda::chunk_tokens_fitting(set, 64, cuda::kNvcompMaxChunkBytes), 64u);  // the caller's limit wins
   Allocation big;
@@ -473,8 +480,8 @@ TEST(CudaKernels, QuantizeAndPackByteIdentical) {
         uint8_t codes[64];
         uint16_t p[2];
         float want[64];
-        quantize_block(blk.type, &d[size_t(t) * r + blk.start], blk.size, codes, p);
-        dequantize_block(blk.type, codes, blk.size, p, want);
+        container::quantize_block(blk.type, &d[size_t(t) * r + blk.start], blk.size, codes, p);
+        container::dequantize_block(blk.type, codes, blk.size, p, want);
         for (uint32_t i = 0; i < blk.size; ++i) {
           const float g = back[size_t(blk.start + i) * ld + t];
           if (std::memcmp(&g, &want[i], 4) != 0) ++mismatches;

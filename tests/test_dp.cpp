@@ -7,10 +7,13 @@
 #include <random>
 
 #include "calib/dp.h"
-#include "codec/quant.h"
+#include "format/quantizers.h"
 #include "kvtc/calibration.h"
+#include "kvtc/error.h"
 
 using namespace kvtc;
+using container::kQuantizers;
+using container::quantizer_index;
 
 namespace {
 
@@ -34,7 +37,7 @@ double brute(const BlockErrors& e, uint64_t budget) {
     for (size_t si = 0; si < e.sizes.size(); ++si) {
       uint32_t s = e.sizes[si];
       if (i % s || i + s > e.n_components) continue;
-      for (int q = 0; q < kNumQTypes; ++q) go(i + s, bits + block_bits(QType(q), s), err + e.err[si][i / s][q]);
+      for (size_t q = 0; q < kQuantizers.size(); ++q) go(i + s, bits + container::block_bits(kQuantizers[q], s), err + e.err[si][i / s][q]);
     }
   };
   go(0, 0, 0.0);
@@ -61,10 +64,10 @@ TEST(Dp, EqualsBruteForce) {
       EXPECT_EQ(b.start, next);
       EXPECT_EQ(b.start % b.size, 0u);
       size_t si = std::find(sizes.begin(), sizes.end(), b.size) - sizes.begin();
-      err += e.err[si][b.start / b.size][int(b.type)];
+      err += e.err[si][b.start / b.size][quantizer_index(b.type)];
       next = b.start + b.size;
     }
-    for (uint32_t i = next; i < r; ++i) err += e.err[0][i][int(QType::kNone)];
+    for (uint32_t i = next; i < r; ++i) err += e.err[0][i][quantizer_index(QType::kNone)];
     EXPECT_NEAR(err / 50.0, a.error, 1e-5 * (1 + a.error));
   }
 }
@@ -82,6 +85,22 @@ TEST(Dp, MoreBudgetNeverHurts) {
     EXPECT_LE(a.bits, budget);
   }
   EXPECT_THROW(allocate_bits(e, 100, 3), std::exception);  // unit must divide every block cost
+}
+
+// A DP cell's choice is one byte (size index x quantizers + quantizer, 0xff
+// reserved): 63 block sizes fit with 4 quantizers, 64 are refused by name.
+TEST(Dp, ChoiceByteLimitsTheBlockSizes) {
+  BlockErrors e;
+  e.n_components = 1;
+  e.n_tokens = 1;
+  for (size_t n : {63u, 64u}) {
+    e.sizes.assign(n, 1);
+    e.err.assign(n, {std::array<double, kQuantizers.size()>{4, 3, 2, 1}});
+    if (n == 63)
+      EXPECT_EQ(allocate_bits(e, 100).blocks, (std::vector<BlockAlloc>{{0, 1, QType::kFp8}}));
+    else
+      EXPECT_THROW(allocate_bits(e, 100), Error);
+  }
 }
 
 // A shared K+V budget split by relative error: within the combined budget,

@@ -213,7 +213,21 @@ TEST(GoldenV2, Decodes) {
   if (std::getenv("KVTC_REGENERATE_GOLDEN_V2")) regenerate_v2();
   const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
   const std::vector<uint8_t> bytes = read_file(kDir2 + "/ok.kvtc");
-  EXPECT_EQ(inspect(bytes, "ok.kvtc").header.version, 2u);
+  const ContainerHeader h = inspect(bytes, "ok.kvtc").header;
+  EXPECT_EQ(h.version, 2u);
+  // The header's single [0, r_used, 4] triple per kind reads back as an
+  // entropy-coded allocation of one block, and writes back as type 4.
+  for (const Allocation& a : h.alloc[0]) {
+    EXPECT_EQ(a.coding, Coding::kEntropy);
+    ASSERT_EQ(a.blocks.size(), 1u);
+    EXPECT_EQ(a.blocks[0].start, 0u);
+    EXPECT_EQ(header_type_code(a, a.blocks[0]), 4u);
+  }
+  for (const Allocation& a : inspect(read_file(kDir + "/ok.kvtc"), "v1").header.alloc[0]) {
+    EXPECT_EQ(a.coding, Coding::kFixedRate);
+    EXPECT_EQ(a.blocks, fuzz::small_alloc()[0][0].blocks);
+    for (const BlockAlloc& b : a.blocks) EXPECT_EQ(header_type_code(a, b), uint32_t(b.type));
+  }
   const KvCapture c = decompress(bytes, cal, "ok.kvtc");
   const KvCapture ref = capture_load(kDir + "/original.safetensors");
   ASSERT_EQ(c.blocks[0].n_tokens(), 64u);

@@ -5,10 +5,12 @@
 #include <cmath>
 #include <random>
 
-#include "codec/quant.h"
 #include "core/util.h"
+#include "format/quantizers.h"
+#include "kvtc/error.h"
 
 using namespace kvtc;
+using namespace kvtc::container;
 
 TEST(E4M3, EveryCodeRoundTripsAndRoundingIsNearest) {
   for (int c = 0; c < 256; ++c) {
@@ -46,7 +48,7 @@ TEST(Quant, ErrorBoundsPerType) {
     for (QType t : {QType::kInt2, QType::kInt4}) {
       quantize_block(t, x.data(), n, codes.data(), p);
       dequantize_block(t, codes.data(), n, p, y.data());
-      const float levels = float((1 << qtype_code_bits(t)) - 1);
+      const float levels = float((1 << quantizer(t).code_bits) - 1);
       // Half a step, where the step is rounded up to f16, plus lo's f16 rounding.
       const float step = (hi - lo) / levels;
       for (size_t i = 0; i < n; ++i)
@@ -91,4 +93,31 @@ TEST(Quant, ConstantBlocksAreExact) {
     dequantize_block(t, codes.data(), 64, p, y.data());
     for (float v : y) EXPECT_NEAR(v, 3.25f, t == QType::kFp8 ? 3.25f * 0.07f : 1e-3f) << qtype_name(t);
   }
+}
+
+// The descriptor table is what docs/format.md says: codes (the QType values
+// the container header and the calibration tables write), names, code and
+// parameter widths; code 4 is the entropy-coded block's, no quantizer's.
+TEST(Quant, DescriptorsAreTheFormats) {
+  ASSERT_EQ(kQuantizers.size(), size_t(kNumQTypes));
+  const struct {
+    uint32_t code;
+    const char* name;
+    uint32_t code_bits, param_bits;
+  } want[] = {{0, "none", 0, 0}, {1, "int2", 2, 32}, {2, "int4", 4, 32}, {3, "fp8", 8, 16}};
+  for (size_t i = 0; i < kQuantizers.size(); ++i) {
+    const Quantizer& q = kQuantizers[i];
+    EXPECT_EQ(uint32_t(q.type), want[i].code);
+    EXPECT_STREQ(q.name, want[i].name);
+    EXPECT_STREQ(qtype_name(q.type), want[i].name);
+    EXPECT_EQ(q.code_bits, want[i].code_bits);
+    EXPECT_EQ(16 * q.n_params, want[i].param_bits);
+    EXPECT_EQ(find_quantizer(want[i].code), &q);
+    EXPECT_EQ(quantizer_index(q.type), i);
+  }
+  EXPECT_EQ(kEcsqTypeCode, 4u);
+  EXPECT_EQ(find_quantizer(kEcsqTypeCode), nullptr);
+  EXPECT_EQ(find_quantizer(5), nullptr);
+  EXPECT_STREQ(qtype_name(QType(5)), "?");
+  EXPECT_THROW(quantizer(QType(5)), Error);
 }

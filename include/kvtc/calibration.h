@@ -26,21 +26,33 @@
 namespace kvtc {
 
 // ---- bit allocation ------------------------------------------------------
-// A *block* of an allocation is a run of consecutive PCA components coded,
-// for one token, with one type and one set of f16 parameters:
+// A *block* of a fixed-rate allocation is a run of consecutive PCA
+// components coded, for one token, with one type and one set of f16
+// parameters:
 //   kNone  0 bits: dropped (decoded as 0)
 //   kInt2  2 bits/component + f16 minimum + f16 step (min-max affine)
 //   kInt4  4 bits/component + f16 minimum + f16 step
 //   kFp8   8 bits/component (E4M3, saturating) + f16 scale = absmax / 448
-//   kEcsq  entropy-coded (container version 2): one uniform step for all
-//          components of a chunk, codes rANS-coded per component with static
-//          tables (docs/format.md "Entropy-coded chunks"); the only block of
-//          its allocation, its size the components the encoder projects on.
-//          Not a DP type: ecsq_allocation_set makes it, the rate control of
-//          compress picks the step.
-enum class QType : uint8_t { kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3, kEcsq = 4 };
-constexpr int kNumQTypes = 4;     // the fixed-rate types the DP chooses among (kNone..kFp8)
-const char* qtype_name(QType t);  // "none", "int2", "int4", "fp8", "ecsq"
+// These are the types the DP chooses among. A value is the type's code in
+// the container header and the calibration file (docs/format.md); code 4
+// is the entropy-coded block's (Coding::kEntropy), so a new type takes 5.
+enum class QType : uint8_t { kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3 };
+constexpr int kNumQTypes = 4;     // the fixed-rate types, the columns of Transform::block_errors
+const char* qtype_name(QType t);  // "none", "int2", "int4", "fp8"
+
+// How an allocation codes its components.
+enum class Coding : uint8_t {
+  // Blocks of fixed-rate types, each with its own per-token parameters
+  // (container version 1): what the DP makes (allocation_for_ratio).
+  kFixedRate = 0,
+  // Entropy-coded (container version 2): one uniform step for all
+  // components of a chunk, codes rANS-coded per component with static
+  // tables (docs/format.md "Entropy-coded chunks"). The allocation holds one
+  // block, [0, size): size is the components the encoder projects on; its
+  // type is unused (kNone). Not a DP result: ecsq_allocation_set makes it,
+  // the rate control of compress picks the step.
+  kEntropy = 1,
+};
 
 struct BlockAlloc {
   uint32_t start = 0;  // first component
@@ -56,6 +68,7 @@ struct Allocation {
   uint64_t budget_bits = 0;  // per token, parameters included
   uint64_t bits = 0;         // per token actually used (<= budget_bits)
   double error = 0;          // expected squared error per token (held-out estimate)
+  Coding coding = Coding::kFixedRate;
   std::vector<BlockAlloc> blocks;
 };
 
@@ -118,32 +131,15 @@ std::array<Allocation, 2> joint_allocation_for_ratio(const Transform& k, const T
 // without decoder_only.
 AllocationSet allocation_set(const Calibration& cal, double ratio, bool joint = false);
 // The entropy-coded mode at a target ratio (f16 bytes of the coded tokens /
-// their chunk sections, for keys and for values): one kEcsq block per
-// (block, kind) over all r components; compress then searches the
+// their chunk sections, for keys and for values): per (block, kind) a
+// Coding::kEntropy allocation of one block over all r components; compress then searches the
 // quantizer step that meets the ratio on the cache itself, keeps the
 // components that matter at that step (CompressOptions::ecsq_min_sd) and
 // trims the block to the last one with a nonzero code. Works with a
 // calibration loaded decoder_only too (it needs only the spectrum).
 AllocationSet ecsq_allocation_set(const Calibration& cal, double ratio);
 
-// What the codec stores for x[0..n) coded as one allocation block of type
-// t (docs/format.md "Dequantization"): out[i] is x[i]'s reconstruction
-// (out may alias x). For tools that measure the quantizers (kvtc-lab's FP8
-// and KIVI baselines).
-void quantize_roundtrip(QType t, const float* x, size_t n, float* out);
-
 // ---- fitting --------------------------------------------------------------
-// The feature vectors of docs/method.md §1 that the PCA sees: tokens [t0, t1)
-// of block b, all layers and heads concatenated (feature
-// (layer * n_head_kv + head) * head_dim + dim), keys with RoPE removed when
-// derope. Returns [t1 - t0][b.features()] f32.
-std::vector<float> feature_rows(const KvBlock& b, bool keys, bool derope, uint32_t t0, uint32_t t1);
-// The inverse: writes rows [t1 - t0][b.features()] back into tokens
-// [t0, t1) of b, re-applying RoPE to keys when rerope, rounded to f16
-// (nearest even). For tools that edit caches in the feature domain
-// (kvtc-lab's per-prompt SVD baseline).
-void set_feature_rows(KvBlock& b, bool keys, bool rerope, uint32_t t0, uint32_t t1, std::vector<float> rows);
-
 struct FitOptions {
   uint32_t rank_max = 10000;                  // r = min(rank_max, p)
   std::vector<double> ratios{8, 16, 32, 64};  // tables stored in the calibration

@@ -24,7 +24,7 @@
 namespace kvtc {
 
 // The newest container version this library writes and reads. Version 2
-// adds entropy-coded chunks (QType::kEcsq); a container without them is
+// adds entropy-coded chunks (Coding::kEntropy); a container without them is
 // still written as version 1, byte for byte what earlier releases wrote.
 constexpr uint32_t kContainerVersion = 2;
 
@@ -69,7 +69,7 @@ struct CompressOptions {
   // The codes depend on it (bf16 rounds the projection's input).
   Precision precision = Precision::kAuto;
   CodecStats* stats = nullptr;  // optional, not owned
-  // Entropy-coded allocations only (QType::kEcsq, ecsq_allocation_set;
+  // Entropy-coded allocations only (Coding::kEntropy, ecsq_allocation_set;
   // the decoder needs neither): a fixed quantizer step in feature units
   // instead of rate control's search for the allocation's nominal ratio
   // (0: search), and the quantizer's rounding, q = sign(d) floor(|d| /
@@ -173,6 +173,11 @@ struct ContainerInfo {
   double ratio_whole_cache() const;
 };
 ContainerInfo inspect(std::span<const uint8_t> container, const std::string& origin);
+// The type code block `b` of allocation `a` carries in the container
+// header's "alloc" triples (docs/format.md "Header"): b.type's value in a
+// fixed-rate allocation, 4 in an entropy-coded one (`kvtc inspect --json`
+// prints these).
+uint32_t header_type_code(const Allocation& a, const BlockAlloc& b);
 
 // Relative squared reconstruction error ||x - x'||^2 / ||x||^2 of keys and
 // values over the tokens that are not raw (sink/window), all blocks pooled.
@@ -185,7 +190,10 @@ struct ReconError {
   void add(const ReconError& o);  // pools another measurement (sums add, ratios follow)
 };
 // per_token, when given, receives block 0's measurement token by token
-// ([n_tokens]; zero for raw tokens), to pool by position.
+// ([n_tokens]; zero for raw tokens), to pool by position. Public, unlike
+// the lab's other measuring helpers (kvtc/internal/lab_support.h), because
+// the product reports it: `kvtc decompress --reference` and the installed
+// example (examples/roundtrip.cpp).
 ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint32_t sink, uint32_t window,
                                 std::vector<ReconError>* per_token = nullptr);
 
@@ -195,10 +203,6 @@ ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint
 // example "brg:avx512_core_bf16") or the reason it is not available.
 // Thread-safe; probes once.
 bool bf16_projection_available(std::string* impl = nullptr);
-// The projection's GEMM alone, for benchmarks: C[m][n] = A[m][k] B' in `p`
-// (resolved as the codec would), on all threads, best of `repeat`;
-// returns GFLOP/s (2 m n k flops).
-double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
 
 struct LibraryInfo {
   std::string version;                    // kvtc's

@@ -6,10 +6,13 @@
 #include <limits>
 #include <string>
 
-#include "codec/quant.h"
 #include "kvtc/error.h"
 
 namespace kvtc {
+
+using container::kQuantizers;
+using container::Quantizer;
+constexpr size_t kNq = kQuantizers.size();
 
 BlockErrors measure_block_errors(const float* d, size_t n_tok, uint32_t r, const std::vector<uint32_t>& sizes) {
   BlockErrors e;
@@ -20,13 +23,13 @@ BlockErrors measure_block_errors(const float* d, size_t n_tok, uint32_t r, const
   for (size_t si = 0; si < sizes.size(); ++si) {
     const uint32_t s = sizes[si];
     const uint32_t nb = r / s;
-    e.err[si].assign(nb, {0, 0, 0, 0});
+    e.err[si].assign(nb, {});
 #pragma omp parallel for schedule(dynamic)
     for (int64_t j = 0; j < int64_t(nb); ++j) {
-      std::array<double, kNumQTypes> acc{0, 0, 0, 0};
+      std::array<double, kNq> acc{};
       for (size_t t = 0; t < n_tok; ++t) {
         const float* x = d + t * r + size_t(j) * s;
-        for (int q = 0; q < kNumQTypes; ++q) acc[q] += block_sq_error(QType(q), x, s);
+        for (size_t q = 0; q < kNq; ++q) acc[q] += container::block_sq_error(kQuantizers[q], x, s);
       }
       e.err[si][size_t(j)] = acc;
     }
@@ -38,7 +41,12 @@ Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t un
   const uint32_t r = e.n_components;
   require(unit > 0, "allocate_bits: unit must be positive");
   for (uint32_t s : e.sizes)
-    for (int q = 0; q < kNumQTypes; ++q) require(block_bits(QType(q), s) % unit == 0, "allocate_bits: block cost not a multiple of the budget unit");
+    for (const Quantizer& q : kQuantizers)
+      require(container::block_bits(q, s) % unit == 0, "allocate_bits: block cost not a multiple of the budget unit");
+  // A cell's choice is one byte, size index x kNq + quantizer index, 0xff
+  // meaning "same as b - 1": 63 sizes with 4 quantizers (the method uses 5).
+  require(e.sizes.size() * kNq < 0xff,
+          "allocate_bits: " + std::to_string(e.sizes.size()) + " block sizes x " + std::to_string(kNq) + " quantizers do not fit a one-byte choice");
   const uint64_t B = budget_bits / unit;
   // 5 bytes per cell: 2^28 cells is 1.3 GB (p = 5,760 at ratio 2 needs 2^27).
   require(uint64_t(r + 1) * (B + 1) <= (uint64_t(1) << 28),
@@ -46,8 +54,9 @@ Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t un
   const size_t W = size_t(B) + 1;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   // best[i * W + b]: least error of components [0, i) within b units
-  // (monotone in b). choice packs (size index, type) of the last block;
-  // 0xff means "same as b - 1" (the extra unit is unused).
+  // (monotone in b). choice packs (size index, quantizer index) of the last
+  // block as si * kNq + q; 0xff means "same as b - 1" (the extra unit is
+  // unused).
   std::vector<float> best(size_t(r + 1) * W, kInf);
   std::vector<uint8_t> choice(size_t(r + 1) * W, 0xff);
   std::fill(best.begin(), best.begin() + W, 0.0f);
@@ -59,11 +68,11 @@ Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t un
       if (i % s != 0) continue;
       const auto& err = e.err[si][(i - s) / s];
       const float* prev = &best[size_t(i - s) * W];
-      for (int q = 0; q < kNumQTypes; ++q) {
-        const size_t cost = block_bits(QType(q), s) / unit;
+      for (size_t q = 0; q < kNq; ++q) {
+        const size_t cost = container::block_bits(kQuantizers[q], s) / unit;
         if (cost > B) continue;
         const float add = float(err[q]);
-        const uint8_t code = uint8_t(si << 2 | q);
+        const uint8_t code = uint8_t(si * kNq + q);
         for (size_t b = cost; b < W; ++b) {
           const float v = prev[b - cost] + add;
           if (v < bi[b]) {
@@ -96,19 +105,19 @@ Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t un
       --b;
       continue;
     }
-    const uint32_t s = e.sizes[c >> 2];
-    const QType q = QType(c & 3);
-    rev.push_back({i - s, s, q});
-    b -= block_bits(q, s) / unit;
+    const uint32_t s = e.sizes[c / kNq];
+    const Quantizer& q = kQuantizers[c % kNq];
+    rev.push_back({i - s, s, q.type});
+    b -= container::block_bits(q, s) / unit;
     i -= s;
   }
   // Neighbours of equal type stay separate blocks (each has its own
   // per-token parameters); trailing dropped blocks are implicit.
   for (auto it = rev.rbegin(); it != rev.rend(); ++it) {
-    a.bits += block_bits(it->type, it->size);
+    a.bits += container::block_bits(it->type, it->size);
     a.blocks.push_back(*it);
   }
-  while (!a.blocks.empty() && a.blocks.back().type == QType::kNone) a.blocks.pop_back();
+  while (!a.blocks.empty() && container::quantizer(a.blocks.back().type).rule == QRule::kZero) a.blocks.pop_back();
   return a;
 }
 

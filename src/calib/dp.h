@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "format/quantizers.h"
 #include "kvtc/calibration.h"
 
 namespace kvtc {
@@ -27,9 +28,11 @@ namespace kvtc {
 struct BlockErrors {
   uint32_t n_components = 0;
   std::vector<uint32_t> sizes;
-  // err[si][j][t]: squared error summed over the measured tokens of the
-  // block [j * sizes[si], (j + 1) * sizes[si]) coded with QType t.
-  std::vector<std::vector<std::array<double, kNumQTypes>>> err;
+  // err[si][j][q]: squared error summed over the measured tokens of the
+  // block [j * sizes[si], (j + 1) * sizes[si]) coded with
+  // container::kQuantizers[q], the fixed-rate quantizers the DP chooses
+  // among (src/format/quantizers.h).
+  std::vector<std::vector<std::array<double, container::kQuantizers.size()>>> err;
   size_t n_tokens = 0;
 };
 
@@ -38,7 +41,8 @@ BlockErrors measure_block_errors(const float* d, size_t n_tok, uint32_t r, const
 
 // Least-error allocation within budget_bits per token. `unit` is the budget
 // granularity in bits (every block cost must be a multiple: 2 for the
-// method's types). Errors in the result are per token (divided by n_tokens).
+// method's types). At most 63 block sizes with 4 quantizers (a DP cell's choice is one byte:
+// size index x quantizer count + quantizer, 0xff reserved). Errors in the result are per token (divided by n_tokens).
 // error_curve, when given, receives the least per-token error for every
 // budget 0, unit, 2 unit, ..., budget_bits (one DP gives them all).
 Allocation allocate_bits(const BlockErrors& e, uint64_t budget_bits, uint32_t unit = 2, std::vector<double>* error_curve = nullptr);

@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 
 #include "codec/calibration_io.h"
-#include "codec/quant.h"
 #include "core/capture_io.h"
 #include "core/util.h"
+#include "format/quantizers.h"
 #include "kvtc/error.h"
 
 namespace kvtc {
@@ -241,7 +241,7 @@ Calibration calibration_parse(std::span<const uint8_t> bytes, const std::string&
           for (const auto& x : it.value().at("blocks")) {
             const int ty = x.at(2).get<int>();
             BlockAlloc ba{x.at(0).get<uint32_t>(), x.at(1).get<uint32_t>(), QType(ty)};
-            require(ty >= 0 && ty < kNumQTypes && ba.size > 0 && ba.start == next && ba.start + ba.size <= t.r, "bad block");
+            require(ty >= 0 && container::find_quantizer(uint32_t(ty)) && ba.size > 0 && ba.start == next && ba.start + ba.size <= t.r, "bad block");
             next = ba.start + ba.size;
             a.blocks.push_back(ba);
           }

@@ -64,7 +64,7 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
     const detail::Projector& P = *proj[s.block][s.kv];
     const uint32_t ru = D.r_used[s.block][s.kv];
     std::vector<float> d(size_t(n) * std::max(ru, 1u)), feat(size_t(n) * kb.features());
-    if (is_ecsq(H.alloc[s.block][s.kv].blocks)) {
+    if (is_ecsq(H.alloc[s.block][s.kv])) {
       StageTimer st(ck, detail::kEntropy);
       ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(),
                         origin + ": chunk section (block " + std::to_string(s.block) + (s.kv ? " V" : " K") + ", tokens " + std::to_string(s.t0) +
@@ -83,7 +83,7 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
     opt.stats->projection = prec;
     bool ecsq = false, dp = false;
     for (const Section& s : jobs)
-      if (s.kind == kChunk) (is_ecsq(H.alloc[s.block][s.kv].blocks) ? ecsq : dp) = true;
+      if (s.kind == kChunk) (is_ecsq(H.alloc[s.block][s.kv]) ? ecsq : dp) = true;
     opt.stats->entropy_backend = ecsq && dp ? "libdeflate+rans" : ecsq ? "rans" : "libdeflate";
     opt.stats->transfer_ms = opt.stats->host_ms = 0;
     opt.stats->total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();

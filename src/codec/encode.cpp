@@ -125,11 +125,11 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
   E.param.resize(c.blocks.size());
   std::vector<size_t> jobs;
   for (size_t i = 0; i < plan.size(); ++i)
-    if (plan[i].kind == kChunk && is_ecsq(alloc[plan[i].block][plan[i].kv].blocks)) jobs.push_back(i);
+    if (plan[i].kind == kChunk && is_ecsq(alloc[plan[i].block][plan[i].kv])) jobs.push_back(i);
   bool any = false;
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
-      if (is_ecsq(alloc[b][kv].blocks)) {
+      if (is_ecsq(alloc[b][kv])) {
         any = true;
         E.param[b][kv].rounding = float(opt.ecsq_rounding);
       }
@@ -147,7 +147,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
   };
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv) {
-      if (!is_ecsq(alloc[b][kv].blocks)) continue;
+      if (!is_ecsq(alloc[b][kv])) continue;
       const Transform& t = cal.blocks[b][kv];
       const uint32_t cap = alloc[b][kv].blocks[0].size;
       const float fixed = b < steps.size() && steps[b][kv] > 0 ? steps[b][kv] : float(opt.ecsq_step);
@@ -256,7 +256,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
       if (trim) {
         uint32_t last = 0;
         if (!mine.empty()) measure(p.step, &last);
-        E.alloc[b][kv].blocks = {{0, std::max(last, 1u), QType::kEcsq}};
+        E.alloc[b][kv].blocks = {{0, std::max(last, 1u), QType::kNone}};  // still Coding::kEntropy
       }
     }
   return E;
@@ -277,7 +277,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
-      if (!is_ecsq(alloc[b][kv].blocks)) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec);
+      if (!is_ecsq(alloc[b][kv])) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec);
   std::vector<std::vector<uint8_t>> made(plan.size());
   const int threads = detail::resolve_threads(opt.threads, plan.size());
   bool any_ecsq = false, any_dp = false;
@@ -291,7 +291,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
       case kTokens: pl = i32_bytes(c.tokens.data() + s.t0, s.t1 - s.t0); break;
       case kRaw: pl = raw_bytes(kb, int(s.kv), s.t0, s.t1); break;
       default: {
-        if (is_ecsq(alloc[s.block][s.kv].blocks)) {
+        if (is_ecsq(alloc[s.block][s.kv])) {
           detail::StageTimer st(ck, detail::kEntropy);
           pl = container::ecsq_encode_chunk(ecsq.coeffs[i].data(), s.t1 - s.t0, ecsq.ld[s.block][s.kv], r_used(alloc[s.block][s.kv].blocks),
                                             ecsq.param[s.block][s.kv]);
@@ -306,7 +306,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
     write_section(made[i], s.kind, s.block, s.kv, s.t0, s.t1, pl, level);
   });
   for (const SectionPlan& s : plan)
-    if (s.kind == kChunk) (is_ecsq(alloc[s.block][s.kv].blocks) ? any_ecsq : any_dp) = true;
+    if (s.kind == kChunk) (is_ecsq(alloc[s.block][s.kv]) ? any_ecsq : any_dp) = true;
   size_t total = out.size();
   for (const auto& m : made) total += m.size();
   out.reserve(total);
@@ -330,7 +330,7 @@ uint64_t compress_bound(const KvCapture& c, const AllocationSet& alloc, const Co
   for (const SectionPlan& s : plan_sections(c, opt, 0, 0)) {
     const KvBlock& kb = c.blocks[s.block];
     const uint32_t t = s.t1 - s.t0;
-    const uint64_t payload = s.kind == kChunk ? packed_bytes(alloc[s.block][s.kv].blocks, t)
+    const uint64_t payload = s.kind == kChunk ? packed_bytes(alloc[s.block][s.kv], t)
                              : s.kind == kRaw ? uint64_t(t) * kb.features() * 2
                                               : uint64_t(t) * 4;
     n += section_bound(payload);
@@ -406,7 +406,7 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
   // the new tokens are coded at the same distortion.
   std::vector<std::array<float, 2>> steps(1, {0.0f, 0.0f});
   for (const Section& s : P.sections)
-    if (s.kind == kChunk && is_ecsq(alloc[0][s.kv].blocks)) {
+    if (s.kind == kChunk && is_ecsq(alloc[0][s.kv])) {
       const std::vector<uint8_t> pl = payload(s, origin);
       steps[0][s.kv] = container::ecsq_chunk_step(pl.data(), pl.size(), origin + ": chunk section");
     }
@@ -451,7 +451,8 @@ AllocationSet ecsq_allocation_set(const Calibration& cal, double ratio) {
       for (uint32_t j = 0; j < t.r; ++j) err += std::min(std::max(0.0, double(t.variance[j])), step * step / 12);
       a.error = err;
       a.bits = a.budget_bits;
-      a.blocks = {{0, t.r, QType::kEcsq}};
+      a.coding = Coding::kEntropy;
+      a.blocks = {{0, t.r, QType::kNone}};  // the type is unused
     }
   return out;
 }

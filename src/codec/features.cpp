@@ -7,6 +7,7 @@
 #include "core/util.h"
 #include "kvtc/calibration.h"
 #include "kvtc/error.h"
+#include "kvtc/internal/lab_support.h"  // feature_rows, set_feature_rows
 
 namespace kvtc {
 

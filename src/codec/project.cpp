@@ -13,6 +13,7 @@
 
 #include "core/util.h"
 #include "kvtc/error.h"
+#include "kvtc/internal/lab_support.h"  // projection_gemm_gflops
 
 #if KVTC_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.hpp>

@@ -6,10 +6,6 @@
 
 namespace kvtc {
 
-void require_rope_supported(const Rope& r, const std::string& who) {
-  require(r.unsupported.empty(), who + ": the keys' RoPE cannot be undone: " + r.unsupported);
-}
-
 RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& p, uint32_t head_dim, bool inverse) {
   require_rope_supported(p, "rope");
   require(p.n_rot <= head_dim && p.n_rot % 2 == 0, "rope: n_rot must be even and at most head_dim");

@@ -14,13 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "core/capture_io.h"  // require_rope_supported
 #include "kvtc/cache.h"
 
 namespace kvtc {
-
-// Error (naming `who`) when the rotation cannot be undone exactly
-// (Rope::unsupported is set).
-void require_rope_supported(const Rope& r, const std::string& who);
 
 // The cos/sin of every (token, pair) for a run of positions, computed once
 // and applied to every layer and head of a block: the angles do not depend

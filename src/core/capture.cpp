@@ -119,6 +119,10 @@ std::string floats_json(const std::vector<float>& v) {
 
 }  // namespace
 
+void require_rope_supported(const Rope& r, const std::string& who) {
+  require(r.unsupported.empty(), who + ": the keys' RoPE cannot be undone: " + r.unsupported);
+}
+
 Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::string& origin) {
   Rope r;
   auto unsupported = [&](const std::string& why) {

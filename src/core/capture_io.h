@@ -25,6 +25,11 @@ using Meta = std::map<std::string, std::string>;
 // missing or malformed key) is returned with `unsupported` saying why,
 // naming `origin` and the key; nothing is thrown.
 Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::string& origin);
+// Error (naming `who`) when the rotation cannot be undone exactly
+// (Rope::unsupported is set). Here, below the format and the codec, because
+// both check it: the container's rules (format/plan.cpp) for the keys of
+// every block that is coded, the codec (codec/rope.cpp) before rotating.
+void require_rope_supported(const Rope& r, const std::string& who);
 
 // Fills model_sha256 and, per block (whose layers, heads and dims the
 // caller has set; block 1 is the sliding-window block), rope and

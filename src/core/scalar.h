@@ -1,6 +1,6 @@
 // Internal: the codec's scalar conversions and quantizer arithmetic, written
 // once for the CPU and the GPU (__host__ __device__ under nvcc). The CPU
-// encoder (src/codec/quant.cpp) and the CUDA kernels (src/cuda/quant.cu,
+// quantizers (src/format/quantizers.cpp) and the CUDA kernels (src/cuda/quant.cu,
 // rope_gather.cu) call these very functions, which is what makes their f16
 // parameters and codes byte-identical (docs/gpu.md).
 //
@@ -155,6 +155,17 @@ KVTC_HD inline uint8_t f32_to_e4m3(float x) {
 // ---- the quantizers (docs/format.md "Dequantization") ----------------------
 // Parameters are rounded to f16 before the codes are chosen, so the decoder,
 // which sees only the f16 values, reconstructs what the encoder measured.
+
+// The arithmetic families of the fixed-rate quantizers. Which quantizer
+// uses which, with its code and parameter widths, is the format's
+// descriptor table (src/format/quantizers.h); the CPU block quantizer
+// (src/format/quantizers.cpp, chunk.cpp) and the GPU kernels
+// (src/cuda/quant.cu, which get the rule per segment) switch on it.
+enum class QRule : uint8_t {
+  kZero,    // no codes, no parameters: every component decodes as 0
+  kAffine,  // f16 minimum and step, codes 0..2^bits-1: lo + code * step (int_block_params, int_code)
+  kE4M3,    // one f16 scale absmax / 448, E4M3 codes: e4m3(code) * scale (fp8_block_scale, fp8_code)
+};
 
 // int2/int4 block with minimum lo and maximum hi: the f16 minimum, and the
 // step (hi - lo') / levels rounded *up* to f16 so that hi stays reachable

@@ -127,7 +127,7 @@ EncodePlan plan_encode(const CudaCodec::Impl& I, const std::vector<const CudaKvC
         continue;
       }
       const KvBlock& kb = c.blocks[s.block];
-      const uint64_t bytes = s.kind == kRaw ? uint64_t(s.t1 - s.t0) * kb.features() * 2 : packed_bytes(alloc[s.block][s.kv].blocks, s.t1 - s.t0);
+      const uint64_t bytes = s.kind == kRaw ? uint64_t(s.t1 - s.t0) * kb.features() * 2 : packed_bytes(alloc[s.block][s.kv], s.t1 - s.t0);
       E.arena = cuda::round_up(E.arena, I.align);
       E.pls.push_back({i, s.kind, s.block, s.kv, s.t0, s.t1, E.arena, bytes});
       E.cap_pls[i].push_back(E.pls.size() - 1);

@@ -1,6 +1,6 @@
 #include "host_plan.h"
 
-#include "codec/quant.h"
+#include "format/quantizers.h"
 
 namespace kvtc::cuda {
 
@@ -9,7 +9,7 @@ uint32_t chunk_tokens_fitting(const AllocationSet& alloc, uint32_t limit, size_t
   for (uint32_t n = 16; n <= limit; n += 16) {
     bool ok = true;
     for (const auto& bk : alloc)
-      for (const Allocation& a : bk) ok = ok && container::packed_bytes(a.blocks, n) <= max_bytes;
+      for (const Allocation& a : bk) ok = ok && container::packed_bytes(a, n) <= max_bytes;
     if (!ok) break;  // bytes grow with n
     best = n;
   }
@@ -21,8 +21,18 @@ size_t append_chunk_segments(const std::vector<BlockAlloc>& alloc, uint32_t row0
   size_t end = 0;
   for (const container::PlaneSpan& ps : container::chunk_layout(alloc, n)) {
     end = ps.end;
-    if (ps.blk.type == QType::kNone && !include_none) continue;
-    segs.push_back({off + ps.params, row0, n, ps.blk.start, ps.blk.size, uint32_t(ps.blk.type), 0});
+    const container::Quantizer& q = container::quantizer(ps.blk.type);
+    if (q.rule == QRule::kZero && !include_none) continue;
+    QSeg s;
+    s.off = off + ps.params;
+    s.row0 = row0;
+    s.n = n;
+    s.comp0 = ps.blk.start;
+    s.size = ps.blk.size;
+    s.rule = q.rule;
+    s.code_bits = uint8_t(q.code_bits);
+    s.n_params = uint8_t(q.n_params);
+    segs.push_back(s);
   }
   return end;
 }
@@ -30,8 +40,8 @@ size_t append_chunk_segments(const std::vector<BlockAlloc>& alloc, uint32_t row0
 void append_encode_tiles(const std::vector<QSeg>& segs, size_t first, std::vector<QTile>& tiles) {
   for (size_t i = first; i < segs.size(); ++i) {
     const QSeg& s = segs[i];
-    if (QType(s.type) == QType::kNone) continue;
-    const size_t bytes = (size_t(s.n) * s.size * qtype_code_bits(QType(s.type)) + 7) / 8;
+    if (s.rule == QRule::kZero) continue;
+    const size_t bytes = (size_t(s.n) * s.size * s.code_bits + 7) / 8;
     for (size_t b = 0; b < bytes; b += kEncTileBytes) tiles.push_back({uint32_t(i), uint32_t(b)});
   }
 }

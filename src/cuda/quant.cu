@@ -9,27 +9,18 @@ namespace kvtc::cuda {
 
 namespace {
 
-constexpr uint32_t kNone = 0, kInt2 = 1, kInt4 = 2, kFp8 = 3;
-
-__device__ __forceinline__ uint32_t code_bits(uint32_t t) {
-  return t == kInt2 ? 2 : t == kInt4 ? 4 : t == kFp8 ? 8 : 0;
-}
-__device__ __forceinline__ uint32_t n_params(uint32_t t) {
-  return t == kFp8 ? 1 : (t == kInt2 || t == kInt4) ? 2 : 0;
-}
-
 __device__ __forceinline__ uint16_t plane16(const uint8_t* planes, uint32_t n, uint32_t k, uint32_t t) {
   return uint16_t(planes[size_t(2 * k) * n + t] | uint16_t(planes[size_t(2 * k + 1) * n + t]) << 8);
 }
 
 __global__ void quant_params_kernel(const float* __restrict__ dt, size_t ld, const QSeg* __restrict__ segs, uint8_t* __restrict__ base) {
   const QSeg sg = segs[blockIdx.x];
-  if (sg.type == kNone) return;
+  if (sg.rule == QRule::kZero) return;
   uint8_t* out = base + sg.off;
   const uint32_t n = sg.n;
   for (uint32_t t = threadIdx.x; t < n; t += blockDim.x) {
     const float* col = dt + size_t(sg.comp0) * ld + sg.row0 + t;
-    if (sg.type == kFp8) {
+    if (sg.rule == QRule::kE4M3) {
       float amax = 0;
       for (uint32_t i = 0; i < sg.size; ++i) {
         const float a = fabsf(col[size_t(i) * ld]);
@@ -38,8 +29,8 @@ __global__ void quant_params_kernel(const float* __restrict__ dt, size_t ld, con
       const uint16_t s16 = fp8_block_scale(amax);
       out[t] = uint8_t(s16);
       out[size_t(n) + t] = uint8_t(s16 >> 8);
-    } else {
-      const int levels = int((1u << code_bits(sg.type)) - 1);
+    } else {  // kAffine
+      const int levels = int((1u << sg.code_bits) - 1);
       float lo = col[0], hi = col[0];
       for (uint32_t i = 1; i < sg.size; ++i) {
         const float x = col[size_t(i) * ld];
@@ -60,9 +51,9 @@ __global__ void quant_codes_kernel(const float* __restrict__ dt, size_t ld, cons
                                    uint8_t* __restrict__ base) {
   const QTile tile = tiles[blockIdx.x];
   const QSeg sg = segs[tile.seg];
-  const uint32_t n = sg.n, cb = code_bits(sg.type), per = 8 / cb;
+  const uint32_t n = sg.n, cb = sg.code_bits, per = 8 / cb;
   const uint8_t* planes = base + sg.off;
-  uint8_t* codes = base + sg.off + size_t(2) * n_params(sg.type) * n;
+  uint8_t* codes = base + sg.off + size_t(2) * sg.n_params * n;
   const size_t n_codes = size_t(n) * sg.size;
   const size_t bytes = (n_codes * cb + 7) / 8;
   const size_t end = min(bytes, size_t(tile.begin) + kEncTileBytes);
@@ -75,9 +66,9 @@ __global__ void quant_codes_kernel(const float* __restrict__ dt, size_t ld, cons
       const uint32_t i = uint32_t(j / n), t = uint32_t(j % n);
       const float x = dt[size_t(sg.comp0 + i) * ld + sg.row0 + t];
       uint32_t code;
-      if (sg.type == kFp8)
+      if (sg.rule == QRule::kE4M3)
         code = fp8_code(x, f16_to_f32(plane16(planes, n, 0, t)));
-      else
+      else  // kAffine
         code = int_code(x, f16_to_f32(plane16(planes, n, 0, t)), f16_to_f32(plane16(planes, n, 1, t)), levels);
       byte |= code << (k * cb);
     }
@@ -90,21 +81,21 @@ __global__ void unpack_kernel(const uint8_t* __restrict__ base, const QSeg* __re
                               size_t ld) {
   const QTile tile = tiles[blockIdx.x];
   const QSeg sg = segs[tile.seg];
-  const uint32_t n = sg.n, cb = code_bits(sg.type);
+  const uint32_t n = sg.n, cb = sg.code_bits;
   const size_t n_codes = size_t(n) * sg.size;
   const size_t end = min(n_codes, size_t(tile.begin) + kDecTileCodes);
   const uint8_t* planes = base + sg.off;
-  const uint8_t* codes = base + sg.off + size_t(2) * n_params(sg.type) * n;
+  const uint8_t* codes = base + sg.off + size_t(2) * sg.n_params * n;
   const uint32_t mask = (1u << cb) - 1;
   for (size_t j = tile.begin + threadIdx.x; j < end; j += blockDim.x) {
     const uint32_t i = uint32_t(j / n), t = uint32_t(j % n);
     float v = 0.0f;
-    if (sg.type != kNone) {
+    if (sg.rule != QRule::kZero) {
       const size_t bit = j * cb;
       const uint32_t code = (codes[bit >> 3] >> (bit & 7)) & mask;
-      if (sg.type == kFp8)
+      if (sg.rule == QRule::kE4M3)
         v = __fmul_rn(e4m3_to_f32(uint8_t(code)), f16_to_f32(plane16(planes, n, 0, t)));
-      else
+      else  // kAffine
         v = __fadd_rn(f16_to_f32(plane16(planes, n, 0, t)), __fmul_rn(float(code), f16_to_f32(plane16(planes, n, 1, t))));
     }
     store_elem<T>(dt + size_t(sg.comp0 + i) * ld + sg.row0 + t, v);

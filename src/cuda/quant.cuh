@@ -1,7 +1,9 @@
 // Internal (GPU path), kernel family (c): per-token block quantization and
 // the container's packed planes, the device twin of quantize_block /
-// dequantize_block (src/codec/quant.cpp) and of the packing in
-// encode_chunk / unpack_chunk (src/codec/encode.cpp, decode.cpp).
+// dequantize_block (src/format/quantizers.cpp) and of pack_chunk /
+// unpack_chunk (src/format/chunk.cpp). Each segment carries its
+// quantizer's rule and widths from src/format/quantizers.h (qseg.h); a
+// kernel branch per rule (core/scalar.h's QRule), none per type.
 //
 // Coefficients live component-major: Dt[comp * ld + row] (one component's
 // values for consecutive tokens are contiguous, so the per-token reductions

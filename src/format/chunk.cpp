@@ -2,10 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <string>
 
-#include "codec/quant.h"
 #include "core/scalar.h"
 #include "format/ecsq.h"
+#include "format/quantizers.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -15,28 +16,31 @@ std::vector<PlaneSpan> chunk_layout(const std::vector<BlockAlloc>& alloc, uint32
   out.reserve(alloc.size());
   size_t off = 0;
   for (const BlockAlloc& b : alloc) {
+    const Quantizer& q = quantizer(b.type);
     PlaneSpan s;
     s.blk = b;
     s.params = off;
-    s.codes = off + size_t(n) * qtype_param_bits(b.type) / 8;
-    s.end = s.codes + (size_t(n) * b.size * qtype_code_bits(b.type) + 7) / 8;
+    s.codes = off + size_t(n) * 2 * q.n_params;
+    s.end = s.codes + (size_t(n) * b.size * q.code_bits + 7) / 8;
     off = s.end;
     out.push_back(s);
   }
   return out;
 }
 
-bool is_ecsq(const std::vector<BlockAlloc>& alloc) {
-  return alloc.size() == 1 && alloc[0].type == QType::kEcsq;
-}
-
-size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n) {
+size_t packed_bytes(const Allocation& alloc, uint32_t n) {
   // Entropy-coded: the worst case, every code escaped with a 25-bit value
-  // and a 20-bit shift (at most 62 bits, under 8 bytes), plus rANS flush slack.
-  if (is_ecsq(alloc)) return ecsq_fixed_bytes(alloc[0].size) + size_t(n) * alloc[0].size * 8 + 64;
+  // and a 20-bit shift (at most 62 bits, under 8 bytes), plus rANS flush
+  // slack.
+  if (is_ecsq(alloc)) {
+    require(alloc.blocks.size() == 1, "an entropy-coded allocation must be one block, found " + std::to_string(alloc.blocks.size()));
+    return ecsq_fixed_bytes(alloc.blocks[0].size) + size_t(n) * alloc.blocks[0].size * 8 + 64;
+  }
   size_t bytes = 0;
-  for (const BlockAlloc& b : alloc)
-    if (b.type != QType::kNone) bytes += size_t(n) * qtype_param_bits(b.type) / 8 + (size_t(n) * b.size * qtype_code_bits(b.type) + 7) / 8;
+  for (const BlockAlloc& b : alloc.blocks) {
+    const Quantizer& q = quantizer(b.type);
+    bytes += size_t(n) * 2 * q.n_params + (size_t(n) * b.size * q.code_bits + 7) / 8;
+  }
   return bytes;
 }
 
@@ -51,23 +55,24 @@ std::vector<uint8_t> pack_chunk(const float* d, uint32_t n, uint32_t ld, const s
   std::vector<uint8_t> all_codes;
   for (const PlaneSpan& ps : layout) {
     const BlockAlloc& blk = ps.blk;
-    if (blk.type == QType::kNone) continue;
+    const Quantizer& q = quantizer(blk.type);
+    if (q.rule == QRule::kZero) continue;
     all_codes.resize(size_t(n) * blk.size);
     for (uint32_t t = 0; t < n; ++t)
-      quantize_block(blk.type, d + size_t(t) * ld + blk.start, blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
+      quantize_block(q, d + size_t(t) * ld + blk.start, blk.size, &all_codes[size_t(t) * blk.size], &params[size_t(t) * 2]);
     // Parameters as a low-byte plane then a high-byte plane (the high bytes,
     // sign and exponent, repeat a lot), codes component-major (one
     // component's codes for all tokens share a distribution): +1.5% ratio,
     // measured (docs/format.md).
     uint8_t* pp = &packed[ps.params];
-    for (uint32_t k = 0; k < qtype_param_bits(blk.type) / 16; ++k, pp += 2 * size_t(n))
+    for (uint32_t k = 0; k < q.n_params; ++k, pp += 2 * size_t(n))
       for (uint32_t t = 0; t < n; ++t) {
         pp[t] = uint8_t(params[size_t(t) * 2 + k]);
         pp[n + t] = uint8_t(params[size_t(t) * 2 + k] >> 8);
       }
-    // Code j (= component * n + token) at bit j * cb; cb is 2, 4 or 8, so
-    // a code never straddles a byte.
-    const uint32_t cb = qtype_code_bits(blk.type);
+    // Code j (= component * n + token) at bit j * cb; cb divides 8
+    // (quantizers_are_consistent), so a code never straddles a byte.
+    const uint32_t cb = q.code_bits;
     uint8_t* o = &packed[ps.codes];
     size_t j = 0;
     for (uint32_t i = 0; i < blk.size; ++i)
@@ -90,20 +95,23 @@ void unpack_chunk(const uint8_t* buf, const std::vector<BlockAlloc>& alloc, uint
   std::vector<float> lo(n), st(n);
   for (const PlaneSpan& ps : chunk_layout(alloc, n)) {
     const BlockAlloc& b = ps.blk;
-    if (b.type == QType::kNone) continue;
-    const uint8_t* pp = buf + ps.params;  // low-byte plane, then high-byte plane, per parameter
+    const Quantizer& q = quantizer(b.type);
+    if (q.rule == QRule::kZero) continue;
+    // Parameter k: its low-byte plane, then its high-byte plane. lo holds
+    // the first (int: minimum, fp8: scale), st the second (int: step).
+    const uint8_t* pp = buf + ps.params;
     for (uint32_t t = 0; t < n; ++t) lo[t] = f16_to_f32(uint16_t(pp[t] | pp[n + t] << 8));
-    if (b.type != QType::kFp8)
+    if (q.n_params > 1)
       for (uint32_t t = 0; t < n; ++t) st[t] = f16_to_f32(uint16_t(pp[2 * size_t(n) + t] | pp[3 * size_t(n) + t] << 8));
-    const uint32_t cb = qtype_code_bits(b.type);
+    const uint32_t cb = q.code_bits;
     const uint8_t mask = uint8_t((1u << cb) - 1);
     const uint8_t* in = buf + ps.codes;
     size_t j = 0;
     for (uint32_t i = 0; i < b.size; ++i) {
       float* col = d + b.start + i;
-      if (b.type == QType::kFp8) {
+      if (q.rule == QRule::kE4M3) {  // 8-bit codes: one per byte
         for (uint32_t t = 0; t < n; ++t, ++j) col[size_t(t) * r_used] = e4m3[in[j]] * lo[t];
-      } else {
+      } else {  // kAffine
         for (uint32_t t = 0; t < n; ++t, ++j) {
           const size_t bit = j * cb;
           col[size_t(t) * r_used] = lo[t] + float((in[bit >> 3] >> (bit & 7)) & mask) * st[t];

@@ -30,9 +30,12 @@ struct PlaneSpan {
 std::vector<PlaneSpan> chunk_layout(const std::vector<BlockAlloc>& alloc, uint32_t n);
 // Bytes of a chunk of n tokens (the layout's end); for an entropy-coded
 // allocation (is_ecsq) an upper bound, the payload's size varies.
-size_t packed_bytes(const std::vector<BlockAlloc>& alloc, uint32_t n);
-// The allocation is one kEcsq block (container version 2, src/format/ecsq.h).
-bool is_ecsq(const std::vector<BlockAlloc>& alloc);
+size_t packed_bytes(const Allocation& alloc, uint32_t n);
+// The allocation is entropy-coded (Coding::kEntropy: container version 2,
+// src/format/ecsq.h).
+inline bool is_ecsq(const Allocation& alloc) {
+  return alloc.coding == Coding::kEntropy;
+}
 
 // Components an allocation uses: the end of its last block.
 uint32_t r_used(const std::vector<BlockAlloc>& alloc);

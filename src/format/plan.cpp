@@ -5,9 +5,9 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "codec/rope.h"
 #include "core/capture_io.h"
 #include "format/ecsq.h"
+#include "format/quantizers.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -128,14 +128,15 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
     if (cal.keys_derope) require_rope_supported(c.blocks[b].rope, "compress: block " + std::to_string(b));
     for (int kv = 0; kv < 2; ++kv) {
       uint32_t next = 0;
-      const bool ecsq = is_ecsq(alloc[b][kv].blocks);
+      const bool ecsq = is_ecsq(alloc[b][kv]);
       for (const BlockAlloc& a : alloc[b][kv].blocks) {
-        require(ecsq || (a.start == next && a.size >= 1 && a.size <= 4096 && int(a.type) < kNumQTypes),
+        require(ecsq || (a.start == next && a.size >= 1 && a.size <= 4096 && find_quantizer(uint32_t(a.type))),
                 "compress: allocation blocks must tile a prefix of the components, each of 1..4096 (an entropy-coded allocation is one "
                 "ecsq block)");
         next = a.start + a.size;
       }
-      require(!ecsq || (alloc[b][kv].blocks[0].start == 0 && next >= 1), "compress: an entropy-coded allocation starts at component 0");
+      require(!ecsq || (alloc[b][kv].blocks.size() == 1 && alloc[b][kv].blocks[0].start == 0 && next >= 1),
+              "compress: an entropy-coded allocation is one block starting at component 0");
       require(next <= cal.blocks[b][kv].r,
               "compress: allocation uses " + std::to_string(next) + " components, the calibration holds " + std::to_string(cal.blocks[b][kv].r));
     }
@@ -151,7 +152,7 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
 uint32_t container_version(const AllocationSet& alloc) {
   for (const auto& bk : alloc)
     for (const Allocation& a : bk)
-      if (is_ecsq(a.blocks)) return 2;
+      if (is_ecsq(a)) return 2;
   return 1;
 }
 
@@ -179,7 +180,7 @@ std::string header_json(const KvCapture& c, const Calibration& cal, const Alloca
     jb["alloc"] = nlohmann::ordered_json::array();
     for (int kv = 0; kv < 2; ++kv) {
       nlohmann::ordered_json a = nlohmann::ordered_json::array();
-      for (const BlockAlloc& x : alloc[b][kv].blocks) a.push_back({x.start, x.size, int(x.type)});
+      for (const BlockAlloc& x : alloc[b][kv].blocks) a.push_back({x.start, x.size, header_type_code(alloc[b][kv], x)});
       jb["alloc"].push_back(a);
     }
     h["blocks"].push_back(jb);
@@ -225,10 +226,14 @@ ContainerHeader parse_header(const std::string& js, const std::string& origin) {
         for (const json& a : aj) {
           const int ty = a.at(2).get<int>();
           BlockAlloc ba{a.at(0).get<uint32_t>(), a.at(1).get<uint32_t>(), QType(ty)};
-          if (ty == int(QType::kEcsq))
+          if (ty == int(kEcsqTypeCode)) {
             require(aj.size() == 1 && ba.start == 0 && ba.size >= 1 && ba.size <= (1u << 20), "an ecsq block must be its allocation's only one");
-          else
-            require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && ty < kNumQTypes, "allocation blocks must tile a prefix");
+            al[kv].coding = Coding::kEntropy;
+            ba.type = QType::kNone;  // unused in an entropy-coded allocation
+          } else {
+            require(ba.start == next && ba.size >= 1 && ba.size <= 4096 && ty >= 0 && find_quantizer(uint32_t(ty)),
+                    "allocation blocks must tile a prefix");
+          }
           next = ba.start + ba.size;
           al[kv].blocks.push_back(ba);
         }
@@ -348,11 +353,11 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
       require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
     } else {
       require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
-      const std::vector<BlockAlloc>& al = H.alloc[s.block][s.kv].blocks;
+      const Allocation& al = H.alloc[s.block][s.kv];
       if (is_ecsq(al))
-        require(s.raw_len >= ecsq_fixed_bytes(al[0].size) && s.raw_len <= packed_bytes(al, n),
+        require(s.raw_len >= ecsq_fixed_bytes(al.blocks[0].size) && s.raw_len <= packed_bytes(al, n),
                 where + ": entropy-coded payload of " + std::to_string(s.raw_len) + " bytes, outside what " + std::to_string(n) + " tokens of " +
-                    std::to_string(al[0].size) + " components can take");
+                    std::to_string(al.blocks[0].size) + " components can take");
       else
         require(s.raw_len == packed_bytes(al, n), where + ": payload size does not match the allocation");
       if (s.kv == 0 && H.keys_derope) require_rope_supported(kb.rope, origin + ": block " + std::to_string(s.block));

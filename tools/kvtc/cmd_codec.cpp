@@ -330,7 +330,7 @@ Action add_inspect(CLI::App& app) {
       for (const Allocation& a : al) {
         ratios.push_back(a.nominal_ratio);
         nlohmann::json x = nlohmann::json::array();
-        for (const BlockAlloc& b : a.blocks) x.push_back({b.start, b.size, int(b.type)});
+        for (const BlockAlloc& b : a.blocks) x.push_back({b.start, b.size, header_type_code(a, b)});
         allocs.push_back(x);
       }
       j["ratio_table"].push_back({{"nominal_ratio", ratios}, {"alloc", allocs}});

@@ -1,0 +1,47 @@
+// kvtc internal: helpers for kvtc-lab (lab/) and the tests, outside the
+// public API. Not installed (cmake --install ships KVTC_PUBLIC_HEADERS of
+// cmake/sources.cmake only, and tests/test_package.py checks that), not
+// stable: names and signatures change with the lab's needs. The product
+// (tools/), the example (examples/), the Python binding and the servers
+// include <kvtc/kvtc.h> only. Implemented in the library (kvtc_lib), so
+// what the lab measures is the codec's own code.
+// Thread safety: reentrant functions over caller-owned data.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvtc/cache.h"
+#include "kvtc/calibration.h"
+#include "kvtc/codec.h"
+
+namespace kvtc {
+
+// What the codec stores for x[0..n) coded as one allocation block of
+// fixed-rate type t (docs/format.md "Dequantization"): out[i] is x[i]'s
+// reconstruction (out may alias x). For the lab's FP8 and KIVI baselines,
+// which quantize with the codec's own quantizers (src/format/quantizers.h).
+void quantize_roundtrip(QType t, const float* x, size_t n, float* out);
+// Bits per component of t's codes (0, 2, 4, 8; parameters aside), from its
+// descriptor (src/format/quantizers.h), for kvtc-lab analyze's runs.
+uint32_t qtype_code_bits(QType t);
+
+// The feature vectors of docs/method.md §1 that the PCA sees: tokens [t0, t1)
+// of block b, all layers and heads concatenated (feature
+// (layer * n_head_kv + head) * head_dim + dim), keys with RoPE removed when
+// derope. Returns [t1 - t0][b.features()] f32. Error when the range or the
+// K/V sizes are wrong, or the RoPE cannot be undone.
+std::vector<float> feature_rows(const KvBlock& b, bool keys, bool derope, uint32_t t0, uint32_t t1);
+// The inverse: writes rows [t1 - t0][b.features()] back into tokens
+// [t0, t1) of b, re-applying RoPE to keys when rerope, rounded to f16
+// (nearest even). For the lab's per-prompt SVD baseline and the tests'
+// synthetic caches.
+void set_feature_rows(KvBlock& b, bool keys, bool rerope, uint32_t t0, uint32_t t1, std::vector<float> rows);
+
+// The projection's GEMM alone, for kvtc-lab bench: C[m][n] = A[m][k] B' in
+// `p` (resolved as the codec would), on all threads, best of `repeat`;
+// returns GFLOP/s (2 m n k flops).
+double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
+
+}  // namespace kvtc

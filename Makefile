@@ -106,7 +106,7 @@ models-large:
 
 # Two replicas sharing a Redis tier, round-robin client, three modes -> bench/results/serve-redis.md (~30 min)
 bench-serve-redis: build $(CORPUS)
-	bench/serve_redis.sh
+	bench/serve.sh --redis
 
 # Ratio and error on evaluation caches -> bench/results/ratio.md
 bench-python: python $(CALIB)

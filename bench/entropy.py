@@ -26,6 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
 import provenance  # noqa: E402
 from ratio import run  # noqa: E402  (the same kvtc runner)
 
@@ -113,12 +114,7 @@ def main():
     a.name = a.name or f"entropy-{a.model}"
     work = os.path.join(a.work, a.name)
     os.makedirs(work, exist_ok=True)
-    corpus = os.path.join(TOP, ".deps", "corpus")
-    with open(os.path.join(corpus, "manifest.json")) as f:
-        manifest = json.load(f)
-    docs = []
-    for kind in ("prose", "docs", "code", "math"):
-        docs += [d for d in manifest["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= a.tokens][: a.docs_per_kind]
+    docs = corpus.per_kind(a.docs_per_kind, a.tokens)
     info = json.loads(run(a.kvtc, "info", "--json"))
     if a.speed_only:
         path = os.path.join(TOP, "bench", "results", a.name + ".json")
@@ -138,7 +134,7 @@ def main():
     for d in docs:
         cap = os.path.join(work, os.path.basename(d["file"]) + f".{a.tokens}.safetensors")
         if not os.path.exists(cap):
-            run(a.kvtc, "capture", "--model", a.model, "--text", os.path.join(corpus, d["file"]), "--max-tokens", str(a.tokens), "-o", cap)
+            run(a.kvtc, "capture", "--model", a.model, "--text", corpus.path(d), "--max-tokens", str(a.tokens), "-o", cap)
         pts = [point(a.kvtc, cap, a.calib, work, "dp", r) for r in DP_RATIOS]
         for name, extra in variants:
             for r in ECSQ_RATIOS:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
 import debian_python  # noqa: E402
 import provenance  # noqa: E402
 
@@ -144,15 +145,12 @@ def main():
     except debian_python.Missing as e:
         sys.exit(f"bench/key_outliers.py: {e}")
     os.makedirs(a.work, exist_ok=True)
-    corpus = os.path.join(TOP, ".deps", "corpus")
-    with open(os.path.join(corpus, "manifest.json")) as f:
-        manifest = json.load(f)
-    doc = next(d for d in manifest["documents"] if d["split"] == "eval" and d["kind"] == "prose" and d["tokens"] >= a.tokens)
+    doc = corpus.documents("eval", ["prose"], a.tokens)[0]
     models = {}
     for m in a.models:
         cap = os.path.join(a.work, f"{m}.{a.tokens}.safetensors")
         if not os.path.exists(cap):
-            run(a.kvtc, "capture", "--model", m, "--text", os.path.join(corpus, doc["file"]), "--max-tokens", str(a.tokens),
+            run(a.kvtc, "capture", "--model", m, "--text", corpus.path(doc), "--max-tokens", str(a.tokens),
                 "--ctx", str(max(a.tokens, 512)), "-o", cap)
         k, v, meta = load_capture(np, cap)
         models[m] = {"model": meta.get("model_name", m), "arch": meta.get("arch"), "shape": list(k.shape), "k": analyse(np, k), "v": analyse(np, v)}

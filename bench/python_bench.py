@@ -27,6 +27,7 @@ import time
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(TOP, "bench"))
+import corpus  # noqa: E402
 import provenance  # noqa: E402
 
 os.environ.setdefault("LLAMA_CPP_LIB_PATH", os.path.join(TOP, ".deps", "llama-shared"))
@@ -38,7 +39,6 @@ import kvtc  # noqa: E402
 from kvtc.llama_cpp import KvtcCache  # noqa: E402
 
 SMOL = os.path.join(TOP, ".deps", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-CORPUS = os.path.join(TOP, ".deps", "corpus")
 
 
 def run(*cmd):
@@ -46,11 +46,6 @@ def run(*cmd):
     if p.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr}")
     return p.stdout
-
-
-def manifest():
-    with open(os.path.join(CORPUS, "manifest.json")) as f:
-        return json.load(f)["documents"]
 
 
 def read_capture(path):
@@ -78,11 +73,10 @@ def best_ms(n, fn):
 
 
 def overhead(a, work):
-    docs = manifest()
-    longest = max((d for d in docs if d["split"] == "eval"), key=lambda d: d["tokens"])
+    longest = max(corpus.documents("eval"), key=lambda d: d["tokens"])
     cap = os.path.join(work, f"longest.{a.tokens}.safetensors")
     if not os.path.exists(cap):
-        run(os.path.join(TOP, "build", "kvtc"), "capture", "-m", SMOL, "--text", os.path.join(CORPUS, longest["file"]), "--max-tokens",
+        run(os.path.join(TOP, "build", "kvtc"), "capture", "-m", SMOL, "--text", corpus.path(longest), "--max-tokens",
             str(a.tokens), "--ctx", str(a.tokens + 16), "-o", cap)
     cpp = json.loads(run(os.path.join(TOP, "build", "kvtc-lab"), "bench", "--calib", a.calib, "--context", str(a.tokens), "-r", "16",
                          "--repeat", str(a.repeat), "--json"))
@@ -148,10 +142,10 @@ def workload(a, kind, budget):
         cache = CountingRAMCache(budget)
     if cache is not None:
         llm.set_cache(cache)
-    docs = [d for d in manifest() if d["split"] == "eval" and d["tokens"] >= a.doc_tokens + 600][: a.chats]
+    docs = corpus.documents("eval", min_tokens=a.doc_tokens + 600)[: a.chats]
     chats = []
     for d in docs:
-        with open(os.path.join(CORPUS, d["file"])) as f:
+        with open(corpus.path(d)) as f:
             text = f.read()
         ids = llm.tokenize(text.encode())[: a.doc_tokens]
         chats.append(llm.detokenize(ids).decode(errors="ignore") + "\n\nQuestion: What is this text about?\nAnswer:")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
 import provenance  # noqa: E402
 from provenance import safetensors_meta  # noqa: E402
 
@@ -114,12 +115,7 @@ def main():
         a.work = os.path.join(a.work, a.name)
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.results, exist_ok=True)
-    corpus = os.path.join(TOP, ".deps", "corpus")
-    with open(os.path.join(corpus, "manifest.json")) as f:
-        manifest = json.load(f)
-    docs = []
-    for kind in ("prose", "docs", "code", "math"):
-        docs += [d for d in manifest["documents"] if d["split"] == "eval" and d["kind"] == kind and d["tokens"] >= a.tokens][: a.docs_per_kind]
+    docs = corpus.per_kind(a.docs_per_kind, a.tokens)
     info = json.loads(run(a.kvtc, "info", "--json"))
     cal_meta = safetensors_meta(a.calib)
     bits = bits_per_component(cal_meta)
@@ -127,7 +123,7 @@ def main():
     for d in docs:
         cap = os.path.join(a.work, os.path.basename(d["file"]) + f".{a.tokens}.safetensors")
         if not os.path.exists(cap):
-            run(a.kvtc, "capture", "--model", a.model, "--text", os.path.join(corpus, d["file"]), "--max-tokens", str(a.tokens), "-o", cap)
+            run(a.kvtc, "capture", "--model", a.model, "--text", corpus.path(d), "--max-tokens", str(a.tokens), "-o", cap)
         for r in RATIOS:
             out = os.path.join(a.work, f"c{r}.kvtc")
             c = json.loads(run(a.kvtc, "compress", cap, "--calib", a.calib, "-r", str(r), "-o", out, "--json"))

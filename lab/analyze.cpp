@@ -367,7 +367,9 @@ std::string tokens_label(double n) {
   return fmt("%.0f", n);
 }
 
-// ---- the command ----------------------------------------------------------------
+// ---- the command, step by step ------------------------------------------------
+
+using time_point = std::chrono::steady_clock::time_point;
 
 bool wants(const AnalyzeArgs& a, const std::string& what) {
   return std::find(a.what.begin(), a.what.end(), what) != a.what.end();
@@ -377,14 +379,14 @@ std::string basename_of(const std::string& p) {
   return std::filesystem::path(p).filename().string();
 }
 
-int run_analyze(const AnalyzeArgs& a) {
-  const auto t0 = std::chrono::steady_clock::now();
+// Checks the options and that every calibration file named exists, before
+// minutes of prefill; returns the domain rows (name, file).
+std::vector<std::pair<std::string, std::string>> check_inputs(const AnalyzeArgs& a) {
   for (const auto& w : a.what)
     require(std::find(kAnalyses.begin(), kAnalyses.end(), w) != kAnalyses.end(),
             "analyze: unknown analysis '" + w + "' (procrustes, calib-size, position, bits, domain)");
   require(a.ratio > 0, "analyze: --ratio must be positive");
   require(a.bucket > 0, "analyze: --bucket must be positive");
-  // Check inputs before minutes of prefill.
   std::vector<std::pair<std::string, std::string>> domain;
   if (wants(a, "calib-size")) {
     require(!a.calib_sizes.empty(), "analyze: calib-size needs --calib-sizes FILE...");
@@ -400,17 +402,15 @@ int run_analyze(const AnalyzeArgs& a) {
     }
   }
   if (wants(a, "position") || wants(a, "bits")) require(std::filesystem::exists(a.calib), "analyze: " + a.calib + ": no such calibration file");
-  std::filesystem::create_directories(a.out_dir);
-  const std::string out = a.out_dir + "/";
+  return domain;
+}
 
-  auto model = Model::load(a.model);
-  const bool need_ctx = wants(a, "procrustes") || wants(a, "calib-size") || wants(a, "domain");
-  std::vector<Cap> ctx_caps, pos_caps;
-  make_captures(a, *model, need_ctx ? a.samples : 0, wants(a, "position") ? a.position_samples : 0, ctx_caps, pos_caps, t0);
-
+// The result's fields before the analyses: model, settings, the captures.
+nlohmann::ordered_json result_header(const AnalyzeArgs& a, const Model& model, bool need_ctx, const std::vector<Cap>& ctx_caps,
+                                     const std::vector<Cap>& pos_caps) {
   nlohmann::ordered_json res;
-  res["model"] = model->info().path;
-  res["model_sha256"] = model->sha256();
+  res["model"] = model.info().path;
+  res["model_sha256"] = model.sha256();
   res["ratio"] = a.ratio;
   res["seed"] = a.seed;
   res["analyses"] = a.what;
@@ -425,262 +425,300 @@ int run_analyze(const AnalyzeArgs& a) {
   if (need_ctx) res["captures"] = {{"context", a.context}, {"samples_per_kind", a.samples}, {"documents", cap_list(ctx_caps)}};
   if (!pos_caps.empty())
     res["position_captures"] = {{"context", a.position_context}, {"samples_per_kind", a.position_samples}, {"documents", cap_list(pos_caps)}};
-  std::ostringstream md;  // the summary tables
+  return res;
+}
+
+// The head-pair similarity table.
+void procrustes_markdown(const nlohmann::ordered_json& pj, std::ostream& md) {
+  const uint32_t T = pj["tokens"].get<uint32_t>();
+  md << "\n### Head-pair similarity (Figure 3)\n\nMean cosine similarity over all pairs of different (layer, KV head), " << T
+     << " tokens, centred, before and after orthogonal Procrustes alignment (held out: R fitted on half of the tokens, measured on the other "
+        "half):\n\n| | before | after | after, held out | same layer before / after | across layers before / after |\n|---|---|---|---|---|---|\n";
+  for (const char* k : {"keys", "values"}) {
+    const auto& s = pj[k];
+    md << "| " << k << " | " << fmt("%.4f", s["mean_offdiag_before"].get<double>()) << " | " << fmt("%.4f", s["mean_offdiag_after"].get<double>())
+       << " | " << fmt("%.4f", s["mean_offdiag_after_heldout"].get<double>()) << " | " << fmt("%.4f", s.value("mean_same_layer_before", 0.0)) << " / "
+       << fmt("%.4f", s.value("mean_same_layer_after", 0.0)) << " | " << fmt("%.4f", s["mean_cross_layer_before"].get<double>()) << " / "
+       << fmt("%.4f", s["mean_cross_layer_after"].get<double>()) << " |\n";
+  }
+  md << "\n![head similarity](procrustes.png)\n";
+}
+
+// 1. Procrustes (Figure 3): head-pair similarity of keys and values before
+// and after alignment, in sample and held out.
+nlohmann::ordered_json procrustes_analysis(const AnalyzeArgs& a, const std::vector<Cap>& ctx_caps, std::ostream& md, time_point t0) {
+  const KvBlock& b0 = ctx_caps.front().c.blocks[0];
+  const uint32_t heads = b0.n_layer() * b0.n_head_kv, hd = b0.head_dim, p = heads * hd;
+  // An equal share of tokens from each capture, sinks left out.
+  const uint32_t sink = CompressOptions{}.sink;
+  const uint32_t share = (a.procrustes_tokens + uint32_t(ctx_caps.size()) - 1) / uint32_t(ctx_caps.size());
+  nlohmann::ordered_json pj;
+  HeadSim sims[2];
+  uint32_t T = 0, T_fit = 0;
+  for (int kv = 0; kv < 2; ++kv) {
+    // Each capture's share [sink, sink + n): its first half goes to the
+    // rows of the held-out fit, its second half to the held-out
+    // evaluation; the in-sample numbers use all rows.
+    std::vector<std::pair<const Cap*, std::pair<uint32_t, uint32_t>>> fit, ev;
+    uint32_t total = 0;
+    for (const Cap& cap : ctx_caps) {
+      const KvBlock& b = cap.c.blocks[0];
+      if (total >= a.procrustes_tokens || b.n_tokens() <= sink) continue;
+      const uint32_t n = std::min({share, b.n_tokens() - sink, a.procrustes_tokens - total});
+      fit.push_back({&cap, {sink, sink + n / 2}});
+      ev.push_back({&cap, {sink + n / 2, sink + n}});
+      total += n;
+    }
+    std::vector<float> X(size_t(total) * p);
+    T = T_fit = 0;
+    for (auto* part : {&fit, &ev})
+      for (const auto& [cap, range] : *part) {
+        const KvBlock& b = cap->c.blocks[0];
+        const uint32_t n = range.second - range.first;
+        if (n == 0) continue;
+        const std::vector<float> rows = feature_rows(b, kv == 0, true, range.first, range.second);
+        std::copy(rows.begin(), rows.end(), &X[size_t(T) * p]);
+        T += n;
+        if (part == &fit) T_fit += n;
+      }
+    require(T_fit >= 2 && T - T_fit >= 2, "analyze: procrustes needs at least 4 tokens");
+    sims[kv] = head_similarity(X, T, T_fit, heads, hd);
+    log(t0, "procrustes: %s done", kv == 0 ? "keys" : "values");
+  }
+  pj["tokens"] = T;
+  pj["heldout_fit_tokens"] = T_fit;
+  pj["heldout_eval_tokens"] = T - T_fit;
+  pj["method"] =
+      "per head, centred [T x head_dim] token matrices; before: mean over tokens of cosine(x_i, x_j); after: R = U V^T from the SVD of "
+      "X_i^T X_j, mean cosine(x_i R, x_j); *_heldout: R fitted on the first half of each capture's tokens, cosines on the second half";
+  pj["heads"] = heads;
+  pj["n_layer"] = b0.n_layer();
+  pj["n_head_kv"] = b0.n_head_kv;
+  pj["head_dim"] = hd;
+  pj["head_order"] = "layer-major: index = layer * n_head_kv + head";
+  pj["keys"] = sim_summary(sims[0], b0.n_head_kv, true);
+  pj["values"] = sim_summary(sims[1], b0.n_head_kv, true);
+  pj["image"] = "procrustes.png";
+  procrustes_markdown(pj, md);
+  return pj;
+}
+
+// 2. Error against calibration tokens (Figure 6): each --calib-sizes file
+// on the same captures, sorted by its calibration tokens.
+nlohmann::ordered_json calib_size_analysis(const AnalyzeArgs& a, const std::vector<Cap>& ctx_caps, std::ostream& md, time_point t0) {
   const std::string rk = ratio_key(a.ratio);
+  struct Pt {
+    std::string file;
+    double tokens, k, v, ratio;
+    nlohmann::ordered_json j;
+  };
+  std::vector<Pt> pts;
+  for (const std::string& f : a.calib_sizes) {
+    Calibration cal = calibration_load(f);
+    AllocationSet al = allocation_set(cal, a.ratio);
+    ReconError e;
+    uint64_t f16 = 0, st = 0;
+    for (const Cap& cap : ctx_caps) {
+      RoundTrip r = round_trip(cap, cal, al, nullptr);
+      e.add(r.err);
+      f16 += r.f16_bytes, st += r.stored_bytes;
+    }
+    nlohmann::ordered_json j;
+    j["file"] = basename_of(f);
+    j["calibration_id"] = cal.id;
+    for (const char* k : {"calib_tokens", "calib_documents", "calib_n_ctx", "heldout_tokens", "calib_kinds"})
+      if (cal.meta.count(k)) j[k] = cal.meta.at(k);
+    j["k"] = r6(e.k);
+    j["v"] = r6(e.v);
+    j["coded_tokens"] = e.tokens;
+    j["ratio_coded_tokens"] = r6(double(f16) / double(st));
+    pts.push_back({f, std::stod(cal.meta.count("calib_tokens") ? cal.meta.at("calib_tokens") : "0"), e.k, e.v, double(f16) / double(st), j});
+    log(t0, "calib-size: %s done", basename_of(f));
+  }
+  std::sort(pts.begin(), pts.end(), [](const Pt& x, const Pt& y) { return x.tokens < y.tokens; });
+  nlohmann::ordered_json cj;
+  cj["points"] = nlohmann::json::array();
+  md << "\n### Error against calibration tokens (Figure 6)\n\nRelative squared error at " << rk << "x on " << ctx_caps.size()
+     << " evaluation captures of " << a.context
+     << " tokens:\n\n| calibration | tokens | documents (tokens each at most) | keys | values | ratio (coded tokens) "
+        "|\n|---|---|---|---|---|---|\n";
+  for (const Pt& pt : pts) {
+    cj["points"].push_back(pt.j);
+    md << "| " << basename_of(pt.file) << " | " << tokens_label(pt.tokens) << " | " << pt.j.value("calib_documents", std::string("?")) << " ("
+       << pt.j.value("calib_n_ctx", std::string("?")) << ") | " << fmt("%.4f", pt.k) << " | " << fmt("%.4f", pt.v) << " | " << fmt("%.2fx", pt.ratio)
+       << " |\n";
+  }
+  cj["image"] = "calib_size.png";
+  md << "\n![error vs calibration tokens](calib_size.png)\n";
+  return cj;
+}
 
-  // 1. Procrustes.
-  if (wants(a, "procrustes")) {
-    const KvBlock& b0 = ctx_caps.front().c.blocks[0];
-    const uint32_t heads = b0.n_layer() * b0.n_head_kv, hd = b0.head_dim, p = heads * hd;
-    // An equal share of tokens from each capture, sinks left out.
-    const uint32_t sink = CompressOptions{}.sink;
-    const uint32_t share = (a.procrustes_tokens + uint32_t(ctx_caps.size()) - 1) / uint32_t(ctx_caps.size());
-    nlohmann::ordered_json pj;
-    HeadSim sims[2];
-    uint32_t T = 0, T_fit = 0;
+// 3. Error against token position: --calib on the long captures, pooled
+// per --bucket tokens.
+nlohmann::ordered_json position_analysis(const AnalyzeArgs& a, const std::vector<Cap>& pos_caps, const Calibration& cal, const AllocationSet& al,
+                                         std::ostream& md, time_point t0) {
+  const std::string rk = ratio_key(a.ratio);
+  const uint32_t n = a.position_context, nb = (n + a.bucket - 1) / a.bucket;
+  std::vector<ReconError> buckets(nb);
+  ReconError total;
+  for (size_t i = 0; i < pos_caps.size(); ++i) {
+    std::vector<ReconError> pt;
+    RoundTrip r = round_trip(pos_caps[i], cal, al, &pt);
+    total.add(r.err);
+    for (uint32_t t = 0; t < pt.size(); ++t) buckets[t / a.bucket].add(pt[t]);
+  }
+  log(t0, "position: done");
+  nlohmann::ordered_json pj;
+  pj["calibration"] = basename_of(a.calib);
+  pj["context"] = n;
+  pj["bucket"] = a.bucket;
+  pj["k"] = r6(total.k);
+  pj["v"] = r6(total.v);
+  pj["buckets"] = nlohmann::json::array();
+  double kmin = INFINITY, kmax = 0, vmin = INFINITY, vmax = 0;
+  for (uint32_t i = 0; i < nb; ++i) {
+    const ReconError& e = buckets[i];
+    if (e.tokens == 0) continue;  // all raw (sink or window)
+    const uint32_t from = i * a.bucket, to = std::min(n, from + a.bucket);
+    pj["buckets"].push_back({{"from", from}, {"to", to}, {"coded_tokens", e.tokens}, {"k", r6(e.k)}, {"v", r6(e.v)}});
+    kmin = std::min(kmin, e.k), kmax = std::max(kmax, e.k), vmin = std::min(vmin, e.v), vmax = std::max(vmax, e.v);
+  }
+  pj["image"] = "position.png";
+  md << "\n### Error against token position\n\n"
+     << pos_caps.size() << " evaluation captures of " << n << " tokens, " << basename_of(a.calib) << ", " << rk << "x, " << a.bucket
+     << "-token buckets (sink and window are stored raw and left out):\n\n| | overall | bucket min | bucket max |\n|---|---|---|---|\n"
+     << "| keys | " << fmt("%.4f", total.k) << " | " << fmt("%.4f", kmin) << " | " << fmt("%.4f", kmax) << " |\n"
+     << "| values | " << fmt("%.4f", total.v) << " | " << fmt("%.4f", vmin) << " | " << fmt("%.4f", vmax) << " |\n"
+     << "\n![error vs position](position.png)\n";
+  return pj;
+}
+
+// 4. Bits per component: --calib's allocation at the ratio, per block and
+// kind, as runs of one quantizer type.
+nlohmann::ordered_json bits_analysis(const AnalyzeArgs& a, const Calibration& cal, const AllocationSet& al, std::ostream& md) {
+  const std::string rk = ratio_key(a.ratio);
+  nlohmann::ordered_json bj;
+  bj["calibration"] = basename_of(a.calib);
+  bj["ratio"] = a.ratio;
+  bj["blocks"] = nlohmann::json::array();
+  md << "\n### Bits per component (" << basename_of(a.calib) << ", " << rk
+     << "x)\n\n| block | kind | bits/token (budget) | components coded | fp8 | int4 | int2 |\n|---|---|---|---|---|---|---|\n";
+  for (size_t b = 0; b < al.size(); ++b)
     for (int kv = 0; kv < 2; ++kv) {
-      // Each capture's share [sink, sink + n): its first half goes to the
-      // rows of the held-out fit, its second half to the held-out
-      // evaluation; the in-sample numbers use all rows.
-      std::vector<std::pair<const Cap*, std::pair<uint32_t, uint32_t>>> fit, ev;
-      uint32_t total = 0;
-      for (const Cap& cap : ctx_caps) {
-        const KvBlock& b = cap.c.blocks[0];
-        if (total >= a.procrustes_tokens || b.n_tokens() <= sink) continue;
-        const uint32_t n = std::min({share, b.n_tokens() - sink, a.procrustes_tokens - total});
-        fit.push_back({&cap, {sink, sink + n / 2}});
-        ev.push_back({&cap, {sink + n / 2, sink + n}});
-        total += n;
-      }
-      std::vector<float> X(size_t(total) * p);
-      T = T_fit = 0;
-      for (auto* part : {&fit, &ev})
-        for (const auto& [cap, range] : *part) {
-          const KvBlock& b = cap->c.blocks[0];
-          const uint32_t n = range.second - range.first;
-          if (n == 0) continue;
-          const std::vector<float> rows = feature_rows(b, kv == 0, true, range.first, range.second);
-          std::copy(rows.begin(), rows.end(), &X[size_t(T) * p]);
-          T += n;
-          if (part == &fit) T_fit += n;
-        }
-      require(T_fit >= 2 && T - T_fit >= 2, "analyze: procrustes needs at least 4 tokens");
-      sims[kv] = head_similarity(X, T, T_fit, heads, hd);
-      log(t0, "procrustes: %s done", kv == 0 ? "keys" : "values");
-    }
-    pj["tokens"] = T;
-    pj["heldout_fit_tokens"] = T_fit;
-    pj["heldout_eval_tokens"] = T - T_fit;
-    pj["method"] =
-        "per head, centred [T x head_dim] token matrices; before: mean over tokens of cosine(x_i, x_j); after: R = U V^T from the SVD of "
-        "X_i^T X_j, mean cosine(x_i R, x_j); *_heldout: R fitted on the first half of each capture's tokens, cosines on the second half";
-    pj["heads"] = heads;
-    pj["n_layer"] = b0.n_layer();
-    pj["n_head_kv"] = b0.n_head_kv;
-    pj["head_dim"] = hd;
-    pj["head_order"] = "layer-major: index = layer * n_head_kv + head";
-    pj["keys"] = sim_summary(sims[0], b0.n_head_kv, true);
-    pj["values"] = sim_summary(sims[1], b0.n_head_kv, true);
-    pj["image"] = "procrustes.png";
-    res["procrustes"] = pj;
-    md << "\n### Head-pair similarity (Figure 3)\n\nMean cosine similarity over all pairs of different (layer, KV head), " << T
-       << " tokens, centred, before and after orthogonal Procrustes alignment (held out: R fitted on half of the tokens, measured on the other "
-          "half):\n\n| | before | after | after, held out | same layer before / after | across layers before / after |\n|---|---|---|---|---|---|\n";
-    for (const char* k : {"keys", "values"}) {
-      const auto& s = pj[k];
-      md << "| " << k << " | " << fmt("%.4f", s["mean_offdiag_before"].get<double>()) << " | " << fmt("%.4f", s["mean_offdiag_after"].get<double>())
-         << " | " << fmt("%.4f", s["mean_offdiag_after_heldout"].get<double>()) << " | " << fmt("%.4f", s.value("mean_same_layer_before", 0.0))
-         << " / " << fmt("%.4f", s.value("mean_same_layer_after", 0.0)) << " | " << fmt("%.4f", s["mean_cross_layer_before"].get<double>()) << " / "
-         << fmt("%.4f", s["mean_cross_layer_after"].get<double>()) << " |\n";
-    }
-    md << "\n![head similarity](procrustes.png)\n";
-  }
-
-  // 2. Error against calibration tokens.
-  if (wants(a, "calib-size")) {
-    struct Pt {
-      std::string file;
-      double tokens, k, v, ratio;
+      const Allocation& A = al[b][kv];
       nlohmann::ordered_json j;
-    };
-    std::vector<Pt> pts;
-    for (const std::string& f : a.calib_sizes) {
-      Calibration cal = calibration_load(f);
-      AllocationSet al = allocation_set(cal, a.ratio);
-      ReconError e;
-      uint64_t f16 = 0, st = 0;
-      for (const Cap& cap : ctx_caps) {
-        RoundTrip r = round_trip(cap, cal, al, nullptr);
-        e.add(r.err);
-        f16 += r.f16_bytes, st += r.stored_bytes;
+      j["block"] = b;
+      j["kind"] = kv == 0 ? "keys" : "values";
+      j["budget_bits_per_token"] = A.budget_bits;
+      j["bits_per_token"] = A.bits;
+      const Transform& tr = cal.blocks[b][kv];
+      j["heldout_relative_error"] = r6(tr.total_variance > 0 ? A.error / tr.total_variance : 0);
+      std::map<std::string, uint32_t> per_type;
+      uint32_t coded = 0;
+      // Runs of consecutive components with one type.
+      nlohmann::json runs = nlohmann::json::array();
+      for (const BlockAlloc& ba : A.blocks) {
+        if (ba.type == QType::kNone) continue;
+        per_type[qtype_name(ba.type)] += ba.size;
+        coded += ba.size;
+        if (!runs.empty() && runs.back()["type"] == qtype_name(ba.type) && runs.back()["to"].get<uint32_t>() == ba.start)
+          runs.back()["to"] = ba.start + ba.size;
+        else
+          runs.push_back(
+              {{"from", ba.start}, {"to", ba.start + ba.size}, {"type", qtype_name(ba.type)}, {"bits_per_component", qtype_code_bits(ba.type)}});
       }
-      nlohmann::ordered_json j;
-      j["file"] = basename_of(f);
-      j["calibration_id"] = cal.id;
-      for (const char* k : {"calib_tokens", "calib_documents", "calib_n_ctx", "heldout_tokens", "calib_kinds"})
-        if (cal.meta.count(k)) j[k] = cal.meta.at(k);
-      j["k"] = r6(e.k);
-      j["v"] = r6(e.v);
-      j["coded_tokens"] = e.tokens;
-      j["ratio_coded_tokens"] = r6(double(f16) / double(st));
-      pts.push_back({f, std::stod(cal.meta.count("calib_tokens") ? cal.meta.at("calib_tokens") : "0"), e.k, e.v, double(f16) / double(st), j});
-      log(t0, "calib-size: %s done", basename_of(f));
+      j["components"] = cal.blocks[b][kv].r;
+      j["components_coded"] = coded;
+      j["components_per_type"] = per_type;
+      j["runs"] = runs;
+      bj["blocks"].push_back(j);
+      auto cnt = [&](const char* t) { return per_type.count(t) ? per_type.at(t) : 0u; };
+      md << "| " << b << " | " << (kv == 0 ? "keys" : "values") << " | " << A.bits << " (" << A.budget_bits << ") | " << coded << " | " << cnt("fp8")
+         << " | " << cnt("int4") << " | " << cnt("int2") << " |\n";
     }
-    std::sort(pts.begin(), pts.end(), [](const Pt& x, const Pt& y) { return x.tokens < y.tokens; });
-    nlohmann::ordered_json cj;
-    cj["points"] = nlohmann::json::array();
-    md << "\n### Error against calibration tokens (Figure 6)\n\nRelative squared error at " << rk << "x on " << ctx_caps.size()
-       << " evaluation captures of " << a.context
-       << " tokens:\n\n| calibration | tokens | documents (tokens each at most) | keys | values | ratio (coded tokens) "
-          "|\n|---|---|---|---|---|---|\n";
-    for (const Pt& pt : pts) {
-      cj["points"].push_back(pt.j);
-      md << "| " << basename_of(pt.file) << " | " << tokens_label(pt.tokens) << " | " << pt.j.value("calib_documents", std::string("?")) << " ("
-         << pt.j.value("calib_n_ctx", std::string("?")) << ") | " << fmt("%.4f", pt.k) << " | " << fmt("%.4f", pt.v) << " | "
-         << fmt("%.2fx", pt.ratio) << " |\n";
-    }
-    cj["image"] = "calib_size.png";
-    res["calib_size"] = cj;
-    md << "\n![error vs calibration tokens](calib_size.png)\n";
-  }
+  return bj;
+}
 
-  // 3 and 4. Error against position; bits per component.
+// 5. Cross-domain: each --domain-calibs calibration on the captures of each
+// corpus kind.
+nlohmann::ordered_json domain_analysis(const AnalyzeArgs& a, const std::vector<std::pair<std::string, std::string>>& domain,
+                                       const std::vector<Cap>& ctx_caps, std::ostream& md, time_point t0) {
+  const std::string rk = ratio_key(a.ratio);
+  nlohmann::ordered_json dj;
+  dj["eval_kinds"] = kKinds;
+  dj["rows"] = nlohmann::json::array();
+  std::vector<double> mk, mv;
+  std::vector<std::string> rows;
+  for (const auto& [name, file] : domain) {
+    Calibration cal = calibration_load(file);
+    AllocationSet al = allocation_set(cal, a.ratio);
+    std::vector<ReconError> per(kKinds.size());
+    ReconError all;
+    for (const Cap& cap : ctx_caps) {
+      RoundTrip r = round_trip(cap, cal, al, nullptr);
+      per[size_t(std::find(kKinds.begin(), kKinds.end(), cap.kind) - kKinds.begin())].add(r.err);
+      all.add(r.err);
+    }
+    nlohmann::ordered_json j;
+    j["calib"] = name;
+    j["file"] = basename_of(file);
+    for (const char* k : {"calib_tokens", "calib_documents", "calib_kinds"})
+      if (cal.meta.count(k)) j[k] = cal.meta.at(k);
+    j["k"] = nlohmann::json::array();
+    j["v"] = nlohmann::json::array();
+    for (const ReconError& e : per) {
+      j["k"].push_back(r6(e.k));
+      j["v"].push_back(r6(e.v));
+      mk.push_back(e.k);
+      mv.push_back(e.v);
+    }
+    j["k_all_kinds"] = r6(all.k);
+    j["v_all_kinds"] = r6(all.v);
+    dj["rows"].push_back(j);
+    rows.push_back(name);
+    log(t0, "domain: %s done", name);
+  }
+  dj["image"] = "domain.png";
+  md << "\n### Cross-domain calibration\n\nRelative squared error at " << rk
+     << "x, calibration kind (rows) on evaluation captures of each kind (columns; " << a.samples << " x " << a.context
+     << " tokens each):\n\n| calibration |";
+  for (const auto& k : kKinds) md << " K " << k << " |";
+  for (const auto& k : kKinds) md << " V " << k << " |";
+  md << "\n|---|";
+  for (size_t i = 0; i < 2 * kKinds.size(); ++i) md << "---|";
+  md << "\n";
+  for (size_t r = 0; r < rows.size(); ++r) {
+    md << "| " << rows[r] << " |";
+    for (size_t k = 0; k < kKinds.size(); ++k) md << " " << fmt("%.4f", mk[r * kKinds.size() + k]) << " |";
+    for (size_t k = 0; k < kKinds.size(); ++k) md << " " << fmt("%.4f", mv[r * kKinds.size() + k]) << " |";
+    md << "\n";
+  }
+  md << "\n![cross-domain error](domain.png)\n";
+  return dj;
+}
+
+int run_analyze(const AnalyzeArgs& a) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<std::pair<std::string, std::string>> domain = check_inputs(a);
+  std::filesystem::create_directories(a.out_dir);
+  const std::string out = a.out_dir + "/";
+
+  auto model = Model::load(a.model);
+  const bool need_ctx = wants(a, "procrustes") || wants(a, "calib-size") || wants(a, "domain");
+  std::vector<Cap> ctx_caps, pos_caps;
+  make_captures(a, *model, need_ctx ? a.samples : 0, wants(a, "position") ? a.position_samples : 0, ctx_caps, pos_caps, t0);
+
+  nlohmann::ordered_json res = result_header(a, *model, need_ctx, ctx_caps, pos_caps);
+  std::ostringstream md;  // the summary tables
+  if (wants(a, "procrustes")) res["procrustes"] = procrustes_analysis(a, ctx_caps, md, t0);
+  if (wants(a, "calib-size")) res["calib_size"] = calib_size_analysis(a, ctx_caps, md, t0);
   if (wants(a, "position") || wants(a, "bits")) {
     Calibration cal = calibration_load(a.calib);
     AllocationSet al = allocation_set(cal, a.ratio);
-    if (wants(a, "position")) {
-      const uint32_t n = a.position_context, nb = (n + a.bucket - 1) / a.bucket;
-      std::vector<ReconError> buckets(nb);
-      ReconError total;
-      for (size_t i = 0; i < pos_caps.size(); ++i) {
-        std::vector<ReconError> pt;
-        RoundTrip r = round_trip(pos_caps[i], cal, al, &pt);
-        total.add(r.err);
-        for (uint32_t t = 0; t < pt.size(); ++t) buckets[t / a.bucket].add(pt[t]);
-      }
-      log(t0, "position: done");
-      nlohmann::ordered_json pj;
-      pj["calibration"] = basename_of(a.calib);
-      pj["context"] = n;
-      pj["bucket"] = a.bucket;
-      pj["k"] = r6(total.k);
-      pj["v"] = r6(total.v);
-      pj["buckets"] = nlohmann::json::array();
-      double kmin = INFINITY, kmax = 0, vmin = INFINITY, vmax = 0;
-      for (uint32_t i = 0; i < nb; ++i) {
-        const ReconError& e = buckets[i];
-        if (e.tokens == 0) continue;  // all raw (sink or window)
-        const uint32_t from = i * a.bucket, to = std::min(n, from + a.bucket);
-        pj["buckets"].push_back({{"from", from}, {"to", to}, {"coded_tokens", e.tokens}, {"k", r6(e.k)}, {"v", r6(e.v)}});
-        kmin = std::min(kmin, e.k), kmax = std::max(kmax, e.k), vmin = std::min(vmin, e.v), vmax = std::max(vmax, e.v);
-      }
-      pj["image"] = "position.png";
-      res["position"] = pj;
-      md << "\n### Error against token position\n\n"
-         << pos_caps.size() << " evaluation captures of " << n << " tokens, " << basename_of(a.calib) << ", " << rk << "x, " << a.bucket
-         << "-token buckets (sink and window are stored raw and left out):\n\n| | overall | bucket min | bucket max |\n|---|---|---|---|\n"
-         << "| keys | " << fmt("%.4f", total.k) << " | " << fmt("%.4f", kmin) << " | " << fmt("%.4f", kmax) << " |\n"
-         << "| values | " << fmt("%.4f", total.v) << " | " << fmt("%.4f", vmin) << " | " << fmt("%.4f", vmax) << " |\n"
-         << "\n![error vs position](position.png)\n";
-    }
-    if (wants(a, "bits")) {
-      nlohmann::ordered_json bj;
-      bj["calibration"] = basename_of(a.calib);
-      bj["ratio"] = a.ratio;
-      bj["blocks"] = nlohmann::json::array();
-      md << "\n### Bits per component (" << basename_of(a.calib) << ", " << rk
-         << "x)\n\n| block | kind | bits/token (budget) | components coded | fp8 | int4 | int2 |\n|---|---|---|---|---|---|---|\n";
-      for (size_t b = 0; b < al.size(); ++b)
-        for (int kv = 0; kv < 2; ++kv) {
-          const Allocation& A = al[b][kv];
-          nlohmann::ordered_json j;
-          j["block"] = b;
-          j["kind"] = kv == 0 ? "keys" : "values";
-          j["budget_bits_per_token"] = A.budget_bits;
-          j["bits_per_token"] = A.bits;
-          const Transform& tr = cal.blocks[b][kv];
-          j["heldout_relative_error"] = r6(tr.total_variance > 0 ? A.error / tr.total_variance : 0);
-          std::map<std::string, uint32_t> per_type;
-          uint32_t coded = 0;
-          // Runs of consecutive components with one type.
-          nlohmann::json runs = nlohmann::json::array();
-          for (const BlockAlloc& ba : A.blocks) {
-            if (ba.type == QType::kNone) continue;
-            per_type[qtype_name(ba.type)] += ba.size;
-            coded += ba.size;
-            if (!runs.empty() && runs.back()["type"] == qtype_name(ba.type) && runs.back()["to"].get<uint32_t>() == ba.start)
-              runs.back()["to"] = ba.start + ba.size;
-            else
-              runs.push_back(
-                  {{"from", ba.start}, {"to", ba.start + ba.size}, {"type", qtype_name(ba.type)}, {"bits_per_component", qtype_code_bits(ba.type)}});
-          }
-          j["components"] = cal.blocks[b][kv].r;
-          j["components_coded"] = coded;
-          j["components_per_type"] = per_type;
-          j["runs"] = runs;
-          bj["blocks"].push_back(j);
-          auto cnt = [&](const char* t) { return per_type.count(t) ? per_type.at(t) : 0u; };
-          md << "| " << b << " | " << (kv == 0 ? "keys" : "values") << " | " << A.bits << " (" << A.budget_bits << ") | " << coded << " | "
-             << cnt("fp8") << " | " << cnt("int4") << " | " << cnt("int2") << " |\n";
-        }
-      res["bits_per_component"] = bj;
-    }
+    if (wants(a, "position")) res["position"] = position_analysis(a, pos_caps, cal, al, md, t0);
+    if (wants(a, "bits")) res["bits_per_component"] = bits_analysis(a, cal, al, md);
   }
-
-  // 5. Cross-domain.
-  if (wants(a, "domain")) {
-    nlohmann::ordered_json dj;
-    dj["eval_kinds"] = kKinds;
-    dj["rows"] = nlohmann::json::array();
-    std::vector<double> mk, mv;
-    std::vector<std::string> rows;
-    for (const auto& [name, file] : domain) {
-      Calibration cal = calibration_load(file);
-      AllocationSet al = allocation_set(cal, a.ratio);
-      std::vector<ReconError> per(kKinds.size());
-      ReconError all;
-      for (const Cap& cap : ctx_caps) {
-        RoundTrip r = round_trip(cap, cal, al, nullptr);
-        per[size_t(std::find(kKinds.begin(), kKinds.end(), cap.kind) - kKinds.begin())].add(r.err);
-        all.add(r.err);
-      }
-      nlohmann::ordered_json j;
-      j["calib"] = name;
-      j["file"] = basename_of(file);
-      for (const char* k : {"calib_tokens", "calib_documents", "calib_kinds"})
-        if (cal.meta.count(k)) j[k] = cal.meta.at(k);
-      j["k"] = nlohmann::json::array();
-      j["v"] = nlohmann::json::array();
-      for (const ReconError& e : per) {
-        j["k"].push_back(r6(e.k));
-        j["v"].push_back(r6(e.v));
-        mk.push_back(e.k);
-        mv.push_back(e.v);
-      }
-      j["k_all_kinds"] = r6(all.k);
-      j["v_all_kinds"] = r6(all.v);
-      dj["rows"].push_back(j);
-      rows.push_back(name);
-      log(t0, "domain: %s done", name);
-    }
-    dj["image"] = "domain.png";
-    res["domain"] = dj;
-    md << "\n### Cross-domain calibration\n\nRelative squared error at " << rk
-       << "x, calibration kind (rows) on evaluation captures of each kind (columns; " << a.samples << " x " << a.context
-       << " tokens each):\n\n| calibration |";
-    for (const auto& k : kKinds) md << " K " << k << " |";
-    for (const auto& k : kKinds) md << " V " << k << " |";
-    md << "\n|---|";
-    for (size_t i = 0; i < 2 * kKinds.size(); ++i) md << "---|";
-    md << "\n";
-    for (size_t r = 0; r < rows.size(); ++r) {
-      md << "| " << rows[r] << " |";
-      for (size_t k = 0; k < kKinds.size(); ++k) md << " " << fmt("%.4f", mk[r * kKinds.size() + k]) << " |";
-      for (size_t k = 0; k < kKinds.size(); ++k) md << " " << fmt("%.4f", mv[r * kKinds.size() + k]) << " |";
-      md << "\n";
-    }
-    md << "\n![cross-domain error](domain.png)\n";
-  }
+  if (wants(a, "domain")) res["domain"] = domain_analysis(a, domain, ctx_caps, md, t0);
 
   res["seconds"] = r6(seconds_since(t0));
   std::string js;

@@ -125,28 +125,45 @@ double memcpy_gbs(size_t bytes, int repeat) {
   return double(bytes) / (ms * 1e6);
 }
 
-int run_bench(const BenchArgs& a) {
-  const auto t_start = clock_type::now();
-  auto model = Model::load(a.model);
+// ---- the run, step by step ----------------------------------------------------
+
+// What the measurements of every context share.
+struct BenchRun {
+  const BenchArgs& a;
+  std::unique_ptr<Model> model;
+  Calibration cal;
+  int hw = 1, threads = 1;  // hardware threads; threads the codec and llama.cpp use
+  bool cuda = false;
+  std::vector<Precision> precs;  // --precision, parsed (CPU)
+  std::string bf16_impl;         // the bf16 projection's library, or why there is none
+  bool bf16 = false;
+  clock_type::time_point t_start;
+  explicit BenchRun(const BenchArgs& args) : a(args) {}
+};
+
+// The model and calibration, and the result's fields that say what ran
+// where: files, threads, CPU, the device (its options checked), bf16.
+nlohmann::ordered_json load_and_describe(BenchRun& B) {
+  const BenchArgs& a = B.a;
+  B.model = Model::load(a.model);
   require(!a.calib.empty(), "bench: --calib is required (make calibrate, or the quick calibration `make demo` fits)");
-  Calibration cal = calibration_load(a.calib);
-  const int hw = int(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = a.threads > 0 ? a.threads : hw;
+  B.cal = calibration_load(a.calib);
+  B.hw = int(std::max(1u, std::thread::hardware_concurrency()));
+  B.threads = a.threads > 0 ? a.threads : B.hw;
   nlohmann::ordered_json R;
-  R["model"] = model->info().path;
+  R["model"] = B.model->info().path;
   R["calibration"] = a.calib;
-  R["calibration_id"] = cal.id;
-  R["threads"] = threads;
-  R["hardware_threads"] = hw;
+  R["calibration_id"] = B.cal.id;
+  R["threads"] = B.threads;
+  R["hardware_threads"] = B.hw;
   const LibraryInfo li = library_info();
   R["cpu"] = li.cpu;
   R["cpu_features"] = li.cpu_features;
   R["repeat"] = a.repeat;
-  const bool cuda = a.device == "cuda";
-  require(cuda || a.device == "cpu", "bench: --device must be cpu or cuda, got '" + a.device + "'");
-  require(cuda || a.batch == 1, "bench: --batch is for --device cuda (the CPU codec takes one sequence per call)");
-  std::vector<Precision> precs;
-  if (cuda) {
+  B.cuda = a.device == "cuda";
+  require(B.cuda || a.device == "cpu", "bench: --device must be cpu or cuda, got '" + a.device + "'");
+  require(B.cuda || a.batch == 1, "bench: --batch is for --device cuda (the CPU codec takes one sequence per call)");
+  if (B.cuda) {
     require(a.levels.empty(), "bench: --levels sweeps the CPU's libdeflate; leave it out with --device cuda");
 #if KVTC_WITH_CUDA
     R["device"] = cuda_bench_device(a.precisions);  // Error with the reason when no GPU is usable
@@ -155,14 +172,19 @@ int run_bench(const BenchArgs& a) {
 #endif
   } else {
     R["device"] = "cpu";
-    for (const std::string& p : a.precisions) precs.push_back(parse_precision(p));
+    for (const std::string& p : a.precisions) B.precs.push_back(parse_precision(p));
   }
-  std::string bf16_impl;
-  const bool bf16 = bf16_projection_available(&bf16_impl);
-  R["bf16_projection"] = bf16 ? bf16_impl : "unavailable: " + bf16_impl;
-  // The machine's yardsticks, with the codec's own GEMM libraries (OpenBLAS
-  // sgemm; oneDNN bf16 where the CPU has it), on all threads.
-  const Transform& T0 = cal.blocks[0][0];
+  B.bf16 = bf16_projection_available(&B.bf16_impl);
+  R["bf16_projection"] = B.bf16 ? B.bf16_impl : "unavailable: " + B.bf16_impl;
+  return R;
+}
+
+// The machine's yardsticks, with the codec's own GEMM libraries (OpenBLAS
+// sgemm; oneDNN bf16 where the CPU has it), on all threads.
+nlohmann::ordered_json machine_yardsticks(const BenchRun& B) {
+  const BenchArgs& a = B.a;
+  const bool bf16 = B.bf16;
+  const Transform& T0 = B.cal.blocks[0][0];
   nlohmann::ordered_json base;
   for (Precision p : {Precision::kF32, Precision::kBF16}) {
     if (p == Precision::kBF16 && !bf16) continue;
@@ -173,191 +195,231 @@ int run_bench(const BenchArgs& a) {
                  base["gemm_peak_gflops_" + k].get<double>(), base["gemm_codec_shape_gflops_" + k].get<double>(), T0.p);
   }
   base["memcpy_gbs"] = memcpy_gbs(size_t(256) << 20, a.repeat);
-  R["baselines"] = base;
+  return base;
+}
 
-  const uint32_t n_train = model->info().n_ctx_train;
-  std::vector<uint32_t> contexts = a.contexts;
-  std::sort(contexts.begin(), contexts.end());
-  uint32_t max_real = 0;
-  for (uint32_t c : contexts)
-    if (c <= n_train) max_real = c;
-  require(max_real > 0, "bench: at least one context must fit the model's trained length (" + std::to_string(n_train) + " tokens)");
-  std::vector<int32_t> text = bench_tokens(*model, a.corpus, max_real);
-  SessionOptions so;
-  so.n_ctx = max_real + 16;
-  so.n_threads = threads;
-  Session s(*model, so);
-  KvCapture longest;  // the longest real capture, tiled past the trained context
-  R["contexts"] = nlohmann::json::array();
-  for (uint32_t ctx : contexts) {
-    nlohmann::ordered_json C;
-    C["tokens"] = ctx;
-    KvCapture cap;
-    if (ctx <= n_train) {
-      std::vector<int32_t> toks(text.begin(), text.begin() + ctx);
-      s.clear();
-      const auto t0 = clock_type::now();
-      s.decode(toks, 0);
-      C["recompute_ms"] = ms_since(t0);  // prefill: what a session pays without its cache
-      auto t1 = clock_type::now();
-      cap = s.capture();
-      C["state_get_ms"] = ms_since(t1);
-      cap.tokens = toks;
-      C["raw_restore_ms"] = best_ms(a.repeat, [&] { s.restore(cap); });
-      longest = cap;
-      C["tiled"] = false;
-    } else {
-      require(!longest.blocks.empty(), "bench: contexts past the trained length need a real one first");
-      cap = tile(longest, ctx);
-      C["recompute_ms"] = nullptr;
-      C["tiled"] = true;
+// One context's cache: real text prefilled (recompute, state get and raw
+// restore timed; it becomes the longest real capture), or past the trained
+// length the longest real capture tiled. Fills C's per-context fields.
+KvCapture context_capture(const BenchRun& B, Session& s, const std::vector<int32_t>& text, uint32_t ctx, KvCapture& longest,
+                          nlohmann::ordered_json& C) {
+  KvCapture cap;
+  if (ctx <= B.model->info().n_ctx_train) {
+    std::vector<int32_t> toks(text.begin(), text.begin() + ctx);
+    s.clear();
+    const auto t0 = clock_type::now();
+    s.decode(toks, 0);
+    C["recompute_ms"] = ms_since(t0);  // prefill: what a session pays without its cache
+    auto t1 = clock_type::now();
+    cap = s.capture();
+    C["state_get_ms"] = ms_since(t1);
+    cap.tokens = toks;
+    C["raw_restore_ms"] = best_ms(B.a.repeat, [&] { s.restore(cap); });
+    longest = cap;
+    C["tiled"] = false;
+  } else {
+    require(!longest.blocks.empty(), "bench: contexts past the trained length need a real one first");
+    cap = tile(longest, ctx);
+    C["recompute_ms"] = nullptr;
+    C["tiled"] = true;
+  }
+  return cap;
+}
+
+// The lossless coders on the raw cache: ratio and time.
+void lossless_baselines(const KvCapture& cap, nlohmann::ordered_json& C) {
+  const uint64_t raw = cap.f16_bytes();
+  for (auto [name, level] : {std::pair<const char*, int>{"zstd", 3}, {"deflate", 6}}) {
+    uint64_t n = 0;
+    const double ms = best_ms(1, [&] { n = baselines::lossless_bytes(cap, name, level); });
+    C["lossless"][std::string(name) + "-" + std::to_string(level)] = {{"ratio", double(raw) / double(n)}, {"ms", ms}};
+  }
+}
+
+// The CPU codec at one ratio and precision: the fastest of --repeat
+// compressions and decompressions with their stage times, and the
+// reconstruction error (so that precisions compare). *dec and *bytes: the
+// last run's output.
+void cpu_codec_row(const BenchRun& B, const KvCapture& cap, const AllocationSet& al, CompressOptions& co, const std::string& pname,
+                   nlohmann::ordered_json& X, KvCapture* dec, std::vector<uint8_t>* bytes) {
+  const BenchArgs& a = B.a;
+  const uint64_t raw = cap.f16_bytes();
+  co.precision = parse_precision(pname);
+  CodecStats enc_st, dec_st;
+  double enc_ms = 1e300, dec_ms = 1e300;
+  for (int r = 0; r < std::max(1, a.repeat); ++r) {
+    CodecStats st;
+    co.stats = &st;
+    auto t0 = clock_type::now();
+    *bytes = compress(cap, B.cal, al, co);
+    const double ms = ms_since(t0);
+    if (ms < enc_ms) enc_ms = ms, enc_st = st;
+  }
+  for (int r = 0; r < std::max(1, a.repeat); ++r) {
+    CodecStats st;
+    DecompressOptions dopt;
+    dopt.threads = B.threads;
+    dopt.precision = co.precision;
+    dopt.stats = &st;
+    *dec = KvCapture{};  // free the previous repeat's output first: peak memory is one output
+    auto t0 = clock_type::now();
+    *dec = decompress(*bytes, B.cal, "bench", dopt);
+    const double ms = ms_since(t0);
+    if (ms < dec_ms) dec_ms = ms, dec_st = st;
+  }
+  X["precision"] = precision_name(enc_st.projection);
+  X["batch"] = 1;
+  X["compressed_mb"] = double(bytes->size()) / 1e6;
+  X["ratio"] = double(raw) / double(bytes->size());
+  X["compress_ms"] = enc_ms;
+  X["decompress_ms"] = dec_ms;
+  X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
+  X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
+  auto stages = [](const CodecStats& t) {
+    return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
+                                  {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
+  };
+  X["encode_stages"] = stages(enc_st);
+  X["decode_stages"] = stages(dec_st);
+  // Accuracy, so that the precisions compare: relative squared
+  // error of the coded tokens (sink and window are exact).
+  const ReconError err = reconstruction_error(cap, *dec, co.sink, co.window);
+  X["rel_error_k"] = err.k;
+  X["rel_error_v"] = err.v;
+}
+
+// Projection throughput: 2 n p r flops per coded K/V and sequence, over the
+// stage's thread time x threads (GPU: its wall time).
+void projection_gflops(const Calibration& cal, const AllocationSet& al, const std::vector<uint8_t>& bytes, nlohmann::ordered_json& X) {
+  double flops = 0;
+  const ContainerInfo ci = inspect(bytes, "bench");
+  for (size_t b = 0; b < al.size(); ++b)
+    for (int kv = 0; kv < 2; ++kv) {
+      const auto& bl = al[b][kv].blocks;
+      const uint32_t ru = bl.empty() ? 0 : bl.back().start + bl.back().size;
+      flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * cal.blocks[b][kv].p * ru;
     }
-    const uint64_t raw = cap.f16_bytes();
-    C["raw_mb"] = double(raw) / 1e6;
-    for (auto [name, level] : {std::pair<const char*, int>{"zstd", 3}, {"deflate", 6}}) {
-      uint64_t n = 0;
-      const double ms = best_ms(1, [&] { n = baselines::lossless_bytes(cap, name, level); });
-      C["lossless"][std::string(name) + "-" + std::to_string(level)] = {{"ratio", double(raw) / double(n)}, {"ms", ms}};
-    }
-    C["ratios"] = nlohmann::json::array();
-    for (double ratio : a.ratios)
-      for (const std::string& pname : a.precisions) {
-        // Past the trained context only 16x (or the first ratio): those rows
-        // show time against length, the ratios are covered by the real ones.
-        const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
-        if (C["tiled"].get<bool>() && ratio != only) continue;
-        AllocationSet al = allocation_set(cal, ratio);
-        CompressOptions co;
-        co.threads = threads;
-        std::vector<uint8_t> bytes;
-        const double rss0 = vm_kb("VmRSS:");
-        reset_peak();
-        KvCapture dec;
-        nlohmann::ordered_json X;
-        X["nominal_ratio"] = ratio;
-        if (cuda) {
+  flops *= X["batch"].get<double>();
+  for (const char* dir : {"encode", "decode"}) {
+    const auto& st = X[std::string(dir) + "_stages"];
+    const double pm = st["project_ms"].get<double>();
+    X[std::string("project_gflops_") + dir] = pm > 0 ? flops / (pm * 1e6) * st["threads"].get<double>() : 0;
+  }
+}
+
+// Restore = decompress + state load into llama.cpp; then the first logits
+// (one token re-decoded) for time to first token.
+void restore_timings(const BenchRun& B, Session& s, const KvCapture& cap, const KvCapture& dec, uint32_t ctx, const nlohmann::ordered_json& C,
+                     nlohmann::ordered_json& X) {
+  const double dec_ms = X["decompress_ms"].get<double>();
+  // Best of --repeat like the codec: one load varies 0.3-1.1 s at 8K
+  // (page faults of the state buffer), which hid the codec's share.
+  const double load_ms = best_ms(B.a.repeat, [&] { s.restore(dec); });
+  X["state_load_ms"] = load_ms;
+  X["restore_ms"] = dec_ms + load_ms;
+  const int32_t last = cap.tokens.back();
+  s.remove_from(int32_t(ctx) - 1);
+  auto t0 = clock_type::now();
+  s.decode({last}, int32_t(ctx) - 1);
+  X["first_logits_ms"] = ms_since(t0);
+  X["speedup_vs_recompute"] = C["recompute_ms"].get<double>() / (dec_ms + load_ms);
+}
+
+// One row: the codec at one ratio and precision on the context's cache
+// (CPU or GPU), its projection throughput, peak memory and, on real text,
+// the restore into llama.cpp.
+nlohmann::ordered_json codec_row(const BenchRun& B, Session& s, const KvCapture& cap, uint32_t ctx, double ratio, const std::string& pname,
+                                 const nlohmann::ordered_json& C) {
+  const BenchArgs& a = B.a;
+  AllocationSet al = allocation_set(B.cal, ratio);
+  CompressOptions co;
+  co.threads = B.threads;
+  std::vector<uint8_t> bytes;
+  const double rss0 = vm_kb("VmRSS:");
+  reset_peak();
+  KvCapture dec;
+  nlohmann::ordered_json X;
+  X["nominal_ratio"] = ratio;
+  if (B.cuda) {
 #if KVTC_WITH_CUDA
-          X.update(cuda_bench_row(cap, cal, al, co, pname, a.batch, a.repeat, &dec, &bytes));
+    X.update(cuda_bench_row(cap, B.cal, al, co, pname, a.batch, a.repeat, &dec, &bytes));
 #endif
-        } else {
-          co.precision = parse_precision(pname);
-          CodecStats enc_st, dec_st;
-          double enc_ms = 1e300, dec_ms = 1e300;
-          for (int r = 0; r < std::max(1, a.repeat); ++r) {
-            CodecStats st;
-            co.stats = &st;
-            auto t0 = clock_type::now();
-            bytes = compress(cap, cal, al, co);
-            const double ms = ms_since(t0);
-            if (ms < enc_ms) enc_ms = ms, enc_st = st;
-          }
-          for (int r = 0; r < std::max(1, a.repeat); ++r) {
-            CodecStats st;
-            DecompressOptions dopt;
-            dopt.threads = threads;
-            dopt.precision = co.precision;
-            dopt.stats = &st;
-            dec = KvCapture{};  // free the previous repeat's output first: peak memory is one output
-            auto t0 = clock_type::now();
-            dec = decompress(bytes, cal, "bench", dopt);
-            const double ms = ms_since(t0);
-            if (ms < dec_ms) dec_ms = ms, dec_st = st;
-          }
-          X["precision"] = precision_name(enc_st.projection);
-          X["batch"] = 1;
-          X["compressed_mb"] = double(bytes.size()) / 1e6;
-          X["ratio"] = double(raw) / double(bytes.size());
-          X["compress_ms"] = enc_ms;
-          X["decompress_ms"] = dec_ms;
-          X["encode_gbs"] = double(raw) / (enc_ms * 1e6);
-          X["decode_gbs"] = double(raw) / (dec_ms * 1e6);
-          auto stages = [](const CodecStats& t) {
-            return nlohmann::ordered_json{{"gather_rope_ms", t.gather_ms}, {"center_ms", t.center_ms},   {"project_ms", t.project_ms},
-                                          {"quant_pack_ms", t.quant_ms},   {"entropy_ms", t.entropy_ms}, {"threads", t.threads}};
-          };
-          X["encode_stages"] = stages(enc_st);
-          X["decode_stages"] = stages(dec_st);
-          // Accuracy, so that the precisions compare: relative squared
-          // error of the coded tokens (sink and window are exact).
-          const ReconError err = reconstruction_error(cap, dec, co.sink, co.window);
-          X["rel_error_k"] = err.k;
-          X["rel_error_v"] = err.v;
-        }
-        const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
-        const double enc_ms = X["compress_ms"].get<double>(), dec_ms = X["decompress_ms"].get<double>();
-        // Projection throughput: 2 n p r flops per coded K/V and sequence,
-        // over the stage's thread time x threads (GPU: its wall time).
-        double flops = 0;
-        const ContainerInfo ci = inspect(bytes, "bench");
-        for (size_t b = 0; b < al.size(); ++b)
-          for (int kv = 0; kv < 2; ++kv) {
-            const auto& bl = al[b][kv].blocks;
-            const uint32_t ru = bl.empty() ? 0 : bl.back().start + bl.back().size;
-            flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * cal.blocks[b][kv].p * ru;
-          }
-        flops *= X["batch"].get<double>();
-        for (const char* dir : {"encode", "decode"}) {
-          const auto& st = X[std::string(dir) + "_stages"];
-          const double pm = st["project_ms"].get<double>();
-          X[std::string("project_gflops_") + dir] = pm > 0 ? flops / (pm * 1e6) * st["threads"].get<double>() : 0;
-        }
-        X["peak_extra_mb"] = peak_mb;
-        if (ctx <= n_train) {
-          // Restore = decompress + state load into llama.cpp; then the first
-          // logits (one token re-decoded) for time to first token.
-          // Best of --repeat like the codec: one load varies 0.3-1.1 s at 8K
-          // (page faults of the state buffer), which hid the codec's share.
-          const double load_ms = best_ms(a.repeat, [&] { s.restore(dec); });
-          X["state_load_ms"] = load_ms;
-          X["restore_ms"] = dec_ms + load_ms;
-          const int32_t last = cap.tokens.back();
-          s.remove_from(int32_t(ctx) - 1);
-          auto t0 = clock_type::now();
-          s.decode({last}, int32_t(ctx) - 1);
-          X["first_logits_ms"] = ms_since(t0);
-          X["speedup_vs_recompute"] = C["recompute_ms"].get<double>() / (dec_ms + load_ms);
-        }
-        C["ratios"].push_back(X);
-        std::fprintf(stderr, "[bench] %u tokens, %gx %s: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio,
-                     X["precision"].get<std::string>().c_str(), X["ratio"].get<double>(), enc_ms, dec_ms,
-                     std::chrono::duration<double>(clock_type::now() - t_start).count());
-      }
-    // The per-context figure asked for: restore at 16x (else the first
-    // ratio), the first precision's row. Chosen before C gains a key: an
-    // ordered_json object is a vector, so inserting moves C["ratios"].
-    nlohmann::json restore;
-    for (const auto& X : C["ratios"])
-      if (X.contains("restore_ms") && (restore.is_null() || (X["nominal_ratio"] == 16.0 && restore[1] != 16.0)))
-        restore = {X["restore_ms"], X["nominal_ratio"]};
-    if (!restore.is_null()) C["restore_ms"] = restore[0];
-    R["contexts"].push_back(C);
+  } else {
+    cpu_codec_row(B, cap, al, co, pname, X, &dec, &bytes);
   }
-  if (!a.levels.empty()) {
-    // DEFLATE level choice at the middle context, 16x.
-    const KvCapture& cap = longest;
-    AllocationSet al = allocation_set(cal, 16);
-    R["level_sweep"] = nlohmann::json::array();
-    for (int level : a.levels) {
-      CompressOptions co;
-      co.threads = threads;
-      co.precision = precs.front();
-      co.deflate_level = level;
-      std::vector<uint8_t> bytes;
-      const double enc = best_ms(a.repeat, [&] { bytes = compress(cap, cal, al, co); });
-      DecompressOptions dopt;
-      dopt.threads = threads;
-      dopt.precision = precs.front();
-      const double dec = best_ms(a.repeat, [&] { (void)decompress(bytes, cal, "bench", dopt); });
-      R["level_sweep"].push_back({{"level", level},
-                                  {"tokens", cap.blocks[0].n_tokens()},
-                                  {"ratio", double(cap.f16_bytes()) / double(bytes.size())},
-                                  {"compress_ms", enc},
-                                  {"decompress_ms", dec}});
-    }
-  }
-  R["seconds"] = std::chrono::duration<double>(clock_type::now() - t_start).count();
+  const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
+  const double enc_ms = X["compress_ms"].get<double>(), dec_ms = X["decompress_ms"].get<double>();
+  projection_gflops(B.cal, al, bytes, X);
+  X["peak_extra_mb"] = peak_mb;
+  if (ctx <= B.model->info().n_ctx_train) restore_timings(B, s, cap, dec, ctx, C, X);
+  std::fprintf(stderr, "[bench] %u tokens, %gx %s: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio,
+               X["precision"].get<std::string>().c_str(), X["ratio"].get<double>(), enc_ms, dec_ms,
+               std::chrono::duration<double>(clock_type::now() - B.t_start).count());
+  return X;
+}
 
-  std::ostringstream md;
+// One context: its cache, the lossless baselines, every ratio and
+// precision (past the trained context only 16x, or the first ratio: those
+// rows show time against length, the ratios are covered by the real ones),
+// and the context's restore figure.
+nlohmann::ordered_json measure_context(const BenchRun& B, Session& s, const std::vector<int32_t>& text, uint32_t ctx, KvCapture& longest) {
+  const BenchArgs& a = B.a;
+  nlohmann::ordered_json C;
+  C["tokens"] = ctx;
+  const KvCapture cap = context_capture(B, s, text, ctx, longest, C);
+  C["raw_mb"] = double(cap.f16_bytes()) / 1e6;
+  lossless_baselines(cap, C);
+  C["ratios"] = nlohmann::json::array();
+  for (double ratio : a.ratios)
+    for (const std::string& pname : a.precisions) {
+      const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
+      if (C["tiled"].get<bool>() && ratio != only) continue;
+      C["ratios"].push_back(codec_row(B, s, cap, ctx, ratio, pname, C));
+    }
+  // The per-context figure asked for: restore at 16x (else the first
+  // ratio), the first precision's row. Chosen before C gains a key: an
+  // ordered_json object is a vector, so inserting moves C["ratios"].
+  nlohmann::json restore;
+  for (const auto& X : C["ratios"])
+    if (X.contains("restore_ms") && (restore.is_null() || (X["nominal_ratio"] == 16.0 && restore[1] != 16.0)))
+      restore = {X["restore_ms"], X["nominal_ratio"]};
+  if (!restore.is_null()) C["restore_ms"] = restore[0];
+  return C;
+}
+
+// DEFLATE level choice on the longest real capture, 16x.
+nlohmann::ordered_json level_sweep(const BenchRun& B, const KvCapture& cap) {
+  const BenchArgs& a = B.a;
+  AllocationSet al = allocation_set(B.cal, 16);
+  nlohmann::ordered_json sweep = nlohmann::json::array();
+  for (int level : a.levels) {
+    CompressOptions co;
+    co.threads = B.threads;
+    co.precision = B.precs.front();
+    co.deflate_level = level;
+    std::vector<uint8_t> bytes;
+    const double enc = best_ms(a.repeat, [&] { bytes = compress(cap, B.cal, al, co); });
+    DecompressOptions dopt;
+    dopt.threads = B.threads;
+    dopt.precision = B.precs.front();
+    const double dec = best_ms(a.repeat, [&] { (void)decompress(bytes, B.cal, "bench", dopt); });
+    sweep.push_back({{"level", level},
+                     {"tokens", cap.blocks[0].n_tokens()},
+                     {"ratio", double(cap.f16_bytes()) / double(bytes.size())},
+                     {"compress_ms", enc},
+                     {"decompress_ms", dec}});
+  }
+  return sweep;
+}
+
+// The device note (GPU rows) and the machine's yardsticks.
+void yardsticks_markdown(const BenchRun& B, const nlohmann::ordered_json& R, std::ostream& md) {
+  const BenchArgs& a = B.a;
+  const nlohmann::ordered_json& base = R["baselines"];
+  const int threads = B.threads;
+  const bool cuda = B.cuda;
+  const std::string& bf16_impl = B.bf16_impl;
+  const Transform& T0 = B.cal.blocks[0][0];
   char b[512];
   if (cuda)
     md << "\nDevice: " << R["device"].get<std::string>() << ". Rows: the GPU codec on the cache held in GPU memory (upload not timed), " << a.batch
@@ -376,6 +438,13 @@ int run_bench(const BenchArgs& a) {
   }
   std::snprintf(b, sizeof b, "; memcpy %.1f GB/s.\n\n", base["memcpy_gbs"].get<double>());
   md << b;
+}
+
+// One row per context, ratio and precision: sizes, times, stages,
+// throughput, error, memory, restore against recompute.
+void codec_markdown(const BenchRun& B, const nlohmann::ordered_json& R, std::ostream& md) {
+  const bool cuda = B.cuda;
+  char b[512];
   md << "| tokens | raw MB | nominal | proj | comp. MB | ratio | compress ms | decompress ms | enc GB/s | dec GB/s | enc stages "
         "gather/center/proj/quant/entropy ms | "
         "dec stages ms | proj GFLOP/s enc/dec | rel. err K/V | threads | peak +MB | restore ms | recompute ms | speed-up |\n";
@@ -412,6 +481,11 @@ int run_bench(const BenchArgs& a) {
       md << b;
     }
   }
+}
+
+// The per-context baselines: recompute, raw state load, lossless coders.
+void baselines_markdown(const nlohmann::ordered_json& R, std::ostream& md) {
+  char b[512];
   md << "\nBaselines per context: llama.cpp prefill (recompute), raw f16 state load, lossless coders on the raw cache.\n\n"
         "| tokens | recompute ms | raw state load ms | zstd-3 ratio / ms | deflate-6 ratio / ms |\n|---|---|---|---|---|\n";
   for (const auto& C : R["contexts"]) {
@@ -422,27 +496,68 @@ int run_bench(const BenchArgs& a) {
                   C["lossless"]["deflate-6"]["ratio"].get<double>(), C["lossless"]["deflate-6"]["ms"].get<double>());
     md << b;
   }
-  if (R.contains("level_sweep")) {
-    md << "\nDEFLATE level (16x, " << R["level_sweep"][0]["tokens"].get<uint32_t>()
-       << " tokens):\n\n| level | ratio | compress ms | decompress ms |\n|---|---|---|---|\n";
-    for (const auto& L : R["level_sweep"]) {
-      std::snprintf(b, sizeof b, "| %d | %.2fx | %.0f | %.0f |\n", L["level"].get<int>(), L["ratio"].get<double>(), L["compress_ms"].get<double>(),
-                    L["decompress_ms"].get<double>());
-      md << b;
-    }
+}
+
+// The DEFLATE level sweep, when there is one.
+void level_sweep_markdown(const nlohmann::ordered_json& R, std::ostream& md) {
+  if (!R.contains("level_sweep")) return;
+  char b[512];
+  md << "\nDEFLATE level (16x, " << R["level_sweep"][0]["tokens"].get<uint32_t>()
+     << " tokens):\n\n| level | ratio | compress ms | decompress ms |\n|---|---|---|---|\n";
+  for (const auto& L : R["level_sweep"]) {
+    std::snprintf(b, sizeof b, "| %d | %.2fx | %.0f | %.0f |\n", L["level"].get<int>(), L["ratio"].get<double>(), L["compress_ms"].get<double>(),
+                  L["decompress_ms"].get<double>());
+    md << b;
   }
+}
+
+// The tables: the device note, the yardsticks, one row per context, ratio
+// and precision, the per-context baselines, the level sweep.
+std::string bench_markdown(const BenchRun& B, const nlohmann::ordered_json& R) {
+  std::ostringstream md;
+  yardsticks_markdown(B, R, md);
+  codec_markdown(B, R, md);
+  baselines_markdown(R, md);
+  level_sweep_markdown(R, md);
+  return md.str();
+}
+
+int run_bench(const BenchArgs& a) {
+  BenchRun B(a);
+  B.t_start = clock_type::now();
+  nlohmann::ordered_json R = load_and_describe(B);
+  R["baselines"] = machine_yardsticks(B);
+
+  // The contexts in order, real text up to the longest one the model was
+  // trained for, in one llama.cpp context of that size.
+  const uint32_t n_train = B.model->info().n_ctx_train;
+  std::vector<uint32_t> contexts = a.contexts;
+  std::sort(contexts.begin(), contexts.end());
+  uint32_t max_real = 0;
+  for (uint32_t c : contexts)
+    if (c <= n_train) max_real = c;
+  require(max_real > 0, "bench: at least one context must fit the model's trained length (" + std::to_string(n_train) + " tokens)");
+  std::vector<int32_t> text = bench_tokens(*B.model, a.corpus, max_real);
+  SessionOptions so;
+  so.n_ctx = max_real + 16;
+  so.n_threads = B.threads;
+  Session s(*B.model, so);
+  KvCapture longest;  // the longest real capture, tiled past the trained context
+  R["contexts"] = nlohmann::json::array();
+  for (uint32_t ctx : contexts) R["contexts"].push_back(measure_context(B, s, text, ctx, longest));
+  if (!a.levels.empty()) R["level_sweep"] = level_sweep(B, longest);
+  R["seconds"] = std::chrono::duration<double>(clock_type::now() - B.t_start).count();
+
+  const std::string md = bench_markdown(B, R);
   if (!a.out_json.empty()) {
     const std::string js = R.dump(1) + "\n";
     write_file_atomic(a.out_json, {reinterpret_cast<const uint8_t*>(js.data()), js.size()});
   }
-  if (!a.out_md.empty()) {
-    const std::string m = md.str();
-    write_file_atomic(a.out_md, {reinterpret_cast<const uint8_t*>(m.data()), m.size()});
-  }
+  if (!a.out_md.empty()) write_file_atomic(a.out_md, {reinterpret_cast<const uint8_t*>(md.data()), md.size()});
   if (a.json)
     std::printf("%s\n", R.dump(2).c_str());
   else
-    std::printf("%s", md.str().c_str());
+    std::printf("%s", md.c_str());
   return 0;
 }
 

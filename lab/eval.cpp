@@ -232,300 +232,427 @@ void append_records(const std::string& path, const std::string& lines) {
   require(ok, path + ": writing records failed (disk full?)");
 }
 
-int run_eval(const EvalArgs& a) {
-  using clock = std::chrono::steady_clock;
-  const auto t_start = clock::now();
-  auto has = [&](const std::string& t) { return std::find(a.tasks.begin(), a.tasks.end(), t) != a.tasks.end(); };
+// ---- the run, step by step ----------------------------------------------------
+
+using clock_type = std::chrono::steady_clock;
+
+bool has_task(const EvalArgs& a, const std::string& t) {
+  return std::find(a.tasks.begin(), a.tasks.end(), t) != a.tasks.end();
+}
+
+void check_tasks(const EvalArgs& a) {
   for (const auto& t : a.tasks)
     require(t == "ppl" || t == "kld" || t == "agree" || t == "niah" || t == "vt" || t == "kvr" || t == "code",
             "eval: unknown task '" + t + "' (ppl, kld, agree, niah, vt, kvr, code)");
-  // The columns of the results: the tasks, and code's second score.
+}
+
+// The columns of the results: the tasks, and code's second score.
+std::vector<std::string> result_columns(const EvalArgs& a) {
   std::vector<std::string> cols = a.tasks;
-  if (has("code")) cols.push_back("code_es");
-  // Method names and calibrations are checked before minutes of prefill.
+  if (has_task(a, "code")) cols.push_back("code_es");
+  return cols;
+}
+
+// The model, the methods and their calibrations, for every context.
+struct EvalSetup {
+  std::unique_ptr<Model> model;
+  std::map<std::string, std::string> calib_files;  // "": --calib; NAME: --calib-extra NAME=FILE
+  std::map<std::string, Calibration> cals;         // the same keys
+  std::vector<std::unique_ptr<Method>> methods;    // vanilla first
+  std::string calib_id;                            // --calib's id (the records' key), or ""
+};
+
+// Method names and calibrations are checked before the model is loaded and
+// minutes of prefill begin.
+EvalSetup load_setup(const EvalArgs& a) {
   std::vector<MethodSpec> specs;
   for (const auto& n : a.methods) specs.push_back(parse_method(n));
   require(!specs.empty() && specs.front().name == "vanilla", "eval: the first method must be vanilla (the reference of kld and agree)");
-  std::map<std::string, std::string> calib_files;
-  if (!a.calib.empty()) calib_files[""] = a.calib;
+  EvalSetup S;
+  if (!a.calib.empty()) S.calib_files[""] = a.calib;
   for (const auto& e : a.calib_extra) {
     const size_t eq = e.find('=');
     require(eq != std::string::npos && eq > 0 && eq + 1 < e.size(), "eval: --calib-extra takes NAME=FILE, got '" + e + "'");
-    calib_files[e.substr(0, eq)] = e.substr(eq + 1);
+    S.calib_files[e.substr(0, eq)] = e.substr(eq + 1);
   }
   for (const MethodSpec& m : specs)
     if (m.needs_calibration)
-      require(calib_files.count(m.calibration),
+      require(S.calib_files.count(m.calibration),
               "eval: method " + m.name + " needs " + (m.calibration.empty() ? "--calib" : "--calib-extra " + m.calibration + "=FILE"));
-  auto model = Model::load(a.model);
-  const size_t nv = model->info().n_vocab;
-  std::map<std::string, Calibration> cals;
-  for (const auto& [k, f] : calib_files) cals.emplace(k, calibration_load(f));
-  std::vector<std::unique_ptr<Method>> methods;
-  for (const MethodSpec& m : specs) methods.push_back(make_method(m, cals));
+  S.model = Model::load(a.model);
+  for (const auto& [k, f] : S.calib_files) S.cals.emplace(k, calibration_load(f));
+  for (const MethodSpec& m : specs) S.methods.push_back(make_method(m, S.cals));
+  S.calib_id = S.cals.count("") ? S.cals.at("").id : "";
+  return S;
+}
 
+// The calibration's calib_tokens, "" when it has none.
+std::string calib_tokens_of(const Calibration& cal) {
+  auto it = cal.meta.find("calib_tokens");
+  return it == cal.meta.end() ? "" : it->second;
+}
+
+// The result's fields before its contexts: model, calibrations, settings.
+nlohmann::ordered_json result_header(const EvalArgs& a, const EvalSetup& S) {
   nlohmann::ordered_json result;
-  result["model"] = model->info().path;
-  result["model_sha256"] = model->sha256();
+  result["model"] = S.model->info().path;
+  result["model_sha256"] = S.model->sha256();
   result["calibration"] = a.calib;
-  if (cals.count("")) result["calibration_id"] = cals.at("").id;
-  for (const auto& [k, f] : calib_files)
+  if (S.cals.count("")) result["calibration_id"] = S.cals.at("").id;
+  for (const auto& [k, f] : S.calib_files)
     if (!k.empty())
       result["calibration_extra"][k] = {{"file", f},
-                                        {"id", cals.at(k).id},
-                                        {"calib_tokens", cals.at(k).meta["calib_tokens"]},
-                                        {"keys_rope", cals.at(k).keys_derope ? "removed" : "kept"}};
+                                        {"id", S.cals.at(k).id},
+                                        {"calib_tokens", calib_tokens_of(S.cals.at(k))},
+                                        {"keys_rope", S.cals.at(k).keys_derope ? "removed" : "kept"}};
   result["seed"] = a.seed;
   result["samples"] = a.samples;
   result["continuation_tokens"] = a.cont;
   result["greedy_tokens"] = a.greedy;
   result["tasks"] = a.tasks;
   result["contexts"] = nlohmann::json::array();
-  std::vector<double> lp_ref, lp;
-  bool vanilla_exact = true;
-  const Corpus corpus = Corpus::load(a.corpus);
-  const std::string calib_id = cals.count("") ? cals.at("").id : "";
-  std::map<RecordKey, nlohmann::json> have;
-  if (!a.records.empty()) have = read_records(a.records);
-  size_t skipped = 0, reused = 0;
-  require(a.samples.size() == 1 || a.samples.size() == a.contexts.size(), "eval: --samples takes one count or one per --context");
-  for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
-    const uint32_t ctx = a.contexts[ci], n_samples = a.samples[a.samples.size() == 1 ? 0 : ci];
-    std::vector<Prompt> prompts;
-    const bool text = has("ppl") || has("kld") || has("agree");
-    if (text) prompts = text_prompts(*model, corpus, ctx, a.cont, n_samples, a.seed + ctx);
-    for (const char* t : {"niah", "vt", "kvr"})
-      if (has(t)) {
-        auto p = task_prompts(*model, corpus, t, ctx, n_samples, a.seed + ctx);
-        prompts.insert(prompts.end(), p.begin(), p.end());
-      }
-    if (has("code")) {
-      auto p = code_prompts(*model, corpus, ctx, n_samples, a.seed + ctx);
+  return result;
+}
+
+// What the run gathers over all contexts and prompts.
+struct EvalTally {
+  std::map<RecordKey, nlohmann::json> have;  // --records: the records there already
+  size_t skipped = 0, reused = 0;            // prompts all recorded; single methods' results taken from records
+  bool vanilla_exact = true;                 // vanilla's logits equal the never-restored cache's, bit for bit
+};
+
+// Every task's prompts at one context: text (ppl/kld/agree), then niah, vt,
+// kvr, code.
+std::vector<Prompt> context_prompts(const Model& m, const Corpus& corpus, const EvalArgs& a, uint32_t ctx, uint32_t n_samples) {
+  std::vector<Prompt> prompts;
+  const bool text = has_task(a, "ppl") || has_task(a, "kld") || has_task(a, "agree");
+  if (text) prompts = text_prompts(m, corpus, ctx, a.cont, n_samples, a.seed + ctx);
+  for (const char* t : {"niah", "vt", "kvr"})
+    if (has_task(a, t)) {
+      auto p = task_prompts(m, corpus, t, ctx, n_samples, a.seed + ctx);
       prompts.insert(prompts.end(), p.begin(), p.end());
     }
-    SessionOptions so;
-    so.n_ctx = ctx + a.cont + std::max(a.greedy, 64u) + 16;
-    Session s(*model, so);
-    std::map<std::string, std::unique_ptr<Session>> native;  // q8_0 / q4_0 contexts
-    for (const auto& m : methods)
-      if (!m->native_cache_types().first.empty()) {
+  if (has_task(a, "code")) {
+    auto p = code_prompts(m, corpus, ctx, n_samples, a.seed + ctx);
+    prompts.insert(prompts.end(), p.begin(), p.end());
+  }
+  return prompts;
+}
+
+// The llama.cpp contexts of one context length: the f16 one every restored
+// method (and vanilla) continues in, and one per native quantized cache.
+struct ContextSessions {
+  Session f16;
+  std::map<std::string, std::unique_ptr<Session>> native;  // by method: q8_0 / q4_0 contexts
+  ContextSessions(const Model& m, const SessionOptions& so, const std::vector<std::unique_ptr<Method>>& methods) : f16(m, so) {
+    for (const auto& mt : methods)
+      if (!mt->native_cache_types().first.empty()) {
         SessionOptions qo = so;
-        std::tie(qo.cache_type_k, qo.cache_type_v) = m->native_cache_types();
-        native[m->name()] = std::make_unique<Session>(*model, qo);
+        std::tie(qo.cache_type_k, qo.cache_type_v) = mt->native_cache_types();
+        native[mt->name()] = std::make_unique<Session>(m, qo);
       }
-    // Per method: per-prompt scores; KL and agreement are against vanilla.
-    std::map<std::string, std::map<std::string, Stat>> sc;
-    std::map<std::string, std::pair<uint64_t, uint64_t>> bytes;  // f16 bytes, stored bytes
-    for (size_t pi = 0; pi < prompts.size(); ++pi) {
-      const Prompt& P = prompts[pi];
-      const uint32_t n = uint32_t(P.tokens.size());
-      auto key_of = [&](const std::string& method) {
-        return RecordKey{model->sha256(), calib_id, method, P.task, a.seed, a.cont, a.greedy, ctx, P.index};
-      };
-      if (!a.records.empty() && std::all_of(methods.begin(), methods.end(), [&](const auto& m) { return have.count(key_of(m->name())) > 0; })) {
-        ++skipped;
-        continue;  // every method has its record: no prefill
-      }
-      std::string lines;  // this prompt's new records
-      auto record = [&](const Method& m, uint64_t f16, uint64_t stored, const nlohmann::json& scores, const std::string& output) {
-        if (a.records.empty() || have.count(key_of(m.name()))) return;
-        nlohmann::ordered_json r;
-        r["model_sha256"] = model->sha256();
-        r["calibration_id"] = calib_id;
-        r["method"] = m.name();
-        r["task"] = P.task;
-        r["seed"] = a.seed;
-        r["continuation"] = a.cont;
-        r["greedy"] = a.greedy;
-        r["context"] = ctx;
-        r["index"] = P.index;
-        r["id"] = P.id;
-        r["tokens"] = n;
-        r["f16_bytes"] = f16;
-        r["stored_bytes"] = stored;
-        r["scores"] = scores;
-        if (!output.empty()) r["output"] = output.substr(0, 240);
-        if (!P.gen.answers.empty()) r["expected"] = P.gen.answers;
-        if (!a.record_tag.empty()) r["run"] = a.record_tag;
-        lines += r.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-      };
-      s.clear();
-      s.decode(P.tokens, 0);
-      KvCapture cap = s.capture();
-      cap.tokens = P.tokens;
-      // Logits are not in the state: every method re-decodes the last
-      // prompt token after restoring, then continues.
-      std::vector<int32_t> seq{P.tokens.back()};
-      seq.insert(seq.end(), P.cont.begin(), P.cont.end());
-      if (!seq.empty() && P.task == "text") seq.pop_back();
-      // The continuation on the cache that never left llama.cpp: vanilla
-      // (restore without compression) must give these logits bit for bit.
-      std::vector<float> direct;
-      if (P.task == "text") {
-        s.remove_from(int32_t(n) - 1);
-        s.decode(seq, int32_t(n) - 1, &direct);
-      }
-      std::vector<float> ref_logits;
-      std::vector<int32_t> ref_greedy;
-      // A record stands in only if it holds every score this run takes
-      // from the prompt (a text record written without agree does not).
-      std::vector<std::string> wanted{P.task};
-      if (P.task == "text")
-        wanted = has("agree") ? std::vector<std::string>{"ppl", "kld", "agree", "agree_all"} : std::vector<std::string>{"ppl", "kld"};
-      if (P.task == "code") wanted = {"code", "code_es"};
-      // Per method, the record that stands in for it, or none (ratio-only
-      // methods record no scores, so they are always recomputed: cheap).
-      std::vector<const nlohmann::json*> recorded(methods.size(), nullptr);
-      for (size_t mi = 0; mi < methods.size(); ++mi)
-        if (auto it = have.find(key_of(methods[mi]->name())); it != have.end()) {
-          const nlohmann::json& sc_r = it->second.at("scores");
-          if (std::all_of(wanted.begin(), wanted.end(), [&](const std::string& t) { return sc_r.contains(t); })) recorded[mi] = &it->second;
-        }
-      // Vanilla runs on text whenever another method does: KL and
-      // agreement are measured against its logits and tokens.
-      bool need_ref = false;
-      for (size_t mi = 0; mi < methods.size(); ++mi)
-        need_ref = need_ref || (P.task == "text" && !recorded[mi] && !methods[mi]->is_reference() && !methods[mi]->ratio_only());
-      for (size_t mi = 0; mi < methods.size(); ++mi) {
-        const Method& m = *methods[mi];
-        Session* run = &s;
-        uint64_t stored = 0;
-        // A method another run recorded on this prompt is not recomputed
-        // (adding one method to 100 recorded prompts then costs its own
-        // restores and one prefill each, not every method's again); its
-        // recorded scores stand in, so this run's tables stay paired.
-        if (recorded[mi] && !(m.is_reference() && need_ref)) {
-          const nlohmann::json& r = *recorded[mi];
-          bytes[m.name()].first += r.at("f16_bytes").get<uint64_t>();
-          bytes[m.name()].second += r.at("stored_bytes").get<uint64_t>();
-          for (const std::string& t : wanted) sc[m.name()][t].x.push_back(r.at("scores").at(t).get<double>());
-          ++reused;
-          continue;
-        }
-        if (m.ratio_only()) {  // the cache would come back bit for bit
-          m.apply(cap, &stored);
-          bytes[m.name()].first += cap.f16_bytes();
-          bytes[m.name()].second += stored;
-          record(m, cap.f16_bytes(), stored, nlohmann::json::object(), "");
-          continue;
-        }
-        if (!m.native_cache_types().first.empty()) {
-          run = native.at(m.name()).get();
-          run->clear();
-          run->decode(P.tokens, 0);
-          m.apply(cap, &stored);
-        } else {
-          KvCapture dec = m.apply(cap, &stored);
-          s.restore(dec);
-        }
-        bytes[m.name()].first += cap.f16_bytes();
-        bytes[m.name()].second += stored;
-        run->remove_from(int32_t(n) - 1);
-        if (P.task == "text") {
-          std::vector<float> logits;
-          run->decode(seq, int32_t(n) - 1, &logits);
-          if (m.is_reference()) {
-            ref_logits = logits;
-            vanilla_exact =
-                vanilla_exact && logits.size() == direct.size() && std::memcmp(logits.data(), direct.data(), logits.size() * sizeof(float)) == 0;
-          }
-          double nll = 0, kl = 0;
-          for (size_t i = 0; i < P.cont.size(); ++i) {
-            log_softmax(&logits[i * nv], nv, lp);
-            nll -= lp[size_t(P.cont[i])];
-            log_softmax(&ref_logits[i * nv], nv, lp_ref);
-            double k = 0;
-            for (size_t v = 0; v < nv; ++v) k += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
-            kl += k;
-          }
-          nlohmann::json js;
-          js["ppl"] = std::exp(nll / double(P.cont.size()));
-          js["kld"] = kl / double(P.cont.size());
-          sc[m.name()]["ppl"].x.push_back(js["ppl"]);
-          sc[m.name()]["kld"].x.push_back(js["kld"]);
-          if (has("agree")) {
-            run->remove_from(int32_t(n) - 1);
-            run->decode({P.tokens.back()}, int32_t(n) - 1);
-            std::vector<int32_t> g = run->greedy(int(a.greedy));
-            if (m.is_reference()) ref_greedy = g;
-            uint32_t k = 0;
-            while (k < g.size() && g[k] == ref_greedy[k]) ++k;
-            sc[m.name()]["agree"].x.push_back(k);
-            sc[m.name()]["agree_all"].x.push_back(k == g.size() ? 1.0 : 0.0);
-            js["agree"] = k;
-            js["agree_all"] = k == g.size() ? 1.0 : 0.0;
-          }
-          record(m, cap.f16_bytes(), stored, js, "");
-        } else if (P.task == "code") {
-          run->decode({P.tokens.back()}, int32_t(n) - 1);
-          const std::string line = first_code_line(greedy_line(*run, *model, P.gen.gen_tokens));
-          const CodeLineScore c = score_code_line(P.gen.answers.front(), line);
-          sc[m.name()]["code"].x.push_back(100.0 * c.exact);
-          sc[m.name()]["code_es"].x.push_back(100.0 * c.edit_similarity);
-          record(m, cap.f16_bytes(), stored, {{"code", 100.0 * c.exact}, {"code_es", 100.0 * c.edit_similarity}}, line);
-          if (a.verbose_tasks)
-            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f / %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), line.c_str(), 100.0 * c.exact,
-                         100.0 * c.edit_similarity, P.gen.answers.front().c_str());
-        } else {
-          run->decode({P.tokens.back()}, int32_t(n) - 1);
-          const std::string out = text_of(*model, run->greedy(int(P.gen.gen_tokens)));
-          // Scores in percent, as RULER reports them.
-          const double score = 100.0 * score_generation(P.gen, out);
-          sc[m.name()][P.task].x.push_back(score);
-          record(m, cap.f16_bytes(), stored, {{P.task, score}}, out);
-          if (a.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) std::fprintf(stderr, "%s\n", text_of(*model, P.tokens).c_str());
-          if (a.verbose_tasks)
-            std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name().c_str(), P.id.c_str(), out.c_str(), score,
-                         P.gen.answers.front().c_str());
-        }
-      }
-      if (!lines.empty()) append_records(a.records, lines);
-      std::fprintf(stderr, "[eval] context %u, prompt %zu/%zu (%s, %s) done, %.0f s\n", ctx, pi + 1, prompts.size(), P.task.c_str(), P.id.c_str(),
-                   std::chrono::duration<double>(clock::now() - t_start).count());
+  }
+};
+
+// Per method, per-prompt scores (KL and agreement are against vanilla) and
+// bytes, over one context's prompts.
+struct ContextScores {
+  std::map<std::string, std::map<std::string, Stat>> sc;       // method -> column -> per-prompt values
+  std::map<std::string, std::pair<uint64_t, uint64_t>> bytes;  // method -> f16 bytes, stored bytes
+};
+
+// Every method on one prompt: the prefill, then per method the record that
+// stands in for it or its restore and continuation, scored by the prompt's
+// task; new records are appended once the prompt is done.
+class PromptEval {
+ public:
+  PromptEval(const EvalArgs& a, const EvalSetup& S, EvalTally& T, ContextSessions& sessions, ContextScores& scores, uint32_t ctx, const Prompt& P)
+      : a_(a), S_(S), T_(T), sessions_(sessions), scores_(scores), ctx_(ctx), P_(P), n_(uint32_t(P.tokens.size())) {}
+
+  // Every method has its record already: nothing to compute, no prefill.
+  bool all_recorded() const {
+    return !a_.records.empty() &&
+           std::all_of(S_.methods.begin(), S_.methods.end(), [&](const auto& m) { return T_.have.count(key_of(m->name())) > 0; });
+  }
+
+  void run() {
+    prefill();
+    find_recorded();
+    for (size_t mi = 0; mi < S_.methods.size(); ++mi) run_method(mi);
+    if (!lines_.empty()) append_records(a_.records, lines_);
+  }
+
+ private:
+  RecordKey key_of(const std::string& method) const {
+    return RecordKey{S_.model->sha256(), S_.calib_id, method, P_.task, a_.seed, a_.cont, a_.greedy, ctx_, P_.index};
+  }
+
+  // This prompt's record of method m (with --records, unless recorded).
+  void record(const Method& m, uint64_t f16, uint64_t stored, const nlohmann::json& scores, const std::string& output) {
+    if (a_.records.empty() || T_.have.count(key_of(m.name()))) return;
+    nlohmann::ordered_json r;
+    r["model_sha256"] = S_.model->sha256();
+    r["calibration_id"] = S_.calib_id;
+    r["method"] = m.name();
+    r["task"] = P_.task;
+    r["seed"] = a_.seed;
+    r["continuation"] = a_.cont;
+    r["greedy"] = a_.greedy;
+    r["context"] = ctx_;
+    r["index"] = P_.index;
+    r["id"] = P_.id;
+    r["tokens"] = n_;
+    r["f16_bytes"] = f16;
+    r["stored_bytes"] = stored;
+    r["scores"] = scores;
+    if (!output.empty()) r["output"] = output.substr(0, 240);
+    if (!P_.gen.answers.empty()) r["expected"] = P_.gen.answers;
+    if (!a_.record_tag.empty()) r["run"] = a_.record_tag;
+    lines_ += r.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  }
+
+  // The prompt into the f16 context and its cache captured; on text, the
+  // continuation on the cache that never left llama.cpp (vanilla, restored
+  // without compression, must give these logits bit for bit).
+  void prefill() {
+    Session& s = sessions_.f16;
+    s.clear();
+    s.decode(P_.tokens, 0);
+    cap_ = s.capture();
+    cap_.tokens = P_.tokens;
+    // Logits are not in the state: every method re-decodes the last
+    // prompt token after restoring, then continues.
+    seq_ = {P_.tokens.back()};
+    seq_.insert(seq_.end(), P_.cont.begin(), P_.cont.end());
+    if (!seq_.empty() && P_.task == "text") seq_.pop_back();
+    if (P_.task == "text") {
+      s.remove_from(int32_t(n_) - 1);
+      s.decode(seq_, int32_t(n_) - 1, &direct_);
     }
-    nlohmann::ordered_json cj;
-    cj["context"] = ctx;
-    cj["samples"] = n_samples;
-    cj["prompts"] = nlohmann::json::array();
-    for (const auto& p : prompts) cj["prompts"].push_back({{"task", p.task}, {"id", p.id}, {"tokens", p.tokens.size()}});
-    cj["methods"] = nlohmann::json::array();
-    const std::string ref = methods.front()->name();
-    for (const auto& mm : methods) {
-      const std::string& method = mm->name();
-      nlohmann::ordered_json m;
-      m["name"] = method;
-      m["ratio"] = double(bytes[method].first) / double(bytes[method].second);
-      if (mm->ratio_only()) {
-        m["scores"] = nlohmann::json::object();  // ratio only
-        cj["methods"].push_back(m);
-        continue;
+  }
+
+  // Per method, the record that stands in for it, or none; and whether
+  // vanilla must run for the others' KL and agreement.
+  void find_recorded() {
+    // A record stands in only if it holds every score this run takes
+    // from the prompt (a text record written without agree does not).
+    wanted_ = {P_.task};
+    if (P_.task == "text")
+      wanted_ = has_task(a_, "agree") ? std::vector<std::string>{"ppl", "kld", "agree", "agree_all"} : std::vector<std::string>{"ppl", "kld"};
+    if (P_.task == "code") wanted_ = {"code", "code_es"};
+    // Ratio-only methods record no scores, so they are always recomputed
+    // (cheap).
+    recorded_.assign(S_.methods.size(), nullptr);
+    for (size_t mi = 0; mi < S_.methods.size(); ++mi)
+      if (auto it = T_.have.find(key_of(S_.methods[mi]->name())); it != T_.have.end()) {
+        const nlohmann::json& sc_r = it->second.at("scores");
+        if (std::all_of(wanted_.begin(), wanted_.end(), [&](const std::string& t) { return sc_r.contains(t); })) recorded_[mi] = &it->second;
       }
-      for (const std::string& t : cols) {
-        m["scores"][t] = sc[method][t].mean();
-        m["half_width"][t] = sc[method][t].half();
-        if (t == "agree") m["scores"]["agree_all"] = sc[method]["agree_all"].mean();
-        // Paired difference against vanilla, prompt by prompt.
-        Stat d;
-        for (size_t i = 0; i < sc[method][t].x.size(); ++i) d.x.push_back(sc[method][t].x[i] - sc[ref][t].x[i]);
-        m["paired_diff"][t] = {{"mean", d.mean()}, {"half_width", d.half()}};
-      }
+    // Vanilla runs on text whenever another method does: KL and
+    // agreement are measured against its logits and tokens.
+    need_ref_ = false;
+    for (size_t mi = 0; mi < S_.methods.size(); ++mi) {
+      const Method& m = *S_.methods[mi];
+      need_ref_ = need_ref_ || (P_.task == "text" && !recorded_[mi] && !m.is_reference() && !m.ratio_only());
+    }
+  }
+
+  void add_bytes(const Method& m, uint64_t f16, uint64_t stored) {
+    scores_.bytes[m.name()].first += f16;
+    scores_.bytes[m.name()].second += stored;
+  }
+
+  void run_method(size_t mi) {
+    const Method& m = *S_.methods[mi];
+    // A method another run recorded on this prompt is not recomputed
+    // (adding one method to 100 recorded prompts then costs its own
+    // restores and one prefill each, not every method's again); its
+    // recorded scores stand in, so this run's tables stay paired.
+    if (recorded_[mi] && !(m.is_reference() && need_ref_)) {
+      const nlohmann::json& r = *recorded_[mi];
+      add_bytes(m, r.at("f16_bytes").get<uint64_t>(), r.at("stored_bytes").get<uint64_t>());
+      for (const std::string& t : wanted_) scores_.sc[m.name()][t].x.push_back(r.at("scores").at(t).get<double>());
+      ++T_.reused;
+      return;
+    }
+    uint64_t stored = 0;
+    if (m.ratio_only()) {  // the cache would come back bit for bit
+      m.apply(cap_, &stored);
+      add_bytes(m, cap_.f16_bytes(), stored);
+      record(m, cap_.f16_bytes(), stored, nlohmann::json::object(), "");
+      return;
+    }
+    Session* run = &sessions_.f16;
+    if (!m.native_cache_types().first.empty()) {
+      run = sessions_.native.at(m.name()).get();
+      run->clear();
+      run->decode(P_.tokens, 0);
+      m.apply(cap_, &stored);
+    } else {
+      KvCapture dec = m.apply(cap_, &stored);
+      sessions_.f16.restore(dec);
+    }
+    add_bytes(m, cap_.f16_bytes(), stored);
+    run->remove_from(int32_t(n_) - 1);
+    if (P_.task == "text")
+      score_text(m, *run, stored);
+    else if (P_.task == "code")
+      score_code(m, *run, stored);
+    else
+      score_retrieval(m, *run, stored);
+  }
+
+  // ppl and kld over the teacher-forced continuation; agree: greedy tokens
+  // against vanilla's.
+  void score_text(const Method& m, Session& run, uint64_t stored) {
+    const size_t nv = S_.model->info().n_vocab;
+    std::vector<float> logits;
+    run.decode(seq_, int32_t(n_) - 1, &logits);
+    if (m.is_reference()) {
+      ref_logits_ = logits;
+      T_.vanilla_exact =
+          T_.vanilla_exact && logits.size() == direct_.size() && std::memcmp(logits.data(), direct_.data(), logits.size() * sizeof(float)) == 0;
+    }
+    std::vector<double> lp_ref, lp;
+    double nll = 0, kl = 0;
+    for (size_t i = 0; i < P_.cont.size(); ++i) {
+      log_softmax(&logits[i * nv], nv, lp);
+      nll -= lp[size_t(P_.cont[i])];
+      log_softmax(&ref_logits_[i * nv], nv, lp_ref);
+      double k = 0;
+      for (size_t v = 0; v < nv; ++v) k += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
+      kl += k;
+    }
+    auto& sc = scores_.sc[m.name()];
+    nlohmann::json js;
+    js["ppl"] = std::exp(nll / double(P_.cont.size()));
+    js["kld"] = kl / double(P_.cont.size());
+    sc["ppl"].x.push_back(js["ppl"]);
+    sc["kld"].x.push_back(js["kld"]);
+    if (has_task(a_, "agree")) {
+      run.remove_from(int32_t(n_) - 1);
+      run.decode({P_.tokens.back()}, int32_t(n_) - 1);
+      std::vector<int32_t> g = run.greedy(int(a_.greedy));
+      if (m.is_reference()) ref_greedy_ = g;
+      uint32_t k = 0;
+      while (k < g.size() && g[k] == ref_greedy_[k]) ++k;
+      sc["agree"].x.push_back(k);
+      sc["agree_all"].x.push_back(k == g.size() ? 1.0 : 0.0);
+      js["agree"] = k;
+      js["agree_all"] = k == g.size() ? 1.0 : 0.0;
+    }
+    record(m, cap_.f16_bytes(), stored, js, "");
+  }
+
+  // The next line of code, greedy: exact match and edit similarity.
+  void score_code(const Method& m, Session& run, uint64_t stored) {
+    run.decode({P_.tokens.back()}, int32_t(n_) - 1);
+    const std::string line = first_code_line(greedy_line(run, *S_.model, P_.gen.gen_tokens));
+    const CodeLineScore c = score_code_line(P_.gen.answers.front(), line);
+    scores_.sc[m.name()]["code"].x.push_back(100.0 * c.exact);
+    scores_.sc[m.name()]["code_es"].x.push_back(100.0 * c.edit_similarity);
+    record(m, cap_.f16_bytes(), stored, {{"code", 100.0 * c.exact}, {"code_es", 100.0 * c.edit_similarity}}, line);
+    if (a_.verbose_tasks)
+      std::fprintf(stderr, "[eval] %s %s: %s -> %.0f / %.0f (wanted %s)\n", m.name().c_str(), P_.id.c_str(), line.c_str(), 100.0 * c.exact,
+                   100.0 * c.edit_similarity, P_.gen.answers.front().c_str());
+  }
+
+  // niah, vt, kvr: the greedy answer scored against the expected ones.
+  void score_retrieval(const Method& m, Session& run, uint64_t stored) {
+    run.decode({P_.tokens.back()}, int32_t(n_) - 1);
+    const std::string out = text_of(*S_.model, run.greedy(int(P_.gen.gen_tokens)));
+    // Scores in percent, as RULER reports them.
+    const double score = 100.0 * score_generation(P_.gen, out);
+    scores_.sc[m.name()][P_.task].x.push_back(score);
+    record(m, cap_.f16_bytes(), stored, {{P_.task, score}}, out);
+    if (a_.verbose_tasks && std::getenv("KVTC_EVAL_DUMP")) std::fprintf(stderr, "%s\n", text_of(*S_.model, P_.tokens).c_str());
+    if (a_.verbose_tasks)
+      std::fprintf(stderr, "[eval] %s %s: %s -> %.0f (wanted %s)\n", m.name().c_str(), P_.id.c_str(), out.c_str(), score,
+                   P_.gen.answers.front().c_str());
+  }
+
+  const EvalArgs& a_;
+  const EvalSetup& S_;
+  EvalTally& T_;
+  ContextSessions& sessions_;
+  ContextScores& scores_;
+  const uint32_t ctx_;
+  const Prompt& P_;
+  const uint32_t n_;  // prompt tokens
+  KvCapture cap_;
+  std::vector<int32_t> seq_;   // re-decoded after a restore: the last prompt token, then the continuation
+  std::vector<float> direct_;  // text: the continuation's logits on the never-restored cache
+  std::vector<float> ref_logits_;
+  std::vector<int32_t> ref_greedy_;
+  std::vector<std::string> wanted_;              // the scores a record must hold to stand in
+  std::vector<const nlohmann::json*> recorded_;  // per method
+  bool need_ref_ = false;
+  std::string lines_;  // this prompt's new records
+};
+
+// One context's entry of the result: its prompts and, per method, the ratio,
+// mean scores with their 95% half-widths and the paired difference against
+// vanilla.
+nlohmann::ordered_json context_result(uint32_t ctx, uint32_t n_samples, const std::vector<Prompt>& prompts, const EvalSetup& S,
+                                      const std::vector<std::string>& cols, ContextScores& scores) {
+  auto& sc = scores.sc;
+  auto& bytes = scores.bytes;
+  nlohmann::ordered_json cj;
+  cj["context"] = ctx;
+  cj["samples"] = n_samples;
+  cj["prompts"] = nlohmann::json::array();
+  for (const auto& p : prompts) cj["prompts"].push_back({{"task", p.task}, {"id", p.id}, {"tokens", p.tokens.size()}});
+  cj["methods"] = nlohmann::json::array();
+  const std::string ref = S.methods.front()->name();
+  for (const auto& mm : S.methods) {
+    const std::string& method = mm->name();
+    nlohmann::ordered_json m;
+    m["name"] = method;
+    m["ratio"] = double(bytes[method].first) / double(bytes[method].second);
+    if (mm->ratio_only()) {
+      m["scores"] = nlohmann::json::object();  // ratio only
       cj["methods"].push_back(m);
+      continue;
     }
-    result["contexts"].push_back(cj);
+    for (const std::string& t : cols) {
+      m["scores"][t] = sc[method][t].mean();
+      m["half_width"][t] = sc[method][t].half();
+      if (t == "agree") m["scores"]["agree_all"] = sc[method]["agree_all"].mean();
+      // Paired difference against vanilla, prompt by prompt.
+      Stat d;
+      for (size_t i = 0; i < sc[method][t].x.size(); ++i) d.x.push_back(sc[method][t].x[i] - sc[ref][t].x[i]);
+      m["paired_diff"][t] = {{"mean", d.mean()}, {"half_width", d.half()}};
+    }
+    cj["methods"].push_back(m);
   }
-  if (!a.records.empty()) {
-    result["records"] = a.records;
-    result["prompts_already_recorded"] = skipped;
-    result["method_results_reused"] = reused;
-    std::fprintf(stderr, "[eval] %zu prompts were in %s already (skipped); %zu results of single methods on other prompts were reused\n", skipped,
-                 a.records.c_str(), reused);
+  return cj;
+}
+
+// One context length: its prompts, every method on each, the summary.
+nlohmann::ordered_json evaluate_context(const EvalArgs& a, const EvalSetup& S, const Corpus& corpus, const std::vector<std::string>& cols,
+                                        uint32_t ctx, uint32_t n_samples, EvalTally& T, clock_type::time_point t_start) {
+  const std::vector<Prompt> prompts = context_prompts(*S.model, corpus, a, ctx, n_samples);
+  SessionOptions so;
+  so.n_ctx = ctx + a.cont + std::max(a.greedy, 64u) + 16;
+  ContextSessions sessions(*S.model, so, S.methods);
+  ContextScores scores;
+  for (size_t pi = 0; pi < prompts.size(); ++pi) {
+    const Prompt& P = prompts[pi];
+    PromptEval pe(a, S, T, sessions, scores, ctx, P);
+    if (pe.all_recorded()) {
+      ++T.skipped;
+      continue;
+    }
+    pe.run();
+    std::fprintf(stderr, "[eval] context %u, prompt %zu/%zu (%s, %s) done, %.0f s\n", ctx, pi + 1, prompts.size(), P.task.c_str(), P.id.c_str(),
+                 std::chrono::duration<double>(clock_type::now() - t_start).count());
   }
-  result["vanilla_equals_no_restore"] = vanilla_exact;
-  result["seconds"] = std::chrono::duration<double>(clock::now() - t_start).count();
-  if (!a.out_json.empty()) {
-    const std::string js = result.dump(1) + "\n";
-    write_file_atomic(a.out_json, {reinterpret_cast<const uint8_t*>(js.data()), js.size()});
-  }
+  return context_result(ctx, n_samples, prompts, S, cols, scores);
+}
+
+// The markdown tables: per context, per method the ratio and each column's
+// mean ± half-width, with the paired difference against vanilla.
+std::string markdown_tables(const nlohmann::ordered_json& result, const std::vector<std::string>& cols, uint32_t greedy) {
   std::ostringstream md;
   for (const auto& cj : result["contexts"]) {
     md << "\n### context " << cj["context"].get<uint32_t>() << " tokens, " << cj["samples"].get<uint32_t>()
@@ -551,7 +678,7 @@ int run_eval(const EvalArgs& a) {
           std::snprintf(b, sizeof b, " %.1f ± %.1f", v, h);
         md << b;
         if (t == "agree") {
-          std::snprintf(b, sizeof b, " (all %u: %.0f%%)", a.greedy, 100 * m["scores"]["agree_all"].get<double>());
+          std::snprintf(b, sizeof b, " (all %u: %.0f%%)", greedy, 100 * m["scores"]["agree_all"].get<double>());
           md << b;
         }
         if (m["name"] != cj["methods"][0]["name"] && t != "kld") {
@@ -564,15 +691,43 @@ int run_eval(const EvalArgs& a) {
       md << "\n";
     }
   }
-  if (!a.out_md.empty()) {
-    const std::string s = md.str();
-    write_file_atomic(a.out_md, {reinterpret_cast<const uint8_t*>(s.data()), s.size()});
+  return md.str();
+}
+
+int run_eval(const EvalArgs& a) {
+  const auto t_start = clock_type::now();
+  check_tasks(a);
+  const std::vector<std::string> cols = result_columns(a);
+  const EvalSetup S = load_setup(a);
+  nlohmann::ordered_json result = result_header(a, S);
+  const Corpus corpus = Corpus::load(a.corpus);
+  EvalTally T;
+  if (!a.records.empty()) T.have = read_records(a.records);
+  require(a.samples.size() == 1 || a.samples.size() == a.contexts.size(), "eval: --samples takes one count or one per --context");
+  for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
+    const uint32_t ctx = a.contexts[ci], n_samples = a.samples[a.samples.size() == 1 ? 0 : ci];
+    result["contexts"].push_back(evaluate_context(a, S, corpus, cols, ctx, n_samples, T, t_start));
   }
+  if (!a.records.empty()) {
+    result["records"] = a.records;
+    result["prompts_already_recorded"] = T.skipped;
+    result["method_results_reused"] = T.reused;
+    std::fprintf(stderr, "[eval] %zu prompts were in %s already (skipped); %zu results of single methods on other prompts were reused\n", T.skipped,
+                 a.records.c_str(), T.reused);
+  }
+  result["vanilla_equals_no_restore"] = T.vanilla_exact;
+  result["seconds"] = std::chrono::duration<double>(clock_type::now() - t_start).count();
+  if (!a.out_json.empty()) {
+    const std::string js = result.dump(1) + "\n";
+    write_file_atomic(a.out_json, {reinterpret_cast<const uint8_t*>(js.data()), js.size()});
+  }
+  const std::string md = markdown_tables(result, cols, a.greedy);
+  if (!a.out_md.empty()) write_file_atomic(a.out_md, {reinterpret_cast<const uint8_t*>(md.data()), md.size()});
   if (a.json)
     std::printf("%s\n", result.dump(2).c_str());
   else
-    std::printf("%s\nvanilla restore equals no restore (logits bit for bit): %s\n", md.str().c_str(), vanilla_exact ? "yes" : "NO");
-  return vanilla_exact ? 0 : 3;
+    std::printf("%s\nvanilla restore equals no restore (logits bit for bit): %s\n", md.c_str(), T.vanilla_exact ? "yes" : "NO");
+  return T.vanilla_exact ? 0 : 3;
 }
 
 }  // namespace

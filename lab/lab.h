@@ -4,7 +4,6 @@
 // the llama.cpp integration only; the library never links it.
 #pragma once
 
-#include <chrono>
 #include <string>
 #include <vector>
 
@@ -15,6 +14,7 @@ namespace kvtc::lab {
 
 using cli::Action;
 using cli::model_option;
+using cli::ms_since;
 
 Action add_eval(CLI::App& app);
 Action add_bench(CLI::App& app);
@@ -33,11 +33,6 @@ inline std::string text_of(const Model& m, const std::vector<int32_t>& tokens) {
   std::string s;
   for (int32_t t : tokens) s += m.token_text(t);
   return s;
-}
-
-// Milliseconds since t0 (steady clock), for the timings the commands print.
-inline double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace kvtc::lab

@@ -1,7 +1,7 @@
 """kvtc-server from Python, over its real HTTP API (requests): start one on
 a free loopback port, wait until it is healthy, talk to it, read its
 Prometheus metrics, stop it; redis-server the same way. Used by
-tests/test_server*.py, bench/serve*.py and the Python package's tests."""
+tests/test_server*.py, bench/serve.py and the Python package's tests."""
 import os
 import re
 import signal

@@ -149,3 +149,56 @@ TEST(RopeMeta, ParsesAndRefuses) {
   EXPECT_EQ(again.blocks[0].rope, geo.blocks[0].rope);
   EXPECT_EQ(again.blocks[1].rope, geo.blocks[1].rope);
 }
+
+// The rules are written once (rope_from_facts) for both sources: a file's
+// metadata (rope_from_meta) and a GGUF header (src/llama's rope_of, with
+// these names). Each message names the fact as its source calls it, and
+// with several faults the first in the rules' order is the one reported.
+TEST(RopeFacts, MessagesNameTheSource) {
+  const std::map<std::string, std::string> m{{"rope_type", "neox"},         {"n_rot", "256"},
+                                             {"rope_freq_base", "1000000"}, {"rope_freq_scale", "1"},
+                                             {"rope_freq_factors", "[]"},   {"rope_scaling_type", "none"}};
+  auto why = [&](const std::map<std::string, std::string>& changed, const std::vector<std::string>& erased = {}) {
+    auto bad = m;
+    for (const auto& [k, v] : changed) bad[k] = v;
+    for (const auto& k : erased) bad.erase(k);
+    return rope_from_meta(bad, false, 256, "f").unsupported;
+  };
+  EXPECT_EQ(why({}), "");
+  EXPECT_EQ(why({{"rope_type", "none"}, {"n_rot", "x"}}), "");  // none reads nothing else
+  EXPECT_EQ(why({}, {"rope_type"}), "f: __metadata__['rope_type'] is missing (needed for RoPE)");
+  EXPECT_EQ(why({{"rope_type", "mrope"}}), "f: __metadata__['rope_type'] is 'mrope'; kvtc supports norm, neox and none");
+  EXPECT_EQ(why({{"rope_scaling_type", "yarn"}}), "f: __metadata__['rope_scaling_type'] is 'yarn'; kvtc supports none and linear (YaRN not yet)");
+  EXPECT_EQ(why({{"rope_scaling_type", ""}}), "f: __metadata__['rope_scaling_type'] is ''; kvtc supports none and linear (YaRN not yet)");
+  EXPECT_EQ(why({{"n_rot", "63.5"}}), "f: n_rot 63.5 must be even and <= head_dim 256");
+  EXPECT_EQ(why({{"n_rot", "300"}}), "f: n_rot 300 must be even and <= head_dim 256");
+  EXPECT_EQ(why({{"n_rot", "2x"}}), "f: __metadata__['n_rot'] is '2x', expected a number");
+  EXPECT_EQ(why({}, {"rope_freq_base"}), "f: __metadata__['rope_freq_base'] is missing (needed for RoPE)");
+  EXPECT_EQ(why({{"rope_freq_scale", "0"}}), "f: RoPE frequency base and scale must be positive");
+  EXPECT_EQ(why({{"rope_freq_factors", "x"}}), "f: __metadata__['rope_freq_factors'] is not a JSON list of numbers");
+  EXPECT_EQ(why({{"rope_freq_factors", "[1,2]"}}), "f: rope_freq_factors has 2 entries, expected n_rot/2 = 128");
+  EXPECT_EQ(why({{"n_rot", "7"}}, {"rope_freq_base"}), "f: n_rot 7 must be even and <= head_dim 256");
+  EXPECT_EQ(why({{"rope_freq_scale", "-1"}, {"rope_freq_factors", "x"}}), "f: RoPE frequency base and scale must be positive");
+
+  RopeFacts g;
+  g.type_name = "rope type";
+  g.scaling_name = "rope scaling";
+  g.factors_name = "rope_freqs";
+  g.type = "norm";
+  g.scaling = "none";
+  g.n_rot = 64;
+  g.freq_base = 100000;
+  g.freq_scale = 1;
+  EXPECT_EQ(rope_from_facts(g, 64, "m.gguf").unsupported, "");
+  EXPECT_EQ(rope_from_facts(g, 64, "m.gguf").layout, RopeLayout::kNorm);
+  auto gwhy = [&](auto change) {
+    RopeFacts b = g;
+    change(b);
+    return rope_from_facts(b, 64, "m.gguf").unsupported;
+  };
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.type = "mrope"; }), "m.gguf: rope type 'mrope'; kvtc supports norm, neox and none");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn"; }), "m.gguf: rope scaling 'yarn'; kvtc supports none and linear (YaRN not yet)");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.n_rot = 65; }), "m.gguf: n_rot 65 must be even and <= head_dim 64");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.freq_base = 0; }), "m.gguf: RoPE frequency base and scale must be positive");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.freq_factors.assign(3, 1.0f); }), "m.gguf: rope_freqs has 3 entries, expected n_rot/2 = 32");
+}

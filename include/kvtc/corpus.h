@@ -1,6 +1,7 @@
-// kvtc: the text corpus (docs/corpus.md) — the one reader of its
-// manifest.json, and the seeded choice of documents and token windows that
-// calibration, evaluation and the benchmarks share. Part of kvtc_llama
+// kvtc: the text corpus (docs/corpus.md) — the programs' reader of its
+// manifest.json (the bench scripts' is bench/corpus.py, the same selection
+// as Corpus::docs), and the seeded choice of documents and token windows
+// that calibration, evaluation and the benchmarks share. Part of kvtc_llama
 // (windows are tokenized by a Model).
 // Thread safety: a Corpus is a read-only value after load; a WindowReader
 // is used by one thread.

@@ -9,6 +9,7 @@
 #include "codec/project.h"
 #include "core/capture_io.h"
 #include "core/parallel.h"
+#include "core/timing.h"
 #include "core/util.h"
 #include "format/chunk.h"
 #include "format/container.h"
@@ -86,7 +87,7 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
       if (s.kind == kChunk) (is_ecsq(H.alloc[s.block][s.kv]) ? ecsq : dp) = true;
     opt.stats->entropy_backend = ecsq && dp ? "libdeflate+rans" : ecsq ? "rans" : "libdeflate";
     opt.stats->transfer_ms = opt.stats->host_ms = 0;
-    opt.stats->total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+    opt.stats->total_ms = ms_since(t_start);
   }
   return c;
 }

@@ -11,6 +11,7 @@
 #include "codec/project.h"
 #include "core/capture_io.h"
 #include "core/parallel.h"
+#include "core/timing.h"
 #include "format/chunk.h"
 #include "format/container.h"
 #include "format/ecsq.h"
@@ -317,7 +318,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
     const std::string dp = opt.deflate_level > 0 ? "libdeflate" : "stored";
     opt.stats->entropy_backend = any_ecsq && any_dp ? dp + "+rans" : any_ecsq ? "rans" : dp;
     opt.stats->transfer_ms = opt.stats->host_ms = 0;
-    opt.stats->total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+    opt.stats->total_ms = ms_since(t_start);
   }
 }
 

@@ -101,13 +101,13 @@ std::vector<int32_t> layers_from_json(const std::string& s, const std::string& w
 namespace {
 
 // Parses key as a finite number into *x; else returns why not.
-std::string meta_number(const Meta& m, const std::string& key, const std::string& origin, float* x) {
+std::string meta_number(const Meta& m, const std::string& key, float* x) {
   auto it = m.find(key);
-  if (it == m.end()) return origin + ": __metadata__['" + key + "'] is missing (needed for RoPE)";
+  if (it == m.end()) return "__metadata__['" + key + "'] is missing (needed for RoPE)";
   const std::string& v = it->second;
   char* end = nullptr;
   *x = std::strtof(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(*x)) return origin + ": __metadata__['" + key + "'] is '" + v + "', expected a number";
+  if (v.empty() || *end != '\0' || !std::isfinite(*x)) return "__metadata__['" + key + "'] is '" + v + "', expected a number";
   return "";
 }
 
@@ -123,47 +123,65 @@ void require_rope_supported(const Rope& r, const std::string& who) {
   require(r.unsupported.empty(), who + ": the keys' RoPE cannot be undone: " + r.unsupported);
 }
 
-Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::string& origin) {
+Rope rope_from_facts(const RopeFacts& f, uint32_t head_dim, const std::string& origin) {
   Rope r;
   auto unsupported = [&](const std::string& why) {
     Rope u;
-    u.unsupported = why;
+    u.unsupported = origin + ": " + why;
     return u;
   };
-  auto it = meta.find("rope_type");
-  if (it == meta.end()) return unsupported(origin + ": __metadata__['rope_type'] is missing (needed for RoPE)");
-  const std::string& t = it->second;
-  if (t == "norm")
+  if (f.type == "none") return r;
+  if (f.type == "norm")
     r.layout = RopeLayout::kNorm;
-  else if (t == "neox")
+  else if (f.type == "neox")
     r.layout = RopeLayout::kNeox;
-  else if (t == "none")
-    return r;
   else
-    return unsupported(origin + ": __metadata__['rope_type'] is '" + t + "'; kvtc supports norm, neox and none");
+    return unsupported(std::string(f.type_name) + " '" + f.type + "'; kvtc supports norm, neox and none");
+  if (f.scaling != "none" && f.scaling != "linear")
+    return unsupported(std::string(f.scaling_name) + " '" + f.scaling + "'; kvtc supports none and linear (YaRN not yet)");
+  if (!f.n_rot_error.empty()) return unsupported(f.n_rot_error);
+  r.n_rot = f.n_rot >= 0 && f.n_rot <= 65536 ? uint32_t(f.n_rot) : 1;
+  if (double(r.n_rot) != f.n_rot || r.n_rot % 2 != 0 || r.n_rot > head_dim)
+    return unsupported("n_rot " + fmt_g9(f.n_rot) + " must be even and <= head_dim " + std::to_string(head_dim));
+  if (!f.freq_error.empty()) return unsupported(f.freq_error);
+  r.freq_base = f.freq_base;
+  r.freq_scale = f.freq_scale;
+  if (!(r.freq_base > 0 && r.freq_scale > 0)) return unsupported("RoPE frequency base and scale must be positive");
+  if (!f.factors_error.empty()) return unsupported(f.factors_error);
+  r.freq_factors = f.freq_factors;
+  if (!r.freq_factors.empty() && r.freq_factors.size() != r.n_rot / 2)
+    return unsupported(std::string(f.factors_name) + " has " + std::to_string(r.freq_factors.size()) +
+                       " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
+  return r;
+}
+
+Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::string& origin) {
+  auto it = meta.find("rope_type");
+  if (it == meta.end()) {
+    Rope u;
+    u.unsupported = origin + ": __metadata__['rope_type'] is missing (needed for RoPE)";
+    return u;
+  }
+  RopeFacts f;
+  f.type_name = "__metadata__['rope_type'] is";
+  f.scaling_name = "__metadata__['rope_scaling_type'] is";
+  f.factors_name = "rope_freq_factors";
+  f.type = it->second;
   auto st = meta.find("rope_scaling_type");
-  const std::string scaling = st == meta.end() ? "none" : st->second;
-  if (scaling != "none" && scaling != "linear")
-    return unsupported(origin + ": __metadata__['rope_scaling_type'] is '" + scaling + "'; kvtc supports none and linear (YaRN not yet)");
+  f.scaling = st == meta.end() ? "none" : st->second;
   float n_rot = 0;
-  if (std::string e = meta_number(meta, "n_rot", origin, &n_rot); !e.empty()) return unsupported(e);
-  r.n_rot = n_rot >= 0 && n_rot <= 65536 ? uint32_t(n_rot) : 1;
-  if (float(r.n_rot) != n_rot || r.n_rot % 2 != 0 || r.n_rot > head_dim)
-    return unsupported(origin + ": n_rot " + fmt_g9(n_rot) + " must be even and <= head_dim " + std::to_string(head_dim));
-  if (std::string e = meta_number(meta, swa ? "rope_freq_base_swa" : "rope_freq_base", origin, &r.freq_base); !e.empty()) return unsupported(e);
-  if (std::string e = meta_number(meta, swa ? "rope_freq_scale_swa" : "rope_freq_scale", origin, &r.freq_scale); !e.empty()) return unsupported(e);
-  if (!(r.freq_base > 0 && r.freq_scale > 0)) return unsupported(origin + ": RoPE frequency base and scale must be positive");
+  f.n_rot_error = meta_number(meta, "n_rot", &n_rot);
+  f.n_rot = n_rot;
+  f.freq_error = meta_number(meta, swa ? "rope_freq_base_swa" : "rope_freq_base", &f.freq_base);
+  if (f.freq_error.empty()) f.freq_error = meta_number(meta, swa ? "rope_freq_scale_swa" : "rope_freq_scale", &f.freq_scale);
   if (auto ff = meta.find("rope_freq_factors"); !swa && ff != meta.end()) {
     try {
-      r.freq_factors = nlohmann::json::parse(ff->second).get<std::vector<float>>();
+      f.freq_factors = nlohmann::json::parse(ff->second).get<std::vector<float>>();
     } catch (const std::exception&) {
-      return unsupported(origin + ": __metadata__['rope_freq_factors'] is not a JSON list of numbers");
+      f.factors_error = "__metadata__['rope_freq_factors'] is not a JSON list of numbers";
     }
-    if (!r.freq_factors.empty() && r.freq_factors.size() != r.n_rot / 2)
-      return unsupported(origin + ": rope_freq_factors has " + std::to_string(r.freq_factors.size()) +
-                         " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
   }
-  return r;
+  return rope_from_facts(f, head_dim, origin);
 }
 
 void geometry_from_meta(const Meta& meta, CacheGeometry& g, const std::string& origin) {

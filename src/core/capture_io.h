@@ -6,6 +6,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "core/safetensors.h"
 #include "core/state_blob.h"
@@ -30,6 +31,31 @@ Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::st
 // both check it: the container's rules (format/plan.cpp) for the keys of
 // every block that is coded, the codec (codec/rope.cpp) before rotating.
 void require_rope_supported(const Rope& r, const std::string& who);
+
+// One block's RoPE as a source states it (a file's metadata strings here, a
+// GGUF header in src/llama), for rope_from_facts, the one place that says
+// which rotations kvtc undoes exactly. Each source reads the facts (and its
+// own defaults) and names them in the messages as it calls them.
+struct RopeFacts {
+  std::string type;     // norm, neox, none, or what the source says
+  std::string scaling;  // none, linear, or what the source says
+  double n_rot = 0;     // rotated dimensions (a double: a file may say 63.5)
+  float freq_base = 0, freq_scale = 0;
+  std::vector<float> freq_factors;  // n_rot/2 of them, or none
+  // Why the source could not read a fact (empty: read), reported when the
+  // rules reach it, so a message names the first fault in the rules' order.
+  std::string n_rot_error, freq_error, factors_error;
+  // How the messages name the type, the scaling and the factors (the
+  // source's own words: a metadata key, a GGUF tensor).
+  const char* type_name = "rope type";
+  const char* scaling_name = "rope scaling";
+  const char* factors_name = "rope frequency factors";
+};
+// The rules: layout norm, neox or none (none: nothing else is read);
+// scaling none or linear (YaRN not yet); n_rot an even integer <= head_dim;
+// base and scale positive; factors none or n_rot/2. A rotation outside them
+// comes back with `unsupported` = "origin: why"; nothing is thrown.
+Rope rope_from_facts(const RopeFacts& f, uint32_t head_dim, const std::string& origin);
 
 // Fills model_sha256 and, per block (whose layers, heads and dims the
 // caller has set; block 1 is the sliding-window block), rope and

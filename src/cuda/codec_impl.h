@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "core/timing.h"
 #include "entropy.cuh"
 #include "kvtc/cuda.h"
 #include "project.cuh"
@@ -22,9 +23,6 @@
 namespace kvtc::cuda {
 
 using clock_type = std::chrono::steady_clock;
-inline double ms_since(clock_type::time_point t) {
-  return std::chrono::duration<double, std::milli>(clock_type::now() - t).count();
-}
 
 // Grow-only device buffer (workspaces reused call after call).
 struct DevBuf {

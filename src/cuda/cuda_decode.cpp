@@ -199,7 +199,7 @@ double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& 
       std::memcpy(I.h_stage.b(x.out_off), pl.data(), pl.size());
     }
   });
-  return W.use_nv ? 0.0 : cuda::ms_since(t_in);
+  return W.use_nv ? 0.0 : ms_since(t_in);
 }
 
 void inflate_and_transform(CudaCodec::Impl& I, const DecodeWork& W, std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm, cuda::Timeline& tl) {
@@ -284,13 +284,13 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<con
   std::vector<CudaKvCapture> outs = allocate_outputs(W);
   plan_tables(I, W, outs, gm);
   const double host_inflate_ms = stage_inputs(I, W, origin, threads);
-  double host_ms = cuda::ms_since(t_host) - host_inflate_ms;
+  double host_ms = ms_since(t_host) - host_inflate_ms;
   cuda::Timeline tl(I.st, opt.stats != nullptr);
   inflate_and_transform(I, W, outs, gm, tl);
   t_host = cuda::clock_type::now();
   check_statuses(I, W, origin);
-  host_ms += cuda::ms_since(t_host);
-  tl.fill(opt.stats, host_inflate_ms, host_ms, cuda::ms_since(t_start), threads, gm.precision,
+  host_ms += ms_since(t_host);
+  tl.fill(opt.stats, host_inflate_ms, host_ms, ms_since(t_start), threads, gm.precision,
           W.nv_list.empty() ? (W.use_nv ? "stored" : "libdeflate-host") : "nvcomp");
   return outs;
 }

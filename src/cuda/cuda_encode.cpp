@@ -319,7 +319,7 @@ Assembled assemble(CudaCodec::Impl& I, const std::vector<const CudaKvCapture*>& 
       write_section(host_secs[i].back(), s.kind, s.block, s.kv, s.t0, s.t1, pl, level);
     }
   });
-  host_ms += cuda::ms_since(t_host);
+  host_ms += ms_since(t_host);
   check(cudaStreamSynchronize(I.st), "compress (GPU stages)");
 
   t_host = cuda::clock_type::now();
@@ -336,7 +336,7 @@ Assembled assemble(CudaCodec::Impl& I, const std::vector<const CudaKvCapture*>& 
       std::vector<uint8_t> pl(I.h_stage.b(host_off[k]), I.h_stage.b(host_off[k]) + p.bytes);
       write_section(host_sec[k], p.kind, p.block, p.kv, p.t0, p.t1, pl, level);
     });
-    A.host_deflate_ms = cuda::ms_since(t_hd);
+    A.host_deflate_ms = ms_since(t_hd);
   }
   // Section sizes and offsets, in container order: positions and tokens,
   // then the payload sections as planned.
@@ -381,7 +381,7 @@ Assembled assemble(CudaCodec::Impl& I, const std::vector<const CudaKvCapture*>& 
   }
   cuda::Blob m2;
   const size_t ops_off = m2.add(ops);
-  host_ms += cuda::ms_since(t_host) - A.host_deflate_ms;
+  host_ms += ms_since(t_host) - A.host_deflate_ms;
   tl.begin(cuda::kSTransfer);
   // The second table upload reuses the meta buffers: the first one's
   // consumers have finished (the stream was synchronized above).
@@ -412,7 +412,7 @@ Assembled assemble(CudaCodec::Impl& I, const std::vector<const CudaKvCapture*>& 
   out.resize(caps.size());
   detail::parallel_for(caps.size(), detail::resolve_threads(threads, caps.size()),
                        [&](size_t i) { out[i].assign(I.h_stage.b(cap_off[i]), I.h_stage.b(cap_off[i + 1])); });
-  host_ms += cuda::ms_since(t_host);
+  host_ms += ms_since(t_host);
   return A;
 }
 
@@ -432,11 +432,11 @@ void CudaCodec::compress(const std::vector<const CudaKvCapture*>& caps, const Al
   EncodePlan E = plan_encode(I, caps, alloc, opt);
   I.arena.reserve(std::max<uint64_t>(E.arena, 1));
   const EntropyPlan P = plan_entropy(I, E);
-  double host_ms = cuda::ms_since(t_host);
+  double host_ms = ms_since(t_host);
   cuda::Timeline tl(I.st, opt.stats != nullptr);
   transform_and_deflate(I, caps, E, P, gm, tl);
   const Assembled A = assemble(I, caps, E, P, threads, tl, out, host_ms);
-  tl.fill(opt.stats, A.host_deflate_ms, host_ms, cuda::ms_since(t_start), threads, gm.precision, A.backend.empty() ? "stored" : A.backend);
+  tl.fill(opt.stats, A.host_deflate_ms, host_ms, ms_since(t_start), threads, gm.precision, A.backend.empty() ? "stored" : A.backend);
 }
 
 }  // namespace kvtc

@@ -292,33 +292,19 @@ bool Model::is_eog(int32_t token) const {
 namespace {
 
 // The rotation llama.cpp applies to this model's stored keys, as kvtc::Rope
-// (the checks of rope_from_meta, on the GGUF facts directly).
+// (rope_from_facts on the GGUF facts).
 Rope rope_of(const ModelInfo& mi, bool swa) {
-  Rope r;
-  auto unsupported = [&](const std::string& why) {
-    Rope u;
-    u.unsupported = mi.path + ": " + why;
-    return u;
-  };
-  if (mi.rope_type == "none") return r;
-  if (mi.rope_type == "norm")
-    r.layout = RopeLayout::kNorm;
-  else if (mi.rope_type == "neox")
-    r.layout = RopeLayout::kNeox;
-  else
-    return unsupported("rope type '" + mi.rope_type + "'; kvtc supports norm, neox and none");
-  const std::string scaling = mi.rope_scaling_type.empty() ? "none" : mi.rope_scaling_type;
-  if (scaling != "none" && scaling != "linear") return unsupported("rope scaling '" + scaling + "'; kvtc supports none and linear (YaRN not yet)");
-  r.n_rot = mi.n_rot;
-  if (r.n_rot % 2 != 0 || r.n_rot > mi.head_dim_k)
-    return unsupported("n_rot " + std::to_string(r.n_rot) + " must be even and <= head_dim " + std::to_string(mi.head_dim_k));
-  r.freq_base = swa ? mi.rope_freq_base_swa : mi.rope_freq_base;
-  r.freq_scale = swa ? mi.rope_freq_scale_swa : mi.rope_freq_scale;
-  if (!(r.freq_base > 0 && r.freq_scale > 0)) return unsupported("RoPE frequency base and scale must be positive");
-  if (!swa) r.freq_factors = mi.rope_freq_factors;
-  if (!r.freq_factors.empty() && r.freq_factors.size() != r.n_rot / 2)
-    return unsupported("rope_freqs has " + std::to_string(r.freq_factors.size()) + " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
-  return r;
+  RopeFacts f;
+  f.type_name = "rope type";
+  f.scaling_name = "rope scaling";
+  f.factors_name = "rope_freqs";
+  f.type = mi.rope_type;
+  f.scaling = mi.rope_scaling_type.empty() ? "none" : mi.rope_scaling_type;
+  f.n_rot = mi.n_rot;
+  f.freq_base = swa ? mi.rope_freq_base_swa : mi.rope_freq_base;
+  f.freq_scale = swa ? mi.rope_freq_scale_swa : mi.rope_freq_scale;
+  if (!swa) f.freq_factors = mi.rope_freq_factors;
+  return rope_from_facts(f, mi.head_dim_k, mi.path);
 }
 
 CacheGeometry geometry_of(const ModelInfo& mi, const std::string& sha256) {

@@ -13,7 +13,6 @@
 // does its I/O outside it.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -22,15 +21,12 @@
 #include <string>
 #include <vector>
 
+#include "core/timing.h"
 #include "kvtc/store.h"
 #include "store/keys.h"
 #include "store/pieces.h"
 
 namespace kvtc::store {
-
-inline double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // A stored prompt a tier could restore for a new prompt.
 struct Candidate {

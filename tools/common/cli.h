@@ -1,12 +1,13 @@
 // The command-line shell `kvtc` and `kvtc-lab` share: subcommands that
 // register their options on a CLI11 app and return the action to run, the
 // -v/--verbose and --version flags, and errors printed as "PROG: error: ..."
-// with exit status 1 (parse errors: CLI11's own exit codes). The build's
-// default model and corpus come from kvtc_llama (kvtc::default_model_path,
-// default_corpus_dir).
+// with exit status 1 (parse errors: CLI11's own exit codes), and the
+// timer of the times the commands print. The build's default model and
+// corpus come from kvtc_llama (kvtc::default_model_path, default_corpus_dir).
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -20,6 +21,13 @@ namespace kvtc::cli {
 
 using Action = std::function<int()>;
 using Subcommand = Action (*)(CLI::App&);
+
+// Milliseconds since t0 (steady clock), for the timings the commands print.
+// The library's own is src/core/timing.h, which the programs may not
+// include (docs/architecture.md); the two are the same one line.
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // -m/--model: a GGUF path or one of the bootstrap's short names (kvtc info
 // lists them), resolved to its path as the option is parsed.

@@ -5,7 +5,6 @@
 // llama.cpp integration.
 #pragma once
 
-#include <chrono>
 #include <string>
 #include <vector>
 
@@ -37,10 +36,5 @@ Action add_compress(CLI::App& app);
 Action add_decompress(CLI::App& app);
 Action add_inspect(CLI::App& app);
 Action add_append(CLI::App& app);
-
-// Milliseconds since t0 (steady clock), for the timings the commands print.
-inline double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 }  // namespace kvtc::cli

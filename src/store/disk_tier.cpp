@@ -38,12 +38,7 @@ class DiskTier final : public Tier {
 
   std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
     std::lock_guard<std::mutex> g(mu_);
-    std::vector<Candidate> out;
-    for (const Entry& e : lru_) {
-      const size_t lcp = common_prefix(e.tokens, tokens);
-      if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
-    }
-    return out;
+    return candidates_in(lru_, tokens);
   }
 
   // Reads the entry file (the tail) and the chunk files the match needs.
@@ -111,9 +106,7 @@ class DiskTier final : public Tier {
 
   bool holds(std::span<const int32_t> tokens) const override {
     std::lock_guard<std::mutex> g(mu_);
-    for (const Entry& e : lru_)
-      if (common_prefix(e.tokens, tokens) == tokens.size()) return true;
-    return false;
+    return any_holds(lru_, tokens);
   }
 
   // Chunks not there yet, then the entry file; the oldest entries go first

@@ -21,16 +21,6 @@ void put32(Bytes& o, uint32_t v) {
 void put64(Bytes& o, uint64_t v) {
   for (int i = 0; i < 8; ++i) o.push_back(uint8_t(v >> (8 * i)));
 }
-uint32_t get32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
-  return v;
-}
-uint64_t get64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
-  return v;
-}
 
 // One link of the key chain: SHA-256 over a domain byte ('c' chunk, 'e'
 // entry), the parent's 64 hex digits and the tokens as little-endian int32.
@@ -125,11 +115,11 @@ Bytes Scheme::entry_file(const Piece& e, std::span<const uint8_t> tail) const {
 
 Piece Scheme::parse_entry(std::span<const uint8_t> f, const std::string& origin, Bytes* tail) const {
   require(f.size() >= kEntryHeaderBytes && std::memcmp(f.data(), kEntryMagic, 4) == 0, origin + ": not a kvtc store entry (magic)");
-  require(get32(f.data() + 4) == kEntryVersion,
-          origin + ": entry version " + std::to_string(get32(f.data() + 4)) + ", expected " + std::to_string(kEntryVersion));
-  const uint32_t jl = get32(f.data() + 8);
+  require(get_le32(f.data() + 4) == kEntryVersion,
+          origin + ": entry version " + std::to_string(get_le32(f.data() + 4)) + ", expected " + std::to_string(kEntryVersion));
+  const uint32_t jl = get_le32(f.data() + 8);
   require(jl <= f.size() - kEntryHeaderBytes, origin + ": header length past the end (truncated file)");
-  require(container::xxh64(f.data() + kEntryHeaderBytes, f.size() - kEntryHeaderBytes) == get64(f.data() + 12),
+  require(container::xxh64(f.data() + kEntryHeaderBytes, f.size() - kEntryHeaderBytes) == get_le64(f.data() + 12),
           origin + ": checksum mismatch (corrupted or truncated file)");
   Piece e;
   uint64_t tail_bytes = 0;
@@ -143,7 +133,7 @@ Piece Scheme::parse_entry(std::span<const uint8_t> f, const std::string& origin,
     require(n <= (1u << 24) && f.size() - kEntryHeaderBytes - jl == n * 4 + tail_bytes, "n_tokens, tail_bytes: do not match the file size");
     const uint8_t* p = f.data() + kEntryHeaderBytes + jl;
     e.tokens.reserve(n);
-    for (uint64_t i = 0; i < n; ++i) e.tokens.push_back(int32_t(get32(p + 4 * i)));
+    for (uint64_t i = 0; i < n; ++i) e.tokens.push_back(int32_t(get_le32(p + 4 * i)));
   } catch (const nlohmann::json::exception& x) {
     throw Error(origin + ": bad header: " + x.what());
   } catch (const Error& x) {

@@ -20,6 +20,18 @@ using BytesPtr = std::shared_ptr<const Bytes>;  // pieces are shared, never chan
 
 constexpr const char* kStoreScheme = "kvtc-store/1";
 
+// Little-endian integers of the store's byte formats (entry files, Redis index values).
+inline uint32_t get_le32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
+  return v;
+}
+inline uint64_t get_le64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
+  return v;
+}
+
 // Leading tokens a and b have in common.
 size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
 

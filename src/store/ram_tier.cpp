@@ -22,12 +22,7 @@ class RamTier final : public Tier {
 
   std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
     std::lock_guard<std::mutex> g(mu_);
-    std::vector<Candidate> out;
-    for (const Entry& e : lru_) {
-      const size_t lcp = common_prefix(e.tokens, tokens);
-      if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
-    }
-    return out;
+    return candidates_in(lru_, tokens);
   }
 
   std::optional<Fetched> fetch(std::span<const int32_t>, const Candidate& c, uint32_t n) override {
@@ -63,9 +58,7 @@ class RamTier final : public Tier {
 
   bool holds(std::span<const int32_t> tokens) const override {
     std::lock_guard<std::mutex> g(mu_);
-    for (const Entry& e : lru_)
-      if (common_prefix(e.tokens, tokens) == tokens.size()) return true;
-    return false;
+    return any_holds(lru_, tokens);
   }
 
   BytesPtr chunk(const std::string& key) const override {

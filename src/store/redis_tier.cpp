@@ -22,17 +22,6 @@ namespace {
 using detail::RedisCommand;
 using detail::RedisReply;
 
-uint32_t get32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
-  return v;
-}
-uint64_t get64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
-  return v;
-}
-
 // An index value: u64 LE write time (ms since the Unix epoch), then the
 // entry's tokens after its last full chunk (int32 LE).
 std::string index_value(std::span<const int32_t> t) {
@@ -51,13 +40,13 @@ size_t index_tokens(const std::string& v) {
   return (v.size() - 8) / 4;
 }
 uint64_t index_time(const std::string& v) {
-  return get64(reinterpret_cast<const uint8_t*>(v.data()));
+  return get_le64(reinterpret_cast<const uint8_t*>(v.data()));
 }
 // How many leading tokens of `t` the index value `v` matches.
 size_t value_prefix(const std::string& v, std::span<const int32_t> t) {
   const size_t n = std::min(index_tokens(v), t.size());
   size_t i = 0;
-  while (i < n && int32_t(get32(reinterpret_cast<const uint8_t*>(v.data()) + 8 + 4 * i)) == t[i]) ++i;
+  while (i < n && int32_t(get_le32(reinterpret_cast<const uint8_t*>(v.data()) + 8 + 4 * i)) == t[i]) ++i;
   return i;
 }
 // Fails on an error reply (OOM under maxmemory-policy noeviction, WRONGTYPE).

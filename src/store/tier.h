@@ -104,6 +104,24 @@ class Tier {
   virtual void add_stats(StoreStats& s) const = 0;
 };
 
+// What the tiers that index their entries in memory (RAM, disk) answer for
+// lookup and holds: `entries` is a list of Piece-derived entries in LRU order.
+template <class Entries>
+std::vector<Candidate> candidates_in(const Entries& entries, std::span<const int32_t> tokens) {
+  std::vector<Candidate> out;
+  for (const Piece& e : entries) {
+    const size_t lcp = common_prefix(e.tokens, tokens);
+    if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
+  }
+  return out;
+}
+template <class Entries>
+bool any_holds(const Entries& entries, std::span<const int32_t> tokens) {
+  for (const Piece& e : entries)
+    if (common_prefix(e.tokens, tokens) == tokens.size()) return true;
+  return false;
+}
+
 std::unique_ptr<Tier> make_ram_tier(const TierContext& ctx);
 std::unique_ptr<Tier> make_disk_tier(const TierContext& ctx);   // opens and scans opt.disk_dir
 std::unique_ptr<Tier> make_redis_tier(const TierContext& ctx);  // Error on a malformed URL; a Redis that is down is not an error

@@ -1,7 +1,14 @@
 #!/usr/bin/env python3
 """The codec end to end on the real model: calibrate (small), capture an
 evaluation document, compress, inspect, decompress, restore into llama.cpp;
-and every malformed or mismatched container refused cleanly."""
+and every malformed or mismatched container refused cleanly.
+
+Figures are bounded near what they measure. "Here" is an AVX-512 machine
+with AVX512-BF16 (bf16 projection for precision auto); "AVX2" is the same
+run as an AVX2 machine runs it (OPENBLAS_CORETYPE=Haswell for every BLAS
+call, calibration included, and oneDNN capped at AVX2: f32 projection).
+llama.cpp is built for AVX2 with fixed flags, so what goes through it
+alone (vanilla, fp8, q8_0, ...) is the same on any x86 CPU."""
 import json
 import os
 import random
@@ -50,11 +57,19 @@ class Codec(unittest.TestCase):
 
     def test_calibration_summary(self):
         s = self.summary
-        self.assertEqual(len(s["blocks"]), 2)  # keys and values of the one cache block
+        self.assertEqual([b["kind"] for b in s["blocks"]], ["keys", "values"])  # of the one cache block
+        # Measured (keys, values), the same to 1e-8 here and on AVX2: the
+        # top 64 components' share of the variance 0.7236, 0.5454 (window
+        # +-0.03); the held-out error at 16x 1.02e-4, 1.79e-4 and at 64x
+        # 0.0434, 0.0678 (bound 2x).
+        want = {"keys": (0.7236, 2.0e-4, 0.087), "values": (0.5454, 3.6e-4, 0.136)}
         for b in s["blocks"]:
+            ev64, err16, err64 = want[b["kind"]]
             self.assertEqual(b["p"], 5760)
             self.assertEqual(b["r"], 512)
-            self.assertGreater(b["explained_variance_top64"], 0.3)
+            self.assertAlmostEqual(b["explained_variance_top64"], ev64, delta=0.03)
+            self.assertLess(b["ratios"]["16"]["heldout_relative_error"], err16)
+            self.assertLess(b["ratios"]["64"]["heldout_relative_error"], err64)
             errs = [b["ratios"][r]["heldout_relative_error"] for r in ("8", "16", "32", "64")]
             self.assertEqual(errs, sorted(errs), "a smaller budget cannot give a smaller error")
             for r in ("8", "16", "32", "64"):
@@ -66,7 +81,10 @@ class Codec(unittest.TestCase):
         self.assertLessEqual(s["bytes"], s["bound_bytes"])
         self.assertEqual(s["bytes"], os.path.getsize(out))
         self.assertEqual(s["compressed_tokens"], 700 - 4 - 128)
-        self.assertGreater(s["ratio_compressed_tokens"], 14.0)  # DP at 1/16 of the bits, DEFLATE on top
+        # DP at 1/16 of the bits, DEFLATE on top: measured 20.317 here,
+        # 20.320 on AVX2 (the codes DEFLATE sees differ by the projection's
+        # rounding); window +-2%.
+        self.assertAlmostEqual(s["ratio_compressed_tokens"], 20.32, delta=0.02 * 20.32)
         info = json.loads(run("inspect", out, "--json", check=0).stdout)
         self.assertAlmostEqual(info["ratio_compressed_tokens"], s["ratio_compressed_tokens"], places=6)
         self.assertIn("chunk", info["sections"])
@@ -87,8 +105,11 @@ class Codec(unittest.TestCase):
                         elif t % 7 == 0:  # a sample of coded tokens
                             num += sum((x - y) ** 2 for x, y in zip(a[row], b[row]))
                             den += sum(x * x for x in a[row])
+            # Measured k 0.02086, v 0.1415 here and on AVX2 (1e-4 apart);
+            # bound 1.5x: the projection's rounding moves them ~1e-5, a
+            # codec 1.5x lossier fails.
             rel = num / den
-            self.assertLess(rel, 0.25, f"{name}: relative squared error {rel:.3f}")
+            self.assertLess(rel, {"k": 0.031, "v": 0.21}[name], f"{name}: relative squared error {rel:.4f}")
         # The decoded cache loads into llama.cpp and continues.
         r = json.loads(run("restore", dec, "-m", SMOL, "--generate", "8", "--json", check=0).stdout)
         self.assertEqual(r["tokens"], 700)
@@ -231,7 +252,8 @@ class Codec(unittest.TestCase):
         self.assertIn(xa["precision"], ("f32", "bf16"))
         self.assertEqual(c["restore_ms"], x["restore_ms"])  # the first precision's
         self.assertLess(xa["rel_error_v"], x["rel_error_v"] * 1.05 + 1e-4)
-        self.assertGreater(x["ratio"], 1.0)
+        # 300 tokens, 132 of them raw: measured 2.3151 here and on AVX2; window +-2%.
+        self.assertAlmostEqual(x["ratio"], 2.315, delta=0.02 * 2.315)
         self.assertAlmostEqual(x["restore_ms"], x["decompress_ms"] + x["state_load_ms"], places=6)
         for k in ("gather_rope_ms", "center_ms", "project_ms", "quant_pack_ms", "entropy_ms"):
             self.assertGreaterEqual(x["encode_stages"][k], 0)
@@ -247,7 +269,9 @@ class Codec(unittest.TestCase):
         self.assertEqual(len(s["turns"]), 2)
         t2 = s["turns"][1]
         self.assertGreater(t2["history_tokens"], s["turns"][0]["history_tokens"])
-        self.assertLess(t2["kvtc_bytes"], t2["f16_bytes"])
+        # Measured 3,870,720 f16 bytes in 2,846,872 (1.360x: 168 tokens,
+        # 132 of them raw); window +-3%.
+        self.assertAlmostEqual(t2["f16_bytes"] / t2["kvtc_bytes"], 1.360, delta=0.03 * 1.36)
         self.assertTrue(os.path.exists(self.path("turns/turn2.kvtc")))
 
     def test_keep_rope_calibration(self):
@@ -259,8 +283,11 @@ class Codec(unittest.TestCase):
         self.assertEqual(info["keys_rope"], "kept")
         d = json.loads(run("decompress", box, "--calib", self.cal2, "--reference", self.cap, "--json", check=0).stdout)
         # 64 components of 5,760 at 16x: a coarse but real reconstruction.
-        self.assertLess(d["rel_error_k"], 0.9)
-        self.assertLess(d["rel_error_v"], 0.9)
+        # Measured k 0.1483, v 0.6268 here and on AVX2 (5e-6 apart). Window
+        # k +-15%, v +-0.05 (what 64 components leave of V is most of it:
+        # 1.5x would be no bound).
+        self.assertAlmostEqual(d["rel_error_k"], 0.1483, delta=0.15 * 0.1483)
+        self.assertAlmostEqual(d["rel_error_v"], 0.6268, delta=0.05)
         self.assertFails(run("decompress", box, "--calib", self.cal, "-o", self.path("y.safetensors")), "wrong calibration")
 
     def test_eval_machinery(self):
@@ -277,17 +304,30 @@ class Codec(unittest.TestCase):
         van, kv, fp8, kivi, zstd = c["methods"]
         self.assertEqual([m["name"] for m in c["methods"]], ["vanilla", "kvtc-16x", "fp8", "kivi-2", "zstd"])
         self.assertAlmostEqual(fp8["ratio"], 16 / (8 + 16 / 64), places=6)  # one f16 scale per 64 values
-        self.assertGreater(kivi["ratio"], 1.0)
-        self.assertGreater(zstd["ratio"], 1.0)
+        # Byte counts of a fixed layout (2 bits a value in groups of 32 with
+        # an f16 scale and minimum, the newest 128 tokens raw): measured 32/19.
+        self.assertAlmostEqual(kivi["ratio"], 32 / 19, places=6)
+        # zstd of the f16 cache (llama.cpp's, the same bits everywhere):
+        # measured 1.0904; window +-2% (another zstd may pack differently).
+        self.assertAlmostEqual(zstd["ratio"], 1.0904, delta=0.02 * 1.0904)
         self.assertEqual(zstd["scores"], {})  # lossless: ratio only
-        self.assertGreater(fp8["scores"]["kld"], 0.0)
+        # fp8 goes through no BLAS: KL 0.004272 here and on AVX2; window +-10%.
+        self.assertAlmostEqual(fp8["scores"]["kld"], 0.004272, delta=0.1 * 0.004272)
         self.assertEqual(van["ratio"], 1.0)
-        self.assertGreater(kv["ratio"], 1.5)
+        # 256 tokens, 132 raw: measured 2.0017 here and on AVX2; window +-3%.
+        self.assertAlmostEqual(kv["ratio"], 2.0017, delta=0.03 * 2.0017)
         self.assertEqual(van["scores"]["kld"], 0.0)
         self.assertEqual(van["scores"]["agree"], 8)
-        self.assertGreater(van["scores"]["ppl"], 1.0)
-        self.assertGreaterEqual(kv["scores"]["kld"], 0.0)
-        self.assertLessEqual(kv["scores"]["agree"], 8)
+        # llama.cpp alone: measured 3.62978 here and on AVX2; window +-1%.
+        self.assertAlmostEqual(van["scores"]["ppl"], 3.62978, delta=0.01 * 3.62978)
+        # kvtc-16x's KL from vanilla: measured 0.0739 here, 0.0691 on AVX2;
+        # bound 2x the larger, 0.15 (tests/test_quality.py guards quality on
+        # longer texts). Greedy agreement: 4.0 here and on AVX2 (one sample
+        # agrees 8 of 8, the other differs at its first token, a near tie);
+        # at least 2 asks the agreeing sample to keep 4.
+        self.assertGreater(kv["scores"]["kld"], 0.0)
+        self.assertLess(kv["scores"]["kld"], 0.15)
+        self.assertGreaterEqual(kv["scores"]["agree"], 2.0)
         self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "h2o", "--context", "256", "--samples", "1"), "unknown method")
         self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x@x", "--calib", self.cal, "--context", "256"), "--calib-extra x=FILE")
         self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "fp8", "--context", "256"), "first method must be vanilla")
@@ -309,13 +349,29 @@ class Codec(unittest.TestCase):
         self.assertAlmostEqual(m["q8_0"]["ratio"], 64 / 34, places=6)  # ggml block: 32 values in 34 bytes
         self.assertAlmostEqual(m["q4_0"]["ratio"], 64 / 18, places=6)
         self.assertAlmostEqual(m["q4_0-v"]["ratio"], 128 / (64 + 18), places=6)  # keys stay f16
-        self.assertGreater(m["streaming-8x"]["ratio"], 7.0)
-        self.assertLessEqual(m["streaming-8x"]["ratio"], 8.0)
-        self.assertGreater(m["svd-16x"]["ratio"], 1.0)
-        for x in c["methods"]:
-            for t in ("niah", "vt", "kvr"):
-                self.assertGreaterEqual(x["scores"][t], 0)
-                self.assertLessEqual(x["scores"][t], 100)
+        # Byte counts fixed by the prompts' lengths (the tokens kept, the
+        # rank kept): measured 7.965217 and 2.295739 here and on AVX2.
+        self.assertAlmostEqual(m["streaming-8x"]["ratio"], 7.965217, places=5)
+        self.assertAlmostEqual(m["svd-16x"]["ratio"], 2.295739, places=5)
+        # The codec's: measured 20.0926 (every token coded) and 2.4285 here,
+        # 20.0921 and 2.4285 on AVX2; window +-3%.
+        self.assertAlmostEqual(m["kvtc-16x-all"]["ratio"], 20.09, delta=0.03 * 20.09)
+        self.assertAlmostEqual(m["kvtc-16x@rope"]["ratio"], 2.4285, delta=0.03 * 2.4285)
+        # One prompt per task. Through llama.cpp alone (the same bits on any
+        # CPU) vanilla finds the needle and 1 of 5 variables, and no value
+        # (kvr is beyond this model at 320 tokens); so do q8_0 and q4_0;
+        # streaming-8x, which keeps 1 token in 8, finds nothing.
+        want = {"niah": 100.0, "vt": 20.0, "kvr": 0.0}
+        for name in ("vanilla", "q8_0", "q4_0", "q4_0-v"):
+            self.assertEqual(m[name]["scores"], want, name)
+        self.assertEqual(m["streaming-8x"]["scores"], {"niah": 0.0, "vt": 0.0, "kvr": 0.0})
+        # The codec's scores go through BLAS and could flip on a near tie on
+        # another CPU (measured here and on AVX2: kvtc-16x-all 0/0/0,
+        # kvtc-16x@rope and svd-16x 0/20/0): each is one prompt's score,
+        # and none finds what vanilla does not.
+        for name in ("kvtc-16x-all", "kvtc-16x@rope", "svd-16x"):
+            for t, step in (("niah", 100), ("vt", 20), ("kvr", 100)):
+                self.assertIn(m[name]["scores"][t], [float(x) for x in range(0, int(want[t]) + 1, step)], (name, t))
         self.assertFails(run_lab("eval", "-m", SMOL, "--methods", "vanilla", "kvtc-16x", "--context", "256", "--samples", "1"), "needs --calib")
 
     def test_eval_records_and_code(self):
@@ -383,7 +439,8 @@ class Codec(unittest.TestCase):
         self.assertEqual(sum(x["worse"] for x in differs), d["worse"])
         pooled = kv["pooled_pass_fail"]  # niah and code exact as one set of trials
         self.assertEqual((pooled["n"], pooled["worse"]), (6, d["worse"] + kv["paired_diff"]["niah"]["worse"]))
-        self.assertGreater(kv["ratio"], 1.5)
+        # 6 prompts of ~320 tokens, 132 of each raw: measured 2.3393 here and on AVX2; window +-3%.
+        self.assertAlmostEqual(kv["ratio"], 2.3393, delta=0.03 * 2.3393)
         self.assertEqual(van["ratio"], 1.0)
         self.assertIn("code (edit sim.)", open(os.path.join(res, "t.md")).read())
         # A method added later is computed alone: the recorded methods'

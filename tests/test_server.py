@@ -2,10 +2,11 @@
 """kvtc-server as its users run it: the real binary on a loopback port, the
 real SmolLM2 model, real documents from the evaluation corpus, a real HTTP
 client (requests). Covered: a second turn restored from the compressed RAM
-tier; the disk tier across a restart; shared prefixes stored once; damaged
-and unwritable disk tiers; bad calibrations refused at start; a client
-leaving mid-stream; two slots with concurrent clients; the upstream
-endpoints (/completion, /slots, /health, /metrics, streaming)."""
+tier (scored against a recompute), and from raw pieces (exact); the disk
+tier across a restart; shared prefixes stored once; damaged and unwritable
+disk tiers; bad calibrations refused at start; a client leaving
+mid-stream; two slots with concurrent clients; the upstream endpoints
+(/completion, /slots, /health, /metrics, streaming)."""
 import glob
 import json
 import os
@@ -46,6 +47,34 @@ def conversation(doc, question="Summarise the document in one sentence."):
     return [{"role": "user", "content": "Here is a document.\n\n" + doc + "\n\n" + question}]
 
 
+# Asked of a chat completion: each reply token's log-probability, and the 10
+# most likely tokens' at its position (llama-server computes them from the
+# logits before sampling: a greedy reply's tokens carry their real
+# probabilities).
+LOGPROBS = {"logprobs": True, "top_logprobs": 10}
+
+
+def reply_tokens(j):
+    """[(token id, logprob, {id: logprob of the 10 most likely})] of a chat reply asked with LOGPROBS."""
+    return [(c["id"], c["logprob"], {t["id"]: t["logprob"] for t in c["top_logprobs"]}) for c in j["choices"][0]["logprobs"]["content"]]
+
+
+def drift(got, ref):
+    """How far the reply `got` (after a lossy restore) strays from `ref`
+    (greedy, same request): (tokens agreeing from the start, mean and list
+    of |logprob under got - logprob under ref| of ref's token at each
+    position up to and including the first where the tokens differ: until
+    then both replies saw the same tokens, so the difference is the
+    restored cache's). A token of ref missing from got's 10 most likely
+    counts as infinitely far."""
+    g, r = reply_tokens(got), reply_tokens(ref)
+    agree = 0
+    while agree < min(len(g), len(r)) and g[agree][0] == r[agree][0]:
+        agree += 1
+    d = [abs(g[i][2][r[i][0]] - r[i][1]) if r[i][0] in g[i][2] else float("inf") for i in range(min(agree + 1, len(g), len(r)))]
+    return agree, sum(d) / len(d), d
+
+
 class KvtcServer(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -84,7 +113,7 @@ class KvtcServer(unittest.TestCase):
         self.assertGreater(m["kvtc:ram_bytes"], 0)
         self.assertLess(m["kvtc:ram_bytes"], raw / 2, (m["kvtc:ram_bytes"], raw))
         a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Name one person or place it mentions."}]
-        a2, t_a2, _ = s.chat(a2_msgs, max_tokens=12)
+        a2, t_a2, j_a2 = s.chat(a2_msgs, max_tokens=12, **LOGPROBS)
         # The whole first turn came back from the store: only the new turn was computed.
         self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
         self.assertLess(t_a2["prompt_n"], 40, t_a2)
@@ -92,13 +121,51 @@ class KvtcServer(unittest.TestCase):
         self.assertEqual(m['kvtc:hits_total{tier="ram"}'], 1)
         self.assertGreaterEqual(m["kvtc:tokens_restored_total"], t_a1["prompt_n"])
         self.assertEqual(m["kvtc:restore_failures_total"], 0)
-        # It continues sensibly: the first tokens of the reply match the reply
-        # computed from scratch (cache_prompt false: the prefix recomputed).
-        ref, t_ref, _ = s.chat(a2_msgs, max_tokens=12, cache_prompt=False)
+        # It continues as the reply computed from scratch (cache_prompt
+        # false: the prefix recomputed) does: drift() of the 12-token reply.
+        # Measured here (bf16 projection) 12 of 12 tokens agreeing, mean
+        # |logprob difference| 0.158 (0.015 to 0.20 per token, 0.87 at one);
+        # as an AVX2 machine runs it (OPENBLAS_CORETYPE=Haswell calibration,
+        # f32 projection) 12 of 12, 0.143. A raw (exact) restore measures
+        # 0.032 against the same recompute (see test_a_raw_restore_is_exact).
+        # Bound 0.32, 2x: the calibration and the codec's rounding vary by
+        # CPU (llama.cpp's, built for AVX2 with fixed flags, does not); a
+        # restore twice as far from the recompute fails.
+        ref, t_ref, j_ref = s.chat(a2_msgs, max_tokens=12, cache_prompt=False, **LOGPROBS)
         self.assertEqual(t_ref.get("cache_n", 0), 0, t_ref)
-        self.assertTrue(a2.strip())
-        self.assertEqual(a2.split()[:2], ref.split()[:2], (a2, ref))
+        agree, mean, d = drift(j_a2, j_ref)
+        print(f"second turn after a 16x restore: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f} {d}")
+        self.assertLess(mean, 0.32, (a2, ref, agree, d))
         self.assertIn("kvtc: restored", s.log())
+
+    def test_a_raw_restore_is_exact(self):
+        # --kvtc-raw stores f16 pieces, uncoded: a conversation swapped out
+        # of its slot and restored continues bit for bit as one that stayed
+        # in its slot (the reference: a second server without kvtc, one
+        # slot, the same requests). Not as a recompute: that evaluates turn
+        # 1's reply in the prompt's batch, where generation evaluated it
+        # token by token, and llama.cpp's CPU kernels round the two apart.
+        # On this document even the reference (upstream's own slot reuse)
+        # replies differently from a recompute: its first token's logprob
+        # is 0.054 away and another token wins.
+        s = self.start("raw", self.kvtc("--kvtc-raw"))
+        ref = self.start("raw-ref", ["--parallel", "1"])
+        a = conversation(self.docs[2])
+        turn2 = [{"role": "assistant", "content": None}, {"role": "user", "content": "Name one person or place it mentions."}]
+        a1, t_a1, _ = s.chat(a)
+        s.chat([{"role": "user", "content": "Say hello."}], max_tokens=4)  # takes the only slot: A is saved, raw
+        s.wait_saved()
+        turn2[0]["content"] = a1
+        a2, t_a2, j_a2 = s.chat(a + turn2, max_tokens=12, **LOGPROBS)
+        r1, _, _ = ref.chat(a)
+        self.assertEqual(r1, a1)
+        r2, t_r2, j_r2 = ref.chat(a + turn2, max_tokens=12, **LOGPROBS)  # A stayed in the slot
+        m = s.metrics()
+        self.assertEqual(m['kvtc:hits_total{tier="ram"}'], 1, m)
+        self.assertGreaterEqual(m["kvtc:tokens_restored_total"], t_a1["prompt_n"], m)
+        self.assertEqual((t_a2["cache_n"], t_a2["prompt_n"]), (t_r2["cache_n"], t_r2["prompt_n"]))  # the same prefix reused
+        self.assertEqual(a2, r2)
+        self.assertEqual(j_a2["choices"][0]["logprobs"], j_r2["choices"][0]["logprobs"])  # every logprob, bit for bit
 
     def test_restart_reads_the_disk_tier_back(self):
         store = os.path.join(self.tmp, "store-restart")
@@ -113,11 +180,19 @@ class KvtcServer(unittest.TestCase):
         self.assertEqual(len(glob.glob(os.path.join(store, "*", "entries", "*.kvse"))), 1)  # A (B was still in the slot)
         s2 = self.start("restart-2", self.kvtc("--kvtc-disk", store))
         self.assertIn("prompts read back", s2.log())
-        a2, t_a2, _ = s2.chat(a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}])
+        a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}]
+        a2, t_a2, j_a2 = s2.chat(a2_msgs, **LOGPROBS)
         self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
         m = s2.metrics()
         self.assertEqual(m['kvtc:hits_total{tier="disk"}'], 1)
-        self.assertTrue(a2.strip())
+        # Read back from disk by another process, it continues as a
+        # recompute does (drift(), as in the RAM tier's test): 8 of 8 tokens
+        # agreeing, mean 0.138 here, 0.157 as an AVX2 machine runs it. Bound
+        # 0.28, 2x (see there).
+        ref, _, j_ref = s2.chat(a2_msgs, cache_prompt=False, **LOGPROBS)
+        agree, mean, d = drift(j_a2, j_ref)
+        print(f"second turn after a restart, from disk: {agree} of 8 tokens agree, mean |logprob difference| {mean:.3f} {d}")
+        self.assertLess(mean, 0.28, (a2, ref, agree, d))
 
     def test_shared_prefixes_are_stored_once(self):
         s = self.start("dedup", self.kvtc())
@@ -275,9 +350,9 @@ class KvtcServer(unittest.TestCase):
         def client(i):
             try:
                 msgs = conversation(self.docs[i][:1500])
-                r1, _, _ = s.chat(msgs, max_tokens=6)
+                r1, t1, _ = s.chat(msgs, max_tokens=6)
                 r2, t2, _ = s.chat(msgs + [{"role": "assistant", "content": r1}, {"role": "user", "content": "Shorter."}], max_tokens=6)
-                results[i] = (r1, r2, t2)
+                results[i] = (r1, r2, t1, t2)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
 
@@ -288,9 +363,19 @@ class KvtcServer(unittest.TestCase):
             t.join(600)
         self.assertEqual(errors, [])
         self.assertEqual(len(results), 4)
-        for r1, r2, t2 in results.values():
+        # Every second turn found its first turn, in its slot or restored.
+        for r1, r2, t1, t2 in results.values():
             self.assertTrue(r1.strip() and r2.strip())
+            self.assertGreaterEqual(t2["cache_n"], t1["prompt_n"], (t1, t2))
+        # Four conversations, two slots: the first two first turns to finish
+        # lose their slot to the other two (queued since the start, ahead of
+        # any second turn), so at least two second turns are restores from
+        # the store (measured: all four, 1,847 tokens).
         m = s.wait_saved()
+        print("two slots:", {k: v for k, v in m.items() if "hits" in k or "restored" in k})
+        hits = m['kvtc:hits_total{tier="ram"}'] + m['kvtc:hits_total{tier="pending"}']
+        self.assertGreaterEqual(hits, 2, m)
+        self.assertGreaterEqual(m["kvtc:tokens_restored_total"], 2 * min(t1["prompt_n"] for _, _, t1, _ in results.values()), m)
         self.assertEqual(m["kvtc:restore_failures_total"], 0)
         self.assertEqual(m["kvtc:saves_skipped_total"], 0)
 

@@ -3,6 +3,7 @@
 // against llama.cpp itself are in test_llama.cpp.)
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -179,20 +180,47 @@ TEST(SeqBlob, CorruptFieldsAreNamed) {
   EXPECT_THROW(seq_blob_parse(trailing, false, "t"), Error);
 }
 
-TEST(SeqBlob, RandomBytesNeverCrash) {
-  // Mutation smoke test; the libFuzzer target goes deeper.
+TEST(SeqBlob, RandomBytesAreRefusedOrReadExactly) {
+  // Mutation test (the libFuzzer target goes deeper): 3 random bytes
+  // changed, 3,000 times. Each blob is either refused with kvtc::Error
+  // naming its origin and the field (any other exception fails the test), or parsed into
+  // a blob that writes back to exactly these bytes: a parser that accepted
+  // a damaged length or count and read past it, or dropped a field, could
+  // not give the bytes back. Both outcomes must occur: changed K/V rows
+  // and positions are valid blobs, changed counts, types and sizes are
+  // not: measured 868 parsed and 2,132 refused (std::mt19937 is the same
+  // sequence everywhere, so these are exact for this parser); the bounds,
+  // half of each, leave room for a parser that validates a little more or
+  // less, and catch one that refuses everything or nothing.
   std::mt19937 rng(6);
   SeqBlob b;
   b.blocks.push_back(BlobBlock{{make_stream(3, 2, 4, 1, rng)}});
   const std::vector<uint8_t> good = seq_blob_write(b);
+  int refused = 0, parsed = 0;
   for (int i = 0; i < 3000; ++i) {
     std::vector<uint8_t> x = good;
     for (int k = 0; k < 3; ++k) x[rng() % x.size()] = uint8_t(rng());
+    SeqBlob back;
     try {
-      seq_blob_parse(x, false, "m");
-    } catch (const Error&) {
+      back = seq_blob_parse(x, false, "mutated.bin");
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_EQ(std::string(e.what()).rfind("mutated.bin: llama.cpp state blob, field '", 0), 0u) << e.what();
+      continue;
     }
+    ++parsed;
+    std::vector<uint8_t> again;
+    try {
+      again = seq_blob_write(back);
+    } catch (const Error& e) {
+      ADD_FAILURE() << "mutation " << i << ": parsed into a blob that cannot be written: " << e.what();
+      continue;
+    }
+    EXPECT_EQ(again, x) << "mutation " << i << ": parsed, but not as written";
   }
+  EXPECT_GE(parsed, 434);
+  EXPECT_GE(refused, 1066);
+  std::printf("random bytes: %d parsed, %d refused\n", parsed, refused);
 }
 
 TEST(Capture, BlobToCaptureAndBack) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -27,6 +28,7 @@ double ms_since(Clock::time_point t0) {
 // What the store cannot say itself: how long the server's loop was held.
 struct LoopTimes {
   uint64_t saves = 0, restores = 0, restore_failures = 0;
+  uint64_t shifted_not_saved = 0;  // saves refused: the slot's cache was shifted (context shift)
   double save_ms = 0, save_max_ms = 0;
   double restore_ms = 0, restore_max_ms = 0;
 };
@@ -34,11 +36,22 @@ struct LoopTimes {
 // The attached store, for /metrics (HTTP threads) as well as the loop.
 std::mutex g_mu;
 std::weak_ptr<kvtc_prompt_cache::impl> g_live;
+std::string g_disabled;  // why kvtc was disabled while the server ran on (waking from sleep), or ""
 
 }  // namespace
 
 struct kvtc_prompt_cache::impl {
+  // A slot whose cells a context shift moved: its tokens from n_keep on
+  // (at most kShiftWindow of them) right after the shift. While the slot's
+  // tokens still continue them, its cache is the shifted one.
+  static constexpr size_t kShiftWindow = 32;
+  struct Shift {
+    size_t n_keep = 0;
+    std::vector<llama_token> after;
+  };
+  std::map<int32_t, Shift> shifted;  // loop thread only
   std::unique_ptr<kvtc::PromptStore> store;
+  kvtc::CacheGeometry geom;  // the model's, as the store keys it
   kvtc::StateLayout layout;  // of the server's context (seq_id set per restore)
   kvtc::StoreOptions opt;
   std::string calib_path;
@@ -149,10 +162,31 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
 
 kvtc_prompt_cache::~kvtc_prompt_cache() = default;
 
+void kvtc_prompt_cache::on_context_shift(int32_t id_slot, const server_tokens& tokens, int32_t n_keep) {
+  const llama_tokens t = tokens.get_text_tokens();
+  impl::Shift& s = p->shifted[id_slot];
+  s.n_keep = size_t(std::max(0, n_keep));
+  s.after.assign(t.begin() + std::ptrdiff_t(std::min(s.n_keep, t.size())),
+                 t.begin() + std::ptrdiff_t(std::min(s.n_keep + impl::kShiftWindow, t.size())));
+  SRV_INF("kvtc: slot %d's cache was shifted past token %zu; not saved while it holds the shifted cells\n", id_slot, s.n_keep);
+}
+
 bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, int32_t id_slot) {
   const auto t0 = Clock::now();
   try {
     llama_tokens tokens = prompt.tokens.get_text_tokens();
+    if (auto it = p->shifted.find(id_slot); it != p->shifted.end()) {
+      const impl::Shift& s = it->second;
+      const bool still = tokens.size() > s.n_keep &&
+                         std::equal(s.after.begin(), s.after.begin() + std::ptrdiff_t(std::min(s.after.size(), tokens.size() - s.n_keep)),
+                                    tokens.begin() + std::ptrdiff_t(s.n_keep));
+      if (still) {
+        std::lock_guard<std::mutex> g(p->mu);
+        ++p->times.shifted_not_saved;
+        return false;
+      }
+      p->shifted.erase(it);  // the shifted cells are gone: the slot was recomputed past n_keep
+    }
     if (tokens.empty() || !p->store->wants(tokens)) return false;
     const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
     std::vector<uint8_t> blob(size);
@@ -223,9 +257,33 @@ void kvtc_prompt_cache::update() {
 }
 
 bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, llama_context* ctx, const std::string& model_path,
-                        int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora) {
+                        int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora, bool has_kv_overrides, bool has_control_vectors,
+                        bool resuming) {
   const kvtc_server_params& cfg = kvtc_server_config();
   if (cfg.calib.empty()) return true;
+  if (resuming) {
+    // Waking from sleep: the model and context are new, the store is the
+    // one the server had (the patch kept it). Nothing is reloaded, hashed
+    // or rescanned; the new context is checked to compute what the store's
+    // keys name, and its layout is learned again. Never refused: a failure
+    // here disables kvtc and the server serves on (upstream aborts when
+    // this returns false after sleeping).
+    if (!cache || !cache->kvtc) return true;  // off before sleeping: stays off
+    try {
+      const std::shared_ptr<kvtc_prompt_cache::impl>& I = cache->kvtc->p;
+      const kvtc::KvSettings now = kvtc::context_kv_settings(ctx);
+      if (!(now == I->opt.kv_settings)) throw kvtc::Error("the context's settings changed across sleep: " + now.text());
+      I->layout = kvtc::context_state_layout(ctx, I->geom, 0);
+      I->shifted.clear();  // the slots start empty
+      SRV_INF("kvtc: awake with the store kept (%llu prompts in RAM)\n", (unsigned long long)I->store->stats().entries);
+    } catch (const std::exception& e) {
+      SRV_WRN("kvtc: disabled after waking, serving without the compressed cache: %s\n", e.what());
+      cache->kvtc.reset();
+      std::lock_guard<std::mutex> g(g_mu);
+      g_disabled = e.what();
+    }
+    return true;
+  }
   auto refuse = [](const std::string& why) {
     SRV_ERR("kvtc: %s\n", why.c_str());
     return false;
@@ -235,6 +293,11 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
   if (has_draft) return refuse("a draft model (speculative decoding) is not supported with --kvtc-calib yet");
   // An adapter changes every key and value: the store's keys would have to name it.
   if (has_lora) return refuse("LoRA adapters are not supported with --kvtc-calib yet");
+  // Both change the K/V a model computes without changing its file, which is
+  // what the store's keys name (and the calibration was fitted on).
+  if (has_kv_overrides)
+    return refuse("--override-kv is not supported with --kvtc-calib: it changes the model the store's keys and the calibration name");
+  if (has_control_vectors) return refuse("control vectors are not supported with --kvtc-calib yet: they change every layer's keys and values");
   if (llama_model_is_recurrent(model) || llama_model_is_hybrid(model)) return refuse("recurrent and hybrid models keep no KV cache kvtc can code");
   try {
     auto I = std::make_shared<kvtc_prompt_cache::impl>();
@@ -252,7 +315,8 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.redis_cluster = cfg.redis_cluster;
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
-    o.restore_threads = 0;  // a restore holds the loop: every core decodes
+    o.kv_settings = kvtc::context_kv_settings(ctx);  // --rope-freq-base, --rope-scaling, YaRN: part of the salt
+    o.restore_threads = 0;                           // a restore holds the loop: every core decodes
     o.log = [](const std::string& s) { SRV_WRN("%s\n", s.c_str()); };
     try {
       I->store = std::make_unique<kvtc::PromptStore>(cal, geom, o);
@@ -263,6 +327,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     // The context's state layout (V transposed or not, streams per block),
     // which restores are written for; also refuses a quantized cache. The
     // slots have not started yet, so sequence 0 is free for the probe.
+    I->geom = geom;
     I->layout = kvtc::context_state_layout(ctx, geom, 0);
     const kvtc::StoreStats s = I->store->stats();
     if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
@@ -271,6 +336,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
             cfg.calib.c_str(), cal.id.c_str(), I->store->fingerprint().c_str(), cache_ram_mib,
             cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
             s.disk_enabled ? (" (" + std::to_string(s.disk_entries) + " prompts read back)").c_str() : s.disk_error.c_str());
+    SRV_INF("kvtc: the store's keys name the context's settings: %s\n", o.kv_settings.text().c_str());
     if (s.redis_enabled)
       SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(),
               s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
@@ -286,11 +352,19 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
 
 std::string kvtc_server_metrics() {
   std::shared_ptr<kvtc_prompt_cache::impl> I;
+  std::string disabled;
   {
     std::lock_guard<std::mutex> g(g_mu);
     I = g_live.lock();
+    disabled = g_disabled;
   }
-  if (!I) return "";
+  if (!I) {
+    if (disabled.empty()) return "";
+    for (char& c : disabled)
+      if (c == '"' || c == '\\' || c == '\n') c = '\'';
+    return "# HELP kvtc:disabled kvtc was disabled while the server ran on (the label says why)\n# TYPE kvtc:disabled gauge\nkvtc:disabled{error=\"" +
+           disabled + "\"} 1\n";
+  }
   const kvtc::StoreStats s = I->store->stats();
   LoopTimes t;
   {
@@ -352,5 +426,6 @@ std::string kvtc_server_metrics() {
   item("loop_restore_seconds_max", "gauge", "Longest a restore held the server loop", t.restore_max_ms / 1e3);
   item("loop_saves_total", "counter", "Saves that held the loop", double(t.saves));
   item("loop_restores_total", "counter", "Restores into a slot", double(t.restores));
+  item("shifted_not_saved_total", "counter", "Saves refused because a context shift had moved the slot's cells", double(t.shifted_not_saved));
   return o.str();
 }

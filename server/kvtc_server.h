@@ -58,6 +58,11 @@ class kvtc_prompt_cache {
   void on_release(const server_prompt& prompt, llama_context* ctx, int32_t id_slot);
   // server_prompt_cache::update: logs the store's state.
   void update();
+  // A context shift in slot `id_slot` (llama-server's pre_decode): the
+  // cells past n_keep were moved to other positions, so their K/V is no
+  // longer what a prefill of the slot's tokens computes; the slot is not
+  // saved while it holds them (its tokens still continue `tokens` past n_keep).
+  void on_context_shift(int32_t id_slot, const server_tokens& tokens, int32_t n_keep);
 
   struct impl;
   std::shared_ptr<impl> p;
@@ -66,11 +71,20 @@ class kvtc_prompt_cache {
 // Called where llama-server creates its prompt cache: when --kvtc-calib is
 // given, attaches a kvtc store to `cache` (which must exist: --cache-ram
 // not 0). Loads and checks the calibration against the model and refuses
-// what kvtc cannot store (multimodal, a draft model, LoRA adapters, iSWA or
-// recurrent caches, a quantized cache type). False, with the reason logged,
-// when the server must not start.
+// what kvtc cannot store (multimodal, a draft model, LoRA adapters, model
+// metadata overrides, control vectors, iSWA or recurrent caches, a
+// quantized cache type). The store's salt names the model file, the
+// calibration, the kvtc flags and the context's RoPE as llama.cpp resolved
+// it (docs/store.md "Keys"). False, with the reason logged, when the
+// server must not start. `resuming`: the server wakes from
+// --sleep-idle-seconds with the store it had (cache->kvtc, kept by the
+// patch) and a new context: the store is kept (no calibration reload, no
+// model hash, no disk rescan) and bound to the new context; whatever fails
+// then disables kvtc (logged, kvtc:disabled 1) and the server serves on,
+// never refused.
 bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, llama_context* ctx, const std::string& model_path,
-                        int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora);
+                        int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora, bool has_kv_overrides, bool has_control_vectors,
+                        bool resuming);
 
 // Prometheus lines (kvtc:*) of the attached store, "" when none; any thread.
 std::string kvtc_server_metrics();

@@ -2,6 +2,7 @@
 // 270M (NEOX RoPE, sliding-window layers) run by the pinned llama.cpp on
 // real text from the evaluation corpus.
 #include <gtest/gtest.h>
+#include <llama.h>
 
 #include <cmath>
 #include <cstring>
@@ -237,4 +238,41 @@ TEST(Restore, ImpossiblePositionsAreRefused) {
   KvCapture neg = cap;
   neg.blocks[0].pos[0] = -1;
   EXPECT_THROW(a.restore(neg), Error);
+}
+
+// What a server's store keys name besides the model file: the context's
+// RoPE as llama.cpp resolved it, read from the context (context_kv_settings)
+// whether it came from the GGUF or from a flag; and the state layout a
+// restore must be written for (context_state_layout), which the flash
+// attention setting decides.
+TEST(ServerContext, SettingsAndLayoutAreTheContexts) {
+  const Model& m = smol();
+  auto make = [&](float base, bool fa) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 512;
+    cp.n_batch = 512;
+    cp.n_seq_max = 2;
+    cp.rope_freq_base = base;  // 0: the GGUF's
+    cp.flash_attn_type = fa ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    llama_context* ctx = llama_init_from_model(m.raw(), cp);
+    if (!ctx) throw Error("could not create a context");
+    return ctx;
+  };
+  llama_context* a = make(0, true);
+  llama_context* b = make(20000, false);
+  const KvSettings sa = context_kv_settings(a), sb = context_kv_settings(b);
+  EXPECT_EQ(sa.rope_freq_base, m.info().rope_freq_base);  // SmolLM2's 100000, from its GGUF
+  EXPECT_EQ(sa.rope_freq_base, 100000.0f);
+  EXPECT_EQ(sb.rope_freq_base, 20000.0f);
+  EXPECT_EQ(sa.rope_freq_scale, 1.0f);
+  EXPECT_EQ(sa.yarn_ext_factor, 0.0f);  // no YaRN scaling in this GGUF: llama.cpp resolves -1 to 0
+  EXPECT_EQ(sa.n_ctx_orig_yarn, m.info().n_ctx_train);
+  EXPECT_NE(sa.text(), sb.text());
+  const StateLayout la = context_state_layout(a, m.geometry(), 1), lb = context_state_layout(b, m.geometry(), 0);
+  EXPECT_EQ(la.v_trans, 0u);  // flash attention: V as rows
+  EXPECT_EQ(lb.v_trans, 1u);  // without: V transposed
+  EXPECT_EQ(la.seq_id, 1);
+  EXPECT_EQ(llama_memory_seq_pos_max(llama_get_memory(a), 1), -1);  // the probe token is gone again
+  llama_free(a);
+  llama_free(b);
 }

@@ -212,6 +212,95 @@ class KvtcServer(unittest.TestCase):
         self.assertGreaterEqual(m['kvtc:hits_total{tier="ram"}'] + m['kvtc:hits_total{tier="pending"}'], n - 1, m)
         self.assertLessEqual(m["kvtc:ram_chunks"], 3 + 2 * n, m)
 
+    # ---- what the store's keys name ---------------------------------------------
+    def test_other_rope_settings_never_share_a_store(self):
+        # The store's salt names the context's RoPE as llama.cpp resolved it
+        # (docs/store.md "Keys"): a disk tier filled with the model's own
+        # base is another store for a server run with --rope-freq-base
+        # 20000, whose keys are rotated otherwise. No hit, nothing read back,
+        # and the reply is the one a server without kvtc gives with the flag.
+        store = os.path.join(self.tmp, "store-rope")
+        s = self.start("rope-1", self.kvtc("--kvtc-disk", store))
+        a = conversation(self.docs[1])
+        a1, t_a1, _ = s.chat(a)
+        s.chat([{"role": "user", "content": "Say hello."}], max_tokens=4)
+        s.wait_saved()
+        self.assertIn("rope_freq_base=100000;", s.log())  # SmolLM2's own, from its GGUF
+        self.assertEqual(s.stop(), 0)
+        turn2 = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Name one person or place it mentions."}]
+        s2 = self.start("rope-2", self.kvtc("--kvtc-disk", store, "--rope-freq-base", "20000"))
+        self.assertIn("rope_freq_base=20000;", s2.log())
+        self.assertEqual(s2.metrics()["kvtc:disk_prompts"], 0)
+        got, t_got, j_got = s2.chat(turn2, max_tokens=12, **LOGPROBS)
+        self.assertEqual(t_got.get("cache_n", 0), 0, t_got)
+        m = s2.metrics()
+        for tier in ("ram", "pending", "disk"):
+            self.assertEqual(m[f'kvtc:hits_total{{tier="{tier}"}}'], 0, m)
+        ref = self.start("rope-ref", ["--parallel", "1", "--rope-freq-base", "20000"])
+        want, _, j_want = ref.chat(turn2, max_tokens=12, **LOGPROBS)
+        self.assertEqual(got, want)
+        self.assertEqual(j_got["choices"][0]["logprobs"], j_want["choices"][0]["logprobs"])
+        s2.stop()
+        # The store of the model's own settings is still there, and read back.
+        s3 = self.start("rope-3", self.kvtc("--kvtc-disk", store))
+        self.assertEqual(s3.metrics()["kvtc:disk_prompts"], 1)
+        _, t3, _ = s3.chat(turn2, max_tokens=4)
+        self.assertGreaterEqual(t3["cache_n"], t_a1["prompt_n"], t3)
+
+    def test_settings_the_keys_cannot_name_are_refused(self):
+        # --override-kv changes the model without changing its file (what
+        # the keys and the calibration name); refused as LoRA adapters are.
+        s = self.start("override", self.kvtc("--override-kv", "llama.rope.freq_base=float:20000"), ok=False)
+        self.assertNotEqual(s.wait_exit(), 0)
+        self.assertRegex(s.log(), r"kvtc: .*--override-kv is not supported")
+
+    def test_a_shifted_cache_is_not_saved(self):
+        # A context shift moves the slot's cells past n_keep to other
+        # positions: their K/V is no longer what a prefill of the slot's
+        # tokens computes, so the slot is not saved while it holds them.
+        s = self.start("shift", ["--kvtc-calib", self.cal, "--cache-ram", "64", "--parallel", "1", "-c", "256", "--context-shift"])
+        r = requests.post(s.url + "/completion", json={"prompt": self.docs[0][:400], "n_predict": 200, "temperature": 0, "ignore_eos": True,
+                                                      "cache_prompt": True}, timeout=300)
+        self.assertEqual(r.status_code, 200, r.text[:500])
+        self.assertIn("slot context shift", s.log())
+        s.chat([{"role": "user", "content": "Say hello."}], max_tokens=4)  # takes the slot: a save is asked
+        m = s.wait_saved()
+        self.assertGreaterEqual(m["kvtc:shifted_not_saved_total"], 1, m)
+        self.assertEqual(m["kvtc:saves_total"], 0, m)
+        self.assertIn("was shifted", s.log())
+        # Once the slot has been recomputed past n_keep, it is saved again
+        # (a prompt unlike the slot's, so that llama-server takes the slot
+        # by LRU and saves what it held: a similar one would just continue it).
+        r = requests.post(s.url + "/completion", json={"prompt": self.docs[1][:300], "n_predict": 4, "temperature": 0}, timeout=300)
+        self.assertEqual(r.status_code, 200, r.text[:500])
+        m = s.wait_saved()
+        self.assertGreaterEqual(m["kvtc:saves_total"], 1, m)
+
+    def test_waking_from_sleep_keeps_the_store(self):
+        # --sleep-idle-seconds frees the model and context when idle; waking
+        # reloads them. The store is kept across (nothing reloaded, hashed or
+        # rescanned: the calibration file may even be gone by then), so a
+        # conversation saved before the sleep is restored after it.
+        cal = os.path.join(self.tmp, "cal-sleep.safetensors")
+        shutil.copy(self.cal, cal)
+        s = self.start("sleep", ["--kvtc-calib", cal, "--cache-ram", "64", "--parallel", "1", "--sleep-idle-seconds", "2"])
+        a = conversation(self.docs[3])
+        a1, t_a1, _ = s.chat(a)
+        s.chat([{"role": "user", "content": "Say hello."}], max_tokens=4)  # A is saved
+        s.wait_saved()
+        t0 = time.time()
+        while "entering sleeping state" not in s.log():
+            self.assertLess(time.time() - t0, 60, s.log()[-2000:])
+            time.sleep(0.5)
+        os.remove(cal)  # a wake that reloaded the calibration would fail now
+        _, t_a2, _ = s.chat(a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Shorter."}], max_tokens=4)
+        self.assertIn("exiting sleeping state", s.log())
+        self.assertIn("kvtc: awake with the store kept", s.log())
+        self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
+        m = s.metrics()
+        self.assertEqual(m['kvtc:hits_total{tier="ram"}'], 1, m)
+        self.assertNotIn("kvtc:disabled", str(m))
+
     # ---- faults and bad input --------------------------------------------------
     def test_a_calibration_for_another_model_is_refused(self):
         s = self.start("othermodel", ["--kvtc-calib", GOLDEN_CAL, "--cache-ram", "64"], ok=False)

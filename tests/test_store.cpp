@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <set>
 
 #include "kvtc/kvtc.h"
 #include "synthetic.h"
@@ -404,6 +405,35 @@ TEST(Store, OtherCalibrationsAndSettingsNeverMix) {
     EXPECT_EQ(s.stats().disk_entries, 0u);
   }
   o.ratio = 8;
+  // Every setting a context resolves its RoPE to (KvSettings) is in the
+  // salt: a store of another base, scale or YaRN parameter is another store.
+  KvSettings ks;
+  ks.rope_freq_base = 10000;
+  ks.rope_freq_scale = 1;
+  ks.n_ctx_orig_yarn = 8192;
+  ks.yarn_ext_factor = 0;
+  ks.yarn_attn_factor = 1;
+  ks.yarn_beta_fast = 32;
+  ks.yarn_beta_slow = 1;
+  EXPECT_EQ(ks.text(),
+            "rope_freq_base=10000;rope_freq_scale=1;n_ctx_orig_yarn=8192;yarn_ext_factor=0;yarn_attn_factor=1;yarn_beta_fast=32;yarn_beta_slow=1");
+  EXPECT_EQ(KvSettings{}.text(), "");
+  std::set<std::string> salts = {fp};
+  for (int field = 0; field < 8; ++field) {
+    StoreOptions k = o;
+    k.kv_settings = ks;
+    if (field == 1) k.kv_settings.rope_freq_base = 20000;
+    if (field == 2) k.kv_settings.rope_freq_scale = 0.5f;
+    if (field == 3) k.kv_settings.n_ctx_orig_yarn = 4096;
+    if (field == 4) k.kv_settings.yarn_ext_factor = 1;
+    if (field == 5) k.kv_settings.yarn_attn_factor = 1.1f;
+    if (field == 6) k.kv_settings.yarn_beta_fast = 16;
+    if (field == 7) k.kv_settings.yarn_beta_slow = 2;
+    PromptStore s(cal(), lowrank_geometry(), k);
+    EXPECT_TRUE(salts.insert(s.fingerprint()).second) << "field " << field;
+    EXPECT_EQ(s.stats().disk_entries, 0u);
+    EXPECT_FALSE(s.take({}, p));
+  }
   PromptStore s(cal(), lowrank_geometry(), o);
   EXPECT_EQ(s.fingerprint(), fp);
   EXPECT_EQ(s.stats().disk_entries, 1u);

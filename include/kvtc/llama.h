@@ -19,6 +19,7 @@
 
 #include "kvtc/calibration.h"
 #include "kvtc/corpus.h"
+#include "kvtc/store.h"
 
 struct llama_model;
 struct llama_context;
@@ -125,6 +126,14 @@ CacheGeometry model_geometry(const llama_model* m, const std::string& gguf_path)
 // cell); Error naming what differs otherwise. The result's seq_id is
 // probe_seq; set it per restore.
 StateLayout context_state_layout(llama_context* ctx, const CacheGeometry& g, int32_t probe_seq = 0);
+
+// The settings a context computes its K/V under beyond the model file (its
+// RoPE as llama.cpp resolved them: --rope-freq-base/-scale, --rope-scaling,
+// the YaRN parameters), for StoreOptions::kv_settings. Read from the
+// context itself (llama.cpp's own llama_cparams at kLlamaCppCommit), so
+// every way of setting them — flags, GGUF defaults, llama.cpp's own
+// derivations (YaRN's attention factor) — is covered.
+KvSettings context_kv_settings(const llama_context* ctx);
 
 struct SessionOptions {
   uint32_t n_ctx = 0;      // 0: the model's trained context

@@ -38,9 +38,28 @@
 
 namespace kvtc {
 
+// What besides the model file and the calibration decides the K/V bytes a
+// context computes for a prompt: its RoPE as llama.cpp resolved it for that
+// context (llama_cparams: a --rope-freq-base, --rope-scaling or YaRN flag
+// changes every key). Part of the store's salt (docs/store.md "Keys"), so
+// a store filled under other settings is never read. kvtc-server fills it
+// from its context (context_kv_settings in <kvtc/llama.h>), KvtcCache from
+// llama-cpp-python's context; a program that leaves it unset (all zero)
+// shares keys only with others that do.
+struct KvSettings {
+  float rope_freq_base = 0, rope_freq_scale = 0;
+  uint32_t n_ctx_orig_yarn = 0;
+  float yarn_ext_factor = 0, yarn_attn_factor = 0, yarn_beta_fast = 0, yarn_beta_slow = 0;
+  // "rope_freq_base=10000;rope_freq_scale=1;..." with "%.9g" numbers (f32
+  // exactly), in this order; "" when unset. The salt's kv_settings line.
+  std::string text() const;
+  bool operator==(const KvSettings&) const = default;
+};
+
 struct StoreOptions {
-  double ratio = 16;  // nominal ratio of the coded tokens
-  bool raw = false;   // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
+  double ratio = 16;       // nominal ratio of the coded tokens
+  KvSettings kv_settings;  // the context's settings that shape its K/V (above); part of the salt
+  bool raw = false;        // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
   // Pieces in the entropy-coded mode (container version 2,
   // ecsq_allocation_set: one step rate-controlled to `ratio` per piece,
   // rANS) instead of the DP allocation with DEFLATE (version 1).

@@ -27,15 +27,25 @@ What differs from LlamaRAMCache, and why:
   is refused.
 - The restored cache is kvtc's reconstruction, not the original bytes
   (raw=True stores them exactly: the baseline to compare with).
+- The store's keys name the model file (its SHA-256, computed once per file
+  and remembered by path, size and modification time) and the context's
+  RoPE as llama.cpp resolved it (rope_freq_base, YaRN, ...): another model
+  file, or the same one run with other RoPE settings, never shares a state
+  (docs/store.md "Keys"). Both are read from `llm`, which is why it must be
+  given; a calibration of another model file is refused.
 
 Thread safety: as llama-cpp-python's caches, one Llama at a time; the store
 underneath is thread-safe.
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
 import logging
 import os
-from typing import Optional, Sequence, Union
+import tempfile
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import llama_cpp
@@ -45,6 +55,107 @@ from llama_cpp.llama_cache import BaseLlamaCache
 from . import Calibration, Error, PromptStore, state_layout
 
 log = logging.getLogger("kvtc")
+
+
+# ---- what the store's keys name: the model file and the context's settings -------------
+
+_SHA_CACHE: Dict[Tuple[str, int, int], str] = {}
+
+
+def _sha_cache_file() -> str:
+    base = os.environ.get("KVTC_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtc")
+    return os.path.join(base, "model-sha256.json")
+
+
+def model_sha256(path: Union[str, os.PathLike]) -> str:
+    """SHA-256 of a model file, as kvtc-server and the calibration name it.
+
+    Hashing reads the whole file (~0.3 s per 100 MB), so the result is kept
+    by (real path, size, modification time in ns): in this process, and in
+    $KVTC_CACHE_DIR/model-sha256.json (default ~/.cache/kvtc) for the next
+    one; a file changed in place gets a new mtime and is hashed again.
+    """
+    real = os.path.realpath(os.fspath(path))
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    if key in _SHA_CACHE:
+        return _SHA_CACHE[key]
+    cache_path, known = _sha_cache_file(), {}
+    try:
+        with open(cache_path) as f:
+            known = json.load(f)
+        hit = known.get(real)
+        if hit and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns and len(hit.get("sha256", "")) == 64:
+            _SHA_CACHE[key] = hit["sha256"]
+            return hit["sha256"]
+    except (OSError, ValueError, AttributeError):
+        known = {}
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    _SHA_CACHE[key] = digest
+    try:  # best effort: a cache that cannot be written costs a hash next time
+        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+        known[real] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cache_path), prefix=".model-sha256.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, cache_path)
+    except OSError:
+        pass
+    return digest
+
+
+class _CParamsHead(ctypes.Structure):
+    """The leading fields of llama.cpp's llama_cparams at the pinned commit
+    (src/llama-cparams.h of 4df29be4f): what a context resolved its RoPE to.
+    The first ones are checked against llama.h's getters before use."""
+
+    _fields_ = [
+        ("n_ctx", ctypes.c_uint32),
+        ("n_ctx_seq", ctypes.c_uint32),
+        ("n_batch", ctypes.c_uint32),
+        ("n_ubatch", ctypes.c_uint32),
+        ("n_seq_max", ctypes.c_uint32),
+        ("n_rs_seq", ctypes.c_uint32),
+        ("n_outputs_max", ctypes.c_uint32),
+        ("n_outputs_max_per_seq", ctypes.c_uint32),
+        ("n_threads", ctypes.c_int32),
+        ("n_threads_batch", ctypes.c_int32),
+        ("nextn_layer_offset", ctypes.c_int32),
+        ("rope_freq_base", ctypes.c_float),
+        ("rope_freq_scale", ctypes.c_float),
+        ("n_ctx_orig_yarn", ctypes.c_uint32),
+        ("yarn_ext_factor", ctypes.c_float),
+        ("yarn_attn_factor", ctypes.c_float),
+        ("yarn_beta_fast", ctypes.c_float),
+        ("yarn_beta_slow", ctypes.c_float),
+    ]
+
+
+def context_kv_settings(llm: llama_cpp.Llama) -> Dict[str, float]:
+    """The RoPE settings `llm`'s context resolved (what kvtc-server reads with
+    kvtc::context_kv_settings): read from the context itself through
+    llama.cpp's exported llama_context::get_cparams, so a rope_freq_base,
+    rope_scaling_type or YaRN argument, the GGUF's defaults and llama.cpp's
+    own derivations all count. Error for a llama.cpp other than the pinned one."""
+    lib = llama_cpp.llama_cpp._lib
+    try:
+        fn = getattr(lib, "_ZNK13llama_context11get_cparamsEv")
+    except AttributeError:
+        raise Error("KvtcCache: this libllama does not export llama_context::get_cparams (not the pinned llama.cpp "
+                    "4df29be4f, which kvtc's LLAMA_CPP_LIB_PATH provides)") from None
+    fn.restype = ctypes.POINTER(_CParamsHead)
+    fn.argtypes = [ctypes.c_void_p]
+    ctx = llm.ctx
+    c = fn(ctypes.cast(ctx, ctypes.c_void_p)).contents
+    if (c.n_ctx, c.n_batch, c.n_ubatch, c.n_seq_max) != (llama_cpp.llama_n_ctx(ctx), llama_cpp.llama_n_batch(ctx),
+                                                         llama_cpp.llama_n_ubatch(ctx), llama_cpp.llama_n_seq_max(ctx)):
+        raise Error("KvtcCache: llama.cpp's context parameters are not laid out as at 4df29be4f (another llama.cpp?)")
+    return {name: getattr(c, name) for name in ("rope_freq_base", "rope_freq_scale", "n_ctx_orig_yarn", "yarn_ext_factor",
+                                                "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow")}
 
 
 class KvtcCache(BaseLlamaCache):
@@ -86,8 +197,13 @@ class KvtcCache(BaseLlamaCache):
         if not isinstance(calibration, Calibration):
             calibration = Calibration.load(os.fspath(calibration))
         self.calibration = calibration
+        if llm is None:
+            raise Error("KvtcCache: give the Llama it serves (KvtcCache(calibration, llm, ...)): the store's keys name its "
+                        "model file and its context's RoPE settings")
         self._store = PromptStore(
             calibration,
+            model_sha256=model_sha256(llm.model_path),
+            kv_settings=context_kv_settings(llm),
             ratio=ratio,
             raw=raw,
             chunk_tokens=chunk_tokens,

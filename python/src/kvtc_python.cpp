@@ -539,10 +539,30 @@ class PyStore {
  public:
   PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
           const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
-          const std::string& precision, bool entropy_coded)
+          const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings)
       : cal_(cal), log_(std::make_shared<Log>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
     kvtc::StoreOptions o;
+    if (!kv_settings.is_none()) {
+      if (!nb::isinstance<nb::dict>(kv_settings)) throw Error("kv_settings: a dict (kvtc.llama_cpp reads it from the context) or None");
+      nb::dict d = nb::borrow<nb::dict>(kv_settings);
+      auto num = [&](const char* key) {
+        if (!d.contains(key)) throw Error(std::string("kv_settings: '") + key + "' is missing");
+        return nb::cast<double>(d[key]);
+      };
+      kvtc::KvSettings& k = o.kv_settings;
+      k.rope_freq_base = float(num("rope_freq_base"));
+      k.rope_freq_scale = float(num("rope_freq_scale"));
+      k.n_ctx_orig_yarn = uint32_t(num("n_ctx_orig_yarn"));
+      k.yarn_ext_factor = float(num("yarn_ext_factor"));
+      k.yarn_attn_factor = float(num("yarn_attn_factor"));
+      k.yarn_beta_fast = float(num("yarn_beta_fast"));
+      k.yarn_beta_slow = float(num("yarn_beta_slow"));
+    }
+    // The model the caches come from: its file's SHA-256 (the calibration's
+    // model by default). A calibration of another file is refused below.
+    kvtc::CacheGeometry geom = cal.cal().geometry;
+    if (!model_sha256.empty()) geom.model_sha256 = model_sha256;
     o.ratio = ratio;
     o.raw = raw;
     o.entropy_coded = entropy_coded;
@@ -566,7 +586,7 @@ class PyStore {
       if (log->lines.size() > 1000) log->lines.pop_front();
     };
     nb::gil_scoped_release unlocked;
-    store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), cal.cal().geometry, o);
+    store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), geom, o);
   }
 
   bool wants(nb::handle tokens) const {
@@ -787,13 +807,16 @@ NB_MODULE(_kvtc, m) {
                       "Compressed prompt caches in RAM, on disk and in Redis, keyed by token chunks (docs/store.md): what\n"
                       "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
       .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
-                    const std::string&, const std::string&, bool>(),
+                    const std::string&, const std::string&, bool, const std::string&, nb::handle>(),
            "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
            "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
-           "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = false,
+           "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = false, "model_sha256"_a = "", "kv_settings"_a = nb::none(),
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
            "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded=True: pieces in the entropy-coded mode\n"
-           "(container version 2) instead of the DP allocation with DEFLATE.")
+           "(container version 2) instead of the DP allocation with DEFLATE. model_sha256: the SHA-256 of the model file the\n"
+           "caches come from (default: the calibration's model; another is refused). kv_settings: the context's RoPE as\n"
+           "llama.cpp resolved it ({'rope_freq_base', 'rope_freq_scale', 'n_ctx_orig_yarn', 'yarn_ext_factor',\n"
+           "'yarn_attn_factor', 'yarn_beta_fast', 'yarn_beta_slow'}), part of the store's keys; None: unset.")
       .def("wants", &PyStore::wants, "tokens"_a, "Whether storing `tokens` would add anything.")
       .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a,
            "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.")

@@ -180,11 +180,80 @@ def test_states_in_and_out_of_the_binding(smol_calibration):
 def test_what_it_cannot_keep_is_refused(smol_calibration):
     with pytest.raises(kvtc.Error, match="logits_all"):
         KvtcCache(smol_calibration, make_llm(logits_all=True))
-    cache = KvtcCache(smol_calibration)  # no Llama: nothing to restore until a state was stored
-    assert [1, 2, 3] not in cache
-    with pytest.raises(KeyError):
-        cache[[1, 2, 3]]
-    cache.close()
+    # No Llama: nothing names the model or the context's settings.
+    with pytest.raises(kvtc.Error, match="give the Llama"):
+        KvtcCache(smol_calibration)
+
+
+def another_model_file(work):
+    """The default GGUF with one byte of its general.name changed: the same
+    architecture, weights and tokenizer (llama.cpp loads it as it loads the
+    original), another file, as another quantization or a fine-tune is."""
+    with open(SMOL, "rb") as f:
+        data = bytearray(f.read(64 << 20))
+        rest = f.read()
+    at = data.find(b"general.name")
+    assert at > 0
+    # key, then u32 type (8: string), u64 length, the value: change its first character.
+    value = at + len(b"general.name") + 4 + 8
+    data[value] = ord("X") if data[value] != ord("X") else ord("Y")
+    path = work / "other-model.gguf"
+    with open(path, "wb") as f:
+        f.write(data + rest)
+    return str(path)
+
+
+def test_another_model_file_is_refused(smol_calibration, work):
+    """KvtcCache names the Llama's model file: a calibration of the original
+    is refused for another file of the same architecture, which would
+    otherwise share keys (and states) with it."""
+    other = another_model_file(work)
+    llm = llama_cpp.Llama(other, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False)
+    assert llm.metadata.get("general.architecture") == "llama"
+    with pytest.raises(kvtc.Error, match="wrong calibration"):
+        KvtcCache(smol_calibration, llm)
+    assert kvtc.llama_cpp.model_sha256(other) != kvtc.llama_cpp.model_sha256(SMOL)
+    # The hash is remembered by path, size and mtime: a file changed in place is hashed again.
+    before = kvtc.llama_cpp.model_sha256(other)
+    with open(other, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(other, ns=(os.stat(other).st_atime_ns, os.stat(other).st_mtime_ns + 1000))
+    assert kvtc.llama_cpp.model_sha256(other) != before
+
+
+def test_other_rope_settings_never_share_states(smol_calibration, work):
+    """A store filled by a context with the model's own RoPE is never read by
+    one run with another rope_freq_base (its K/V differ): no hit, and the
+    answer is the one a Llama with that base gives without a cache."""
+    disk = work / "kvtc-disk-rope"
+    p1 = first_turn()
+    llm = make_llm()
+    with KvtcCache(smol_calibration, llm, disk_dir=disk) as cache:
+        llm.set_cache(cache)
+        ask(llm, p1, n=4)
+        cache.flush()
+        assert cache.stats()["disk_entries"] >= 1
+        default_settings = kvtc.llama_cpp.context_kv_settings(llm)
+    assert default_settings["rope_freq_base"] == 100000.0  # SmolLM2's GGUF base, as the context resolved it
+    p2 = p1 + " Paul.\nQuestion: To whom?\nAnswer:"
+    plain = make_llm(rope_freq_base=20000.0)
+    assert kvtc.llama_cpp.context_kv_settings(plain)["rope_freq_base"] == 20000.0
+    want = ask(plain, p2, n=6)
+    llm2 = make_llm(rope_freq_base=20000.0)
+    with KvtcCache(smol_calibration, llm2, disk_dir=disk) as cache2:
+        llm2.set_cache(cache2)
+        assert llm2.tokenize(p1.encode()) not in cache2
+        got = ask(llm2, p2, n=6)
+        s = cache2.stats()
+        assert s["hits_disk"] == 0 and s["hits_ram"] == 0 and s["disk_entries"] == 0
+    assert got == want
+    # The same settings read the store again.
+    llm3 = make_llm()
+    with KvtcCache(smol_calibration, llm3, disk_dir=disk) as cache3:
+        assert llm3.tokenize(p1.encode()) in cache3
 
 
 def test_two_processes_share_a_redis_tier(smol_calibration, work):

@@ -7,6 +7,7 @@
 #include "core/util.h"
 #include "format/container.h"
 #include "kvtc/error.h"
+#include "kvtc/store.h"
 
 namespace kvtc::store {
 namespace {
@@ -42,10 +43,26 @@ nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
           {"chunk_tokens", f.chunk_tokens},
           {"ratio", f.ratio},
           {"sink", f.sink},
-          {"window", f.window}};
+          {"window", f.window},
+          {"kv_settings", f.kv_settings}};
 }
 
 }  // namespace
+
+}  // namespace kvtc::store
+
+namespace kvtc {
+
+std::string KvSettings::text() const {
+  if (*this == KvSettings{}) return "";
+  return "rope_freq_base=" + fmt_g9(rope_freq_base) + ";rope_freq_scale=" + fmt_g9(rope_freq_scale) +
+         ";n_ctx_orig_yarn=" + std::to_string(n_ctx_orig_yarn) + ";yarn_ext_factor=" + fmt_g9(yarn_ext_factor) +
+         ";yarn_attn_factor=" + fmt_g9(yarn_attn_factor) + ";yarn_beta_fast=" + fmt_g9(yarn_beta_fast) + ";yarn_beta_slow=" + fmt_g9(yarn_beta_slow);
+}
+
+}  // namespace kvtc
+
+namespace kvtc::store {
 
 size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   const size_t n = std::min(a.size(), b.size());
@@ -57,7 +74,8 @@ size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
 Scheme::Scheme(const SchemeFields& f) : f_(f) {
   const std::string text = std::string(kStoreScheme) + "\nmodel_sha256=" + f.model_sha256 + "\ncalibration_id=" + f.calibration_id +
                            "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
-                           "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) + "\n";
+                           "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
+                           "\nkv_settings=" + f.kv_settings + "\n";
   salt_ = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
   compat_ = salt_.substr(0, 16);
 }

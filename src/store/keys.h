@@ -18,7 +18,9 @@ namespace kvtc::store {
 using Bytes = std::vector<uint8_t>;
 using BytesPtr = std::shared_ptr<const Bytes>;  // pieces are shared, never changed once coded
 
-constexpr const char* kStoreScheme = "kvtc-store/1";
+// Version 2 added the kv_settings line to the salt (version 1 stores are
+// another salt, another directory and Redis namespace: never read).
+constexpr const char* kStoreScheme = "kvtc-store/2";
 
 // Little-endian integers of the store's byte formats (entry files, Redis index values).
 inline uint32_t get_le32(const uint8_t* p) {
@@ -50,6 +52,7 @@ struct SchemeFields {
   uint32_t chunk_tokens = 256;
   std::string ratio;  // ratio_key(ratio), "-ecsq" appended when entropy-coded, or "raw"
   uint32_t sink = 4, window = 128;
+  std::string kv_settings;  // KvSettings::text(): the context's RoPE as llama.cpp resolved it
 };
 
 class Scheme {

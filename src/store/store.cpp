@@ -248,6 +248,7 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   f.ratio = opt.raw ? "raw" : ratio_key(opt.ratio) + (opt.entropy_coded ? "-ecsq" : "");
   f.sink = opt.sink;
   f.window = opt.window;
+  f.kv_settings = opt.kv_settings.text();
   I.scheme = std::make_unique<Scheme>(f);
   I.codec = std::make_unique<PieceCodec>(cal, g, opt, alloc, opt.chunk_tokens);
   I.ctx.scheme = I.scheme.get();

@@ -19,8 +19,9 @@
 // Saving never blocks the caller: put() queues the raw state and a worker
 // thread compresses it. Restoring decodes only the chunks the match needs.
 // A disk tier survives restarts; a file that fails its checksum is dropped
-// (a miss, never an error); a directory that cannot be written disables the
-// tier (reported in stats()), and the store keeps serving from RAM.
+// (a miss, never an error), one that cannot be read this time is kept (a
+// miss); a directory that cannot be written disables the tier (reported in
+// stats()), and the store keeps serving from RAM.
 // Thread safety: every member function may be called from any thread.
 #pragma once
 
@@ -91,6 +92,9 @@ struct TierStats {
   uint64_t bytes = 0;            // bytes it holds (the queue: raw state bytes)
   uint64_t hits = 0;             // takes it served
   uint64_t corrupt_dropped = 0;  // pieces or entries it refused by checksum or content, and dropped
+  uint64_t io_errors = 0;        // reads the system refused (the files kept)
+  uint64_t missing = 0;          // files its index named that were gone
+  uint64_t scan_pending = 0;     // files found at start not verified yet
 };
 
 struct StoreStats {
@@ -106,6 +110,12 @@ struct StoreStats {
   uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, hits_redis = 0, misses = 0;
   uint64_t tokens_restored = 0;
   uint64_t corrupt_dropped = 0;  // files or entries refused by checksum or content, dropped
+  // The disk tier's I/O (docs/store.md "Disk"): only a file whose bytes fail
+  // their checks is deleted (corrupt_dropped).
+  uint64_t disk_io_errors = 0;     // reads the system refused (EACCES, EMFILE, EIO, ENOMEM ...): a miss, the files kept
+  uint64_t disk_missing = 0;       // files the index named that were gone (removed from outside); a chunk is rewritten by the next put through it
+  uint64_t disk_scan_pending = 0;  // entry files found at start and not verified yet (the scan runs in the background)
+  double disk_scan_ms = 0;         // the start-up scan's time (so far, while it runs)
   // The Redis tier (all zero without one).
   bool redis_enabled = false;  // configured
   bool redis_up = false;       // the last exchange with it worked
@@ -127,7 +137,9 @@ struct StoreStats {
 class PromptStore {
  public:
   // The calibration must be of the geometry's model; a single-block cache.
-  // Opens (and scans) the disk tier when there is one. Error on bad options.
+  // Opens the disk tier when there is one and returns: its files are read
+  // back by a background thread, and become hits as they are verified
+  // (flush() waits for it). Error on bad options.
   PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt = {});
   ~PromptStore();  // finishes the queued puts first
   PromptStore(const PromptStore&) = delete;
@@ -171,7 +183,7 @@ class PromptStore {
   };
   std::optional<StateMatch> take_state(std::span<const int32_t> current, std::span<const int32_t> tokens, const StateLayout& to);
 
-  void flush();  // waits until every queued put is stored
+  void flush();  // waits until the disk tier's start-up scan is done and every queued put is stored
   // SHA-256 (hex) of the scheme, model, calibration and settings: the root
   // of every key; its first 16 digits name the store's directory.
   const std::string& fingerprint() const;

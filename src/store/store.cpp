@@ -323,6 +323,7 @@ std::optional<PromptStore::StateMatch> PromptStore::take_state(std::span<const i
 }
 
 void PromptStore::flush() {
+  for (const auto& t : impl_->tiers) t->wait_ready();
   impl_->queue->flush();
 }
 

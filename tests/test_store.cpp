@@ -925,3 +925,50 @@ TEST(Store, TheDiskScanRunsInTheBackground) {
     }
   }
 }
+
+// The queue of puts holds at most max_pending_bytes of raw state; a caller
+// asks wants(tokens, bytes) before copying a state, so that a state the
+// queue would skip is never copied (kvtc-server copies a slot's state only
+// after this answer). The default follows the RAM budget, at least 1 GiB.
+TEST(Store, ThePendingBudgetIsAskedBeforeCopying) {
+  const auto p = seq(1000, 300);
+  const uint64_t raw = prompt_capture(p).f16_bytes();  // 300 tokens x 256 bytes
+  std::vector<std::string> logs;
+  StoreOptions o = small(/*async=*/true);
+  o.max_pending_bytes = raw - 1;
+  o.log = [&](const std::string& x) { logs.push_back(x); };
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    EXPECT_EQ(s.stats().pending_budget, raw - 1);
+    EXPECT_TRUE(s.wants(p));
+    EXPECT_FALSE(s.wants(p, raw));  // one byte over the whole budget
+    EXPECT_TRUE(s.wants(p, raw / 2));
+    const StoreStats st = s.stats();
+    EXPECT_EQ(st.puts_skipped, 1u);
+    EXPECT_EQ(st.pending, 0u);
+    ASSERT_EQ(logs.size(), 1u);
+    EXPECT_NE(logs[0].find(std::to_string(raw) + " raw bytes"), std::string::npos) << logs[0];
+    EXPECT_NE(logs[0].find("max_pending_bytes " + std::to_string(raw - 1)), std::string::npos) << logs[0];
+    // What wants() refuses, put() would have skipped after the copy.
+    s.put(p, prompt_capture(p));
+    s.flush();
+    EXPECT_EQ(s.stats().puts_skipped, 2u);
+    EXPECT_EQ(s.stats().puts, 0u);
+  }
+  // Default: max(1 GiB, ram_bytes).
+  StoreOptions d = small(/*async=*/true);
+  PromptStore a(cal(), lowrank_geometry(), d);
+  EXPECT_EQ(a.stats().pending_budget, 1ull << 30);
+  EXPECT_FALSE(a.wants(p, 2ull << 30));
+  d.ram_bytes = 3ull << 30;
+  PromptStore b(cal(), lowrank_geometry(), d);
+  EXPECT_EQ(b.stats().pending_budget, 3ull << 30);
+  EXPECT_TRUE(b.wants(p, 2ull << 30));
+  // Without a queue (puts coded in put itself) nothing waits: any size.
+  PromptStore c(cal(), lowrank_geometry(), small(/*async=*/false));
+  EXPECT_EQ(c.stats().pending_budget, 0u);
+  EXPECT_TRUE(c.wants(p, 1ull << 40));
+  // A prompt held already is not wanted, whatever its size.
+  c.put(p, prompt_capture(p));
+  EXPECT_FALSE(c.wants(p, 1));
+}

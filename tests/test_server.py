@@ -113,6 +113,7 @@ class KvtcServer(unittest.TestCase):
         self.assertEqual(len(glob.glob(os.path.join(store, "*", "entries", "*.kvse"))), 1)  # A (B was still in the slot)
         s2 = self.start("restart-2", self.kvtc("--kvtc-disk", store))
         self.assertIn("prompts read back", s2.log())
+        self.assertEqual(s2.wait_scanned()["kvtc:disk_prompts"], 1)  # read back in the background
         a2, t_a2, _ = s2.chat(a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}])
         self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
         m = s2.metrics()
@@ -182,7 +183,7 @@ class KvtcServer(unittest.TestCase):
             f.write(bytes([c[0] ^ 0xFF]))
         os.truncate(entries[1], os.path.getsize(entries[1]) // 2)
         s2 = self.start("damaged-2", self.kvtc("--kvtc-disk", store))
-        m = s2.metrics()
+        m = s2.wait_scanned()
         self.assertGreaterEqual(m["kvtc:dropped_damaged_total"], 2)
         self.assertIn("checksum mismatch", s2.log())
         for msgs, first in ((a, a1), (b, b1)):
@@ -200,6 +201,7 @@ class KvtcServer(unittest.TestCase):
                 f.seek(-1, 1)
                 f.write(bytes([x[0] ^ 0xFF]))
         s3 = self.start("damaged-3", self.kvtc("--kvtc-disk", store))
+        s3.wait_scanned()
         reply, t, _ = s3.chat(a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Again, shorter."},
                                    {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "Thanks."}])
         self.assertTrue(reply.strip())

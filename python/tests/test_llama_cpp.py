@@ -103,6 +103,7 @@ def test_states_survive_a_restart_on_disk(smol_calibration, work):
     llm2 = make_llm()
     with KvtcCache(smol_calibration, llm2, disk_dir=disk) as cache2:
         llm2.set_cache(cache2)
+        cache2.flush()  # the disk tier is read back in the background
         assert llm2.tokenize(p1.encode()) in cache2
         ask(llm2, p1 + " Paul.\nQuestion: To whom?\nAnswer:", n=4)
         assert cache2.stats()["hits_disk"] >= 1

@@ -538,9 +538,14 @@ class DiskTier final : public Tier {
           continue;
       }
     }
+    bool sweep = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      sweep = !stop_scan_ && !scan_unreadable_;
+    }
+    if (sweep) sweep_chunks();
     std::lock_guard<std::mutex> g(mu_);
     if (!stop_scan_) {
-      if (!scan_unreadable_) sweep_chunks();
       const uint64_t budget = ctx_.opt.disk_bytes;  // puts during the scan may have gone past it
       while (budget && bytes_ > budget && !lru_.empty()) erase(lru_.begin());
       scan_ms_ = ms_since(scan_t0_);
@@ -593,20 +598,28 @@ class DiskTier final : public Tier {
   }
 
   // Chunk files no entry names (a crash between a chunk and its entry, or
-  // entries dropped by the scan) go, and temporaries older than this start.
-  // Under mu_, so that no put claims a chunk between the check and the
-  // removal.
+  // entries dropped by the scan) go, and temporaries older than this start
+  // (a put's own are newer). The directory is listed outside the lock (a
+  // large tier holds 100,000s of chunks); each name is checked and removed
+  // under it, in batches, so that no put claims a chunk between the check
+  // and the removal, and takes wait for one batch at most.
   void sweep_chunks() {
+    std::vector<std::string> keys;
     std::error_code ec;
     fs::directory_iterator it(root_ / "chunks", ec), end;
     for (; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();
       std::error_code e2;
-      if (name.size() == 64 + 5 && name.substr(64) == ".kvtc") {
-        if (!chunks_.count(name.substr(0, 64))) fs::remove(it->path(), e2);
-      } else if (name.rfind(".", 0) == 0 && it->last_write_time(e2) < started_ && !e2) {
-        fs::remove(it->path(), e2);  // a put's temporary is newer
-      }
+      if (name.size() == 64 + 5 && name.substr(64) == ".kvtc")
+        keys.push_back(name.substr(0, 64));
+      else if (name.rfind(".", 0) == 0 && it->last_write_time(e2) < started_ && !e2)
+        fs::remove(it->path(), e2);
+    }
+    constexpr size_t kBatch = 256;
+    for (size_t at = 0; at < keys.size() && !stop_scan_; at += kBatch) {
+      std::lock_guard<std::mutex> g(mu_);
+      for (size_t i = at; i < std::min(keys.size(), at + kBatch); ++i)
+        if (!chunks_.count(keys[i])) fs::remove(chunk_path(keys[i]), ec);
     }
   }
 

@@ -37,6 +37,7 @@
 #include <mutex>
 #include <new>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -427,12 +428,17 @@ class DiskTier final : public Tier {
       scan_done_ = true;
       return;
     }
-    std::vector<Listed> files = list_entries();
+    listed_ = list_entries();
     {
       std::lock_guard<std::mutex> g(mu_);
-      scan_pending_ = files.size();
+      scan_pending_ = listed_.size();
     }
-    scanner_ = std::thread([this, files = std::move(files)]() mutable { scan(std::move(files)); });
+    try {
+      scanner_ = std::thread([this] { scan(); });
+    } catch (const std::system_error& x) {  // no thread to be had (EAGAIN): scan here, as before
+      ctx_.log(std::string("kvtc store: disk tier: no thread for the background scan (") + x.what() + "); scanning before serving");
+      scan();
+    }
   }
 
   struct Listed {
@@ -466,7 +472,8 @@ class DiskTier final : public Tier {
 
   // The start-up scan (its own thread, at the worker's priority): every
   // listed entry file, newest first, verified and indexed one at a time.
-  void scan(std::vector<Listed> files) {
+  void scan() {
+    const std::vector<Listed>& files = listed_;
     if (ctx_.opt.worker_nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), ctx_.opt.worker_nice);
     uint64_t read = 0, damaged = 0, unreadable = 0, over = 0;
     for (const Listed& l : files) {
@@ -538,6 +545,8 @@ class DiskTier final : public Tier {
           continue;
       }
     }
+    const bool found = !files.empty();
+    std::vector<Listed>().swap(listed_);  // its paths: ~100 bytes per entry file
     bool sweep = false;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -549,7 +558,7 @@ class DiskTier final : public Tier {
       const uint64_t budget = ctx_.opt.disk_bytes;  // puts during the scan may have gone past it
       while (budget && bytes_ > budget && !lru_.empty()) erase(lru_.begin());
       scan_ms_ = ms_since(scan_t0_);
-      if (!files.empty())
+      if (found)
         ctx_.log("kvtc store: disk tier: " + std::to_string(read) + " prompts read back in " + std::to_string(int64_t(scan_ms_)) + " ms (" +
                  std::to_string(damaged) + " damaged and dropped, " + std::to_string(unreadable) + " unreadable and kept, " + std::to_string(over) +
                  " past the budget and dropped)");
@@ -643,6 +652,7 @@ class DiskTier final : public Tier {
   bool scan_unreadable_ = false;  // an entry file could not be read: its chunks are not orphans
   double scan_ms_ = 0;
   std::chrono::steady_clock::time_point scan_t0_;
+  std::vector<Listed> listed_;  // the entry files found at start: the scan's own after it starts
   fs::file_time_type started_;
   std::atomic<bool> stop_scan_{false};
   std::thread scanner_;

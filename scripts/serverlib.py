@@ -107,6 +107,17 @@ class Server:
                 raise TimeoutError("saves still queued")
             time.sleep(0.2)
 
+    def wait_scanned(self, timeout=300):
+        """Waits until the disk tier has verified every entry file found at start (read back in the background); returns the metrics."""
+        t0 = time.time()
+        while True:
+            m = self.metrics()
+            if m.get("kvtc:disk_scan_pending", 0) == 0:
+                return m
+            if time.time() - t0 > timeout:
+                raise TimeoutError("disk entries still being verified")
+            time.sleep(0.2)
+
     def rss_kib(self):
         with open(f"/proc/{self.proc.pid}/status") as f:
             return int(re.search(r"VmRSS:\s+(\d+)", f.read())[1])

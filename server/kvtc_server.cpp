@@ -77,6 +77,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-ratio N           nominal compression ratio of the coded tokens (default: 16)\n"
           "--kvtc-disk PATH         a disk tier below RAM: compressed prompts survive restarts\n"
           "--kvtc-disk-mib N        the disk tier's budget in MiB (default: 0, no limit)\n"
+          "--kvtc-pending-mib N     raw state waiting to be compressed, in MiB, at most; a save past it is not taken\n"
+          "                         (default: 0, the largest of 1024, --cache-ram and two context-full prompts of the model)\n"
           "--kvtc-threads N         threads compressing beside inference (default: 1)\n"
           "--kvtc-window N          the newest tokens of a stored prompt kept raw, uncompressed (default: 128, the paper's)\n"
           "--kvtc-redis URL         a shared tier below RAM and disk on one Redis, redis://[[user]:password@]host[:port][/db]:\n"
@@ -129,6 +131,9 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-disk-mib") {
         p.disk_mib = std::stoll(val, &used);
         if (p.disk_mib < 0) throw std::out_of_range("");
+      } else if (a == "--kvtc-pending-mib") {
+        p.pending_mib = std::stoll(val, &used);
+        if (p.pending_mib < 0 || p.pending_mib > (int64_t(1) << 40)) throw std::out_of_range("");
       } else if (a == "--kvtc-window") {
         p.window = std::stoi(val, &used);
         if (p.window < 0 || p.window > 65536) throw std::out_of_range("");
@@ -137,8 +142,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
       } else {
         err = a +
-              ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-threads, --kvtc-window, --kvtc-redis, "
-              "--kvtc-redis-cluster, --kvtc-ecsq, --kvtc-raw)";
+              ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
+              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-ecsq, --kvtc-raw)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -187,8 +192,13 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
       }
       p->shifted.erase(it);  // the shifted cells are gone: the slot was recomputed past n_keep
     }
-    if (tokens.empty() || !p->store->wants(tokens)) return false;
+    if (tokens.empty()) return false;
+    // The size is counted without copying; the store is asked before the
+    // copy (which holds the loop) whether it wants these tokens and has
+    // room for this much raw state (max_pending_bytes: counted and logged
+    // when not).
     const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
+    if (!p->store->wants(tokens, size)) return false;
     std::vector<uint8_t> blob(size);
     if (llama_state_seq_get_data_ext(ctx, blob.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) {
       SRV_WRN("kvtc: could not read slot %d's state; not saved\n", id_slot);
@@ -316,7 +326,18 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
     o.kv_settings = kvtc::context_kv_settings(ctx);  // --rope-freq-base, --rope-scaling, YaRN: part of the salt
-    o.restore_threads = 0;                           // a restore holds the loop: every core decodes
+    o.restore_threads = 0;  // a restore holds the loop: every core decodes
+    // The queue of raw states waiting for the worker: a save is the slot's
+    // whole f16 cache, n_tokens x B bytes (B = layers x KV heads x head_dim
+    // x 4: 23,040 for SmolLM2-135M, 131,072 for an 8B GQA model, whose 8K
+    // tokens are 1 GiB: more than the old fixed budget, so such a prompt was
+    // never stored). Room for two prompts as long as a slot holds (one being
+    // coded, one waiting), and no less than the library's default, max(1
+    // GiB, --cache-ram); --kvtc-pending-mib sets it.
+    uint64_t per_token = 0;
+    for (const kvtc::BlockGeometry& b : geom.blocks) per_token += uint64_t(b.features()) * 2 * 2;
+    const uint64_t context_full = uint64_t(llama_n_ctx_seq(ctx)) * per_token;
+    o.max_pending_bytes = cfg.pending_mib > 0 ? uint64_t(cfg.pending_mib) << 20 : std::max({uint64_t(1) << 30, o.ram_bytes, 2 * context_full});
     o.log = [](const std::string& s) { SRV_WRN("%s\n", s.c_str()); };
     try {
       I->store = std::make_unique<kvtc::PromptStore>(cal, geom, o);
@@ -332,10 +353,12 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     const kvtc::StoreStats s = I->store->stats();
     if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
     if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");
-    SRV_INF("kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %d MiB; disk tier %s%s\n", o.ratio,
-            cfg.calib.c_str(), cal.id.c_str(), I->store->fingerprint().c_str(), cache_ram_mib,
-            cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
-            s.disk_enabled ? (" (" + std::to_string(s.disk_entries) + " prompts read back)").c_str() : s.disk_error.c_str());
+    SRV_INF(
+        "kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %d MiB; pending budget %.0f MiB; disk tier %s%s\n",
+        o.ratio, cfg.calib.c_str(), cal.id.c_str(), I->store->fingerprint().c_str(), cache_ram_mib, o.max_pending_bytes / 1048576.0,
+        cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
+        s.disk_enabled ? (" (" + std::to_string(s.disk_scan_pending) + " entry files found: prompts read back in the background)").c_str()
+                       : s.disk_error.c_str());
     SRV_INF("kvtc: the store's keys name the context's settings: %s\n", o.kv_settings.text().c_str());
     if (s.redis_enabled)
       SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(),
@@ -390,11 +413,20 @@ std::string kvtc_server_metrics() {
   item("disk_prompts", "gauge", "Prompts held on disk", double(s.disk_entries));
   item("disk_chunks", "gauge", "Distinct prefix chunks on disk", double(s.disk_chunks));
   item("disk_bytes", "gauge", "Bytes of the disk tier's files", double(s.disk_bytes));
+  item("disk_io_errors_total", "counter", "Disk reads the system refused (EACCES, EMFILE, EIO, ...): a miss, the files kept",
+       double(s.disk_io_errors));
+  item("disk_missing_total", "counter", "Disk files the index named that were gone (removed from outside); a chunk is rewritten by the next save",
+       double(s.disk_missing));
+  item("disk_scan_pending", "gauge", "Disk entry files found at start and not verified yet (read back in the background)",
+       double(s.disk_scan_pending));
+  item("disk_scan_seconds", "gauge", "Time the disk tier's start-up scan took (so far, while it runs)", s.disk_scan_ms / 1e3);
   item("saves_total", "counter", "Prompts stored", double(s.puts));
   item("saves_contained_total", "counter", "Saves not needed: a stored prompt held all their tokens", double(s.puts_contained));
   item("saves_skipped_total", "counter", "Saves refused or failed (logged)", double(s.puts_skipped));
   item("pending", "gauge", "Saves waiting to be compressed", double(s.pending));
   item("pending_bytes", "gauge", "Raw bytes of the saves waiting", double(s.pending_bytes));
+  item("pending_budget_bytes", "gauge", "Raw bytes the saves waiting may take (--kvtc-pending-mib); a save past it is not taken",
+       double(s.pending_budget));
   item("chunks_written_total", "counter", "Prefix chunks compressed", double(s.chunks_written));
   item("chunks_shared_total", "counter", "Prefix chunks a save found stored already", double(s.chunks_shared));
   if (s.redis_enabled) {

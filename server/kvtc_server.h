@@ -25,6 +25,7 @@ struct kvtc_server_params {
   double ratio = 16;                       // --kvtc-ratio R
   std::string disk;                        // --kvtc-disk DIR: the disk tier
   int64_t disk_mib = 0;                    // --kvtc-disk-mib N: its budget (0: no limit)
+  int64_t pending_mib = 0;                 // --kvtc-pending-mib N: raw state waiting to be compressed at most (0: sized for the model)
   int threads = 1;                         // --kvtc-threads N: compression threads beside inference
   int window = 128;                        // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
   bool raw = false;                        // --kvtc-raw: store raw f16 through the same tiers (a benchmark baseline)

@@ -180,6 +180,7 @@ class KvtcServer(unittest.TestCase):
         self.assertEqual(len(glob.glob(os.path.join(store, "*", "entries", "*.kvse"))), 1)  # A (B was still in the slot)
         s2 = self.start("restart-2", self.kvtc("--kvtc-disk", store))
         self.assertIn("prompts read back", s2.log())
+        self.assertEqual(s2.wait_scanned()["kvtc:disk_prompts"], 1)  # read back in the background
         a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}]
         a2, t_a2, j_a2 = s2.chat(a2_msgs, **LOGPROBS)
         self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
@@ -230,7 +231,7 @@ class KvtcServer(unittest.TestCase):
         turn2 = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Name one person or place it mentions."}]
         s2 = self.start("rope-2", self.kvtc("--kvtc-disk", store, "--rope-freq-base", "20000"))
         self.assertIn("rope_freq_base=20000;", s2.log())
-        self.assertEqual(s2.metrics()["kvtc:disk_prompts"], 0)
+        self.assertEqual(s2.wait_scanned()["kvtc:disk_prompts"], 0)
         got, t_got, j_got = s2.chat(turn2, max_tokens=12, **LOGPROBS)
         self.assertEqual(t_got.get("cache_n", 0), 0, t_got)
         m = s2.metrics()
@@ -243,7 +244,7 @@ class KvtcServer(unittest.TestCase):
         s2.stop()
         # The store of the model's own settings is still there, and read back.
         s3 = self.start("rope-3", self.kvtc("--kvtc-disk", store))
-        self.assertEqual(s3.metrics()["kvtc:disk_prompts"], 1)
+        self.assertEqual(s3.wait_scanned()["kvtc:disk_prompts"], 1)
         _, t3, _ = s3.chat(turn2, max_tokens=4)
         self.assertGreaterEqual(t3["cache_n"], t_a1["prompt_n"], t3)
 
@@ -346,7 +347,7 @@ class KvtcServer(unittest.TestCase):
             f.write(bytes([c[0] ^ 0xFF]))
         os.truncate(entries[1], os.path.getsize(entries[1]) // 2)
         s2 = self.start("damaged-2", self.kvtc("--kvtc-disk", store))
-        m = s2.metrics()
+        m = s2.wait_scanned()
         self.assertGreaterEqual(m["kvtc:dropped_damaged_total"], 2)
         self.assertIn("checksum mismatch", s2.log())
         for msgs, first in ((a, a1), (b, b1)):
@@ -364,6 +365,7 @@ class KvtcServer(unittest.TestCase):
                 f.seek(-1, 1)
                 f.write(bytes([x[0] ^ 0xFF]))
         s3 = self.start("damaged-3", self.kvtc("--kvtc-disk", store))
+        s3.wait_scanned()
         reply, t, _ = s3.chat(a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Again, shorter."},
                                    {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "Thanks."}])
         self.assertTrue(reply.strip())

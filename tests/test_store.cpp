@@ -4,15 +4,22 @@
 // The synthetic "model" gives every token a cache that depends on its id
 // and position only (tests/synthetic.h), so prompts with a common prefix
 // share its cache exactly, as the chunk keys assume.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <numeric>
 #include <set>
+#include <thread>
 
 #include "kvtc/kvtc.h"
 #include "synthetic.h"
@@ -77,6 +84,24 @@ std::vector<fs::path> files_in(const fs::path& dir, const std::string& ext) {
   for (const auto& d : fs::recursive_directory_iterator(dir, ec))
     if (d.path().extension() == ext) out.push_back(d.path());
   return out;
+}
+
+// The entry key of a prompt with m full chunks of C tokens (docs/store.md
+// "Keys"): names its file, entries/<key>.kvse.
+std::string entry_key(const PromptStore& s, const std::vector<int32_t>& t, size_t m, uint32_t C) {
+  const std::string h = m ? chain_key(s, t, m - 1, C) : s.fingerprint();
+  std::vector<uint8_t> b = {uint8_t('e')};
+  b.insert(b.end(), h.begin(), h.end());
+  for (size_t i = m * C; i < t.size(); ++i)
+    for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(t[i]) >> (8 * k)));
+  return sha256_bytes(b);
+}
+
+uint64_t bytes_in(const fs::path& dir) {
+  uint64_t n = 0;
+  for (const auto& f : files_in(dir, ".kvtc")) n += fs::file_size(f);
+  for (const auto& f : files_in(dir, ".kvse")) n += fs::file_size(f);
+  return n;
 }
 
 }  // namespace
@@ -230,6 +255,7 @@ TEST(Store, DiskTierSurvivesARestart) {
     EXPECT_EQ(files_in(dir.path, ".kvse").size(), 2u);
   }
   PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();  // the disk tier's files are read back in the background: wait for them
   StoreStats st = s.stats();
   EXPECT_EQ(st.entries, 0u);  // RAM starts empty
   EXPECT_EQ(st.disk_entries, 2u);
@@ -291,6 +317,7 @@ TEST(Store, DamagedFilesAreDroppedNeverServed) {
   fs::resize_file(entries[1], fs::file_size(entries[1]) / 2);
   {
     PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
     const StoreStats st = s.stats();
     EXPECT_EQ(st.disk_entries, 1u);
     EXPECT_EQ(st.corrupt_dropped, 2u);
@@ -311,6 +338,7 @@ TEST(Store, DamagedFilesAreDroppedNeverServed) {
   // A damaged chunk file: found when a take decodes it; a miss, dropped.
   for (const auto& f : files_in(dir.path, ".kvtc")) flip_byte(f, fs::file_size(f) / 2);
   PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
   ASSERT_EQ(s.stats().disk_entries, 1u);
   int served = 0;
   for (const auto& p : {a, b, c}) served += bool(s.take({}, p));
@@ -395,6 +423,7 @@ TEST(Store, OtherCalibrationsAndSettingsNeverMix) {
   const Calibration other = fit_calibration({lowrank_capture(300, 60), lowrank_capture(300, 61)}, {lowrank_capture(200, 62)}, f);
   {
     PromptStore s(other, lowrank_geometry(), o);
+    s.flush();
     EXPECT_NE(s.fingerprint(), fp);
     EXPECT_EQ(s.stats().disk_entries, 0u);
     EXPECT_FALSE(s.take({}, p));
@@ -402,6 +431,7 @@ TEST(Store, OtherCalibrationsAndSettingsNeverMix) {
   o.ratio = 4;
   {
     PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
     EXPECT_EQ(s.stats().disk_entries, 0u);
   }
   o.ratio = 8;
@@ -435,6 +465,7 @@ TEST(Store, OtherCalibrationsAndSettingsNeverMix) {
     EXPECT_FALSE(s.take({}, p));
   }
   PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
   EXPECT_EQ(s.fingerprint(), fp);
   EXPECT_EQ(s.stats().disk_entries, 1u);
 }
@@ -505,6 +536,7 @@ TEST(Store, TakeStateIsTheStateOfTheMatch) {
   }
   for (const StateLayout& to : layouts) {  // the disk tier read back (a take promotes the entry to RAM: a new store each time)
     PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
     auto ms = s.take_state({}, a, to);
     auto m = s.take({}, a);
     ASSERT_TRUE(m && ms);
@@ -545,6 +577,7 @@ TEST(Store, ADamagedChunkShortensTheMatch) {
   std::vector<std::string> logs;
   o.log = [&](const std::string& x) { logs.push_back(x); };
   PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
   auto m = s.take({}, p);
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "disk");
@@ -581,6 +614,7 @@ TEST(Store, StatsListTheTiersInOrder) {
     EXPECT_TRUE(st.tiers[2].enabled);
   }
   PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
   ASSERT_TRUE(s.take({}, p));
   ASSERT_TRUE(s.take({}, p));  // promoted: RAM's now
   const StoreStats st = s.stats();
@@ -685,4 +719,286 @@ TEST(Store, EntropyCodedPieces) {
   // tokens; the DP's DEFLATE goes past it, by ~13% on real caches).
   EXPECT_LT(double(s.stats().ram_bytes), 1.25 * double(dp.stats().ram_bytes));
   EXPECT_LT(s.stats().ram_bytes, in.f16_bytes() / 2);
+}
+
+// The system refusing a read (EMFILE, EACCES, EIO) is not the file's fault:
+// a miss this time, the files kept and counted, logged once per kind; a hit
+// again once the fault is gone. Injected with RLIMIT_NOFILE (every open
+// fails with EMFILE; chmod 000 denies nothing to root, which these tests
+// may run as) and, for the start-up scan, a directory in place of the entry
+// file (EISDIR).
+TEST(Store, AnUnreadableDiskFileIsKeptNotDropped) {
+  TempDir dir("unreadable");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const auto p = seq(1000, 300);  // 4 chunks and a tail
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(p, prompt_capture(p));
+  }
+  std::vector<std::string> logs;
+  o.log = [&](const std::string& x) { logs.push_back(x); };
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
+    ASSERT_EQ(s.stats().disk_entries, 1u);
+    struct rlimit old {};
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+    const int lowest = ::open("/dev/null", O_RDONLY);  // the lowest free descriptor
+    ASSERT_GE(lowest, 0);
+    ::close(lowest);
+    struct rlimit lim = old;
+    lim.rlim_cur = rlim_t(lowest);
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &lim), 0);
+    const bool first = bool(s.take({}, p)), second = bool(s.take({}, p));
+    ::setrlimit(RLIMIT_NOFILE, &old);
+    EXPECT_FALSE(first);
+    EXPECT_FALSE(second);
+    const StoreStats st = s.stats();
+    EXPECT_EQ(st.disk_io_errors, 2u);
+    EXPECT_EQ(st.corrupt_dropped, 0u);
+    EXPECT_EQ(st.disk_entries, 1u);
+    EXPECT_EQ(st.tiers[2].io_errors, 2u);
+    EXPECT_EQ(files_in(dir.path, ".kvse").size(), 1u);
+    EXPECT_EQ(files_in(dir.path, ".kvtc").size(), 4u);
+    int named = 0;
+    for (const auto& l : logs) named += l.find(".kvse") != std::string::npos && l.find(std::strerror(EMFILE)) != std::string::npos;
+    EXPECT_EQ(named, 1) << "logged once for the kind, naming the file and the reason";
+    auto m = s.take({}, p);  // the fault is gone
+    ASSERT_TRUE(m);
+    EXPECT_STREQ(m->tier, "disk");
+    EXPECT_EQ(m->common_prefix, 300u);
+    expect_prefix_of(m->cache, whole_roundtrip(p, o), 300);
+  }
+  // At start: the scan cannot read the entry (a directory in its place); the
+  // entry file's data and the chunks it names stay where they are.
+  const fs::path ef = files_in(dir.path, ".kvse").at(0), aside = dir.path / "aside";
+  fs::rename(ef, aside);
+  fs::create_directory(ef);
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
+    const StoreStats st = s.stats();
+    EXPECT_EQ(st.disk_entries, 0u);
+    EXPECT_EQ(st.disk_io_errors, 1u);
+    EXPECT_EQ(st.corrupt_dropped, 0u);
+    EXPECT_TRUE(fs::is_directory(ef));
+    EXPECT_EQ(files_in(dir.path, ".kvtc").size(), 4u) << "the chunks of an entry the scan could not read are not orphans";
+    EXPECT_FALSE(s.take({}, p));
+  }
+  fs::remove(ef);
+  fs::rename(aside, ef);
+  PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
+  auto m = s.take({}, p);
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "disk");
+  EXPECT_EQ(m->common_prefix, 300u);
+}
+
+// A chunk file removed from outside loses nothing else: a take restores the
+// chunks before it, the entry stays, and the next put through that chunk
+// writes it again — after which the entry restores whole. Both ways it is
+// found: by a take (the index believed it present) and by the scan.
+TEST(Store, AChunkFileRemovedFromOutsideIsWrittenAgain) {
+  TempDir dir("removed-chunk");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const auto p = seq(1000, 300);                        // 4 chunks of 64 and a 44-token tail
+  const auto q = cat(seq(1000, 192), seq(70000, 150));  // shares p's first 3 chunks; one of its own
+  fs::path f;
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(p, prompt_capture(p));
+    f = dir.path / s.fingerprint().substr(0, 16) / "chunks" / (chain_key(s, p, 2, 64) + ".kvtc");
+  }
+  ASSERT_TRUE(fs::exists(f)) << f;
+  std::vector<std::string> logs;
+  o.log = [&](const std::string& x) { logs.push_back(x); };
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
+    fs::remove(f);  // after the scan: the index names it
+    for (int i = 0; i < 2; ++i) {
+      auto m = s.take({}, p);
+      ASSERT_TRUE(m) << i;
+      EXPECT_STREQ(m->tier, "disk");
+      EXPECT_EQ(m->common_prefix, 128u) << i;  // chunks 1 and 2
+      expect_prefix_of(m->cache, whole_roundtrip(p, o), 128);
+    }
+    StoreStats st = s.stats();
+    EXPECT_EQ(st.disk_missing, 1u);
+    EXPECT_EQ(st.corrupt_dropped, 0u);
+    EXPECT_EQ(st.disk_io_errors, 0u);
+    EXPECT_EQ(st.disk_entries, 1u);  // kept: its tail and chunk 4 are good
+    EXPECT_EQ(st.disk_chunks, 3u);
+    EXPECT_EQ(files_in(dir.path, ".kvtc").size(), 3u);
+    EXPECT_TRUE(s.wants(p)) << "the disk tier no longer holds all of p";
+    s.put(q, prompt_capture(q));  // through chunk 3: written again
+    EXPECT_TRUE(fs::exists(f));
+    st = s.stats();
+    EXPECT_EQ(st.disk_entries, 2u);
+    EXPECT_EQ(st.disk_chunks, 5u);
+    EXPECT_EQ(st.disk_bytes, bytes_in(dir.path));
+  }
+  bool named = false;
+  for (const auto& l : logs) named = named || l.find(f.filename().string()) != std::string::npos;
+  EXPECT_TRUE(named) << "the log names the missing file";
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);  // p is whole again
+    s.flush();
+    auto m = s.take({}, p);
+    ASSERT_TRUE(m);
+    EXPECT_STREQ(m->tier, "disk");
+    EXPECT_EQ(m->common_prefix, 300u);
+    expect_prefix_of(m->cache, whole_roundtrip(p, o), 300);
+  }
+  // Gone before a start: the scan keeps the entry and marks the chunk; a
+  // put of p itself (wanted again) rewrites it.
+  fs::remove(f);
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
+    StoreStats st = s.stats();
+    EXPECT_EQ(st.disk_entries, 2u);
+    EXPECT_EQ(st.disk_missing, 1u);
+    auto m = s.take({}, p);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->common_prefix, 128u);
+    ASSERT_TRUE(s.wants(p));
+    s.put(p, prompt_capture(p));
+    EXPECT_TRUE(fs::exists(f));
+    st = s.stats();
+    EXPECT_EQ(st.disk_entries, 2u);
+    EXPECT_EQ(st.disk_bytes, bytes_in(dir.path));
+  }
+  PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
+  for (const auto& t : {p, q}) {
+    auto m = s.take({}, t);
+    ASSERT_TRUE(m);
+    EXPECT_STREQ(m->tier, "disk");
+    EXPECT_EQ(m->common_prefix, t.size());
+  }
+}
+
+// The start-up scan runs in the background: the constructor returns with
+// the entry files listed, not read; takes meanwhile see what is verified;
+// puts go on; the budget holds at the end (the scan goes newest first, so
+// what does not fit is the oldest, deleted unread). Made deterministic with
+// a FIFO named like the newest entry file: reading it blocks the scan until
+// the test writes to it (or 5 s pass: a scan inside the constructor would
+// otherwise never return).
+TEST(Store, TheDiskScanRunsInTheBackground) {
+  TempDir dir("scan");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  std::vector<std::vector<int32_t>> ps;
+  for (int i = 0; i < 6; ++i) ps.push_back(seq((i + 1) << 20, 300));
+  uint64_t one = 0;
+  fs::path entries;
+  const auto base = fs::file_time_type::clock::now() - std::chrono::hours(2);
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    for (const auto& p : ps) s.put(p, prompt_capture(p));
+    one = s.stats().disk_bytes / ps.size();
+    entries = dir.path / s.fingerprint().substr(0, 16) / "entries";
+    for (size_t i = 0; i < ps.size(); ++i)  // ps[5] the newest
+      fs::last_write_time(entries / (entry_key(s, ps[i], 4, 64) + ".kvse"), base + std::chrono::minutes(i));
+  }
+  const fs::path fifo = entries / (std::string(64, 'f') + ".kvse");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0) << std::strerror(errno);
+  fs::last_write_time(fifo, base + std::chrono::hours(1));  // newer than all: read first
+  std::promise<void> go;
+  std::thread writer([&, ready = go.get_future()] {
+    (void)ready.wait_for(std::chrono::seconds(5));
+    for (int i = 0; i < 10000; ++i) {  // until the scan has it open for reading (ENXIO before)
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) {
+        (void)!::write(fd, "garbage", 7);
+        ::close(fd);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  o.disk_bytes = one * 3 + one / 2;  // room for three
+  const auto t0 = std::chrono::steady_clock::now();
+  PromptStore s(cal(), lowrank_geometry(), o);
+  const double ctor_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  StoreStats st = s.stats();
+  EXPECT_LT(ctor_ms, 1000);
+  EXPECT_EQ(st.disk_scan_pending, 7u);  // all listed, none verified
+  EXPECT_EQ(st.tiers[2].scan_pending, 7u);
+  EXPECT_EQ(st.disk_entries, 0u);
+  EXPECT_FALSE(s.take({}, ps[5]));  // not verified yet: a miss, not a wait
+  const auto fresh = seq(9 << 20, 300);
+  s.put(fresh, prompt_capture(fresh));  // puts go on meanwhile
+  EXPECT_EQ(s.stats().disk_entries, 1u);
+  go.set_value();
+  s.flush();  // waits for the scan
+  writer.join();
+  st = s.stats();
+  EXPECT_EQ(st.disk_scan_pending, 0u);
+  EXPECT_EQ(st.corrupt_dropped, 1u);  // the FIFO's bytes are no entry file
+  EXPECT_FALSE(fs::exists(fifo));
+  // The put and the two newest fit; the three oldest went, unread.
+  EXPECT_EQ(st.disk_entries, 3u);
+  EXPECT_LE(st.disk_bytes, o.disk_bytes);
+  EXPECT_EQ(st.disk_bytes, bytes_in(dir.path)) << "their chunk files went too";
+  EXPECT_EQ(files_in(dir.path, ".kvse").size(), 3u);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    auto m = s.take({}, ps[i]);
+    EXPECT_EQ(bool(m), i >= 4) << i;
+    if (m) {
+      EXPECT_STREQ(m->tier, "disk");
+    }
+  }
+}
+
+// The queue of puts holds at most max_pending_bytes of raw state; a caller
+// asks wants(tokens, bytes) before copying a state, so that a state the
+// queue would skip is never copied (kvtc-server copies a slot's state only
+// after this answer). The default follows the RAM budget, at least 1 GiB.
+TEST(Store, ThePendingBudgetIsAskedBeforeCopying) {
+  const auto p = seq(1000, 300);
+  const uint64_t raw = prompt_capture(p).f16_bytes();  // 300 tokens x 256 bytes
+  std::vector<std::string> logs;
+  StoreOptions o = small(/*async=*/true);
+  o.max_pending_bytes = raw - 1;
+  o.log = [&](const std::string& x) { logs.push_back(x); };
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    EXPECT_EQ(s.stats().pending_budget, raw - 1);
+    EXPECT_TRUE(s.wants(p));
+    EXPECT_FALSE(s.wants(p, raw));  // one byte over the whole budget
+    EXPECT_TRUE(s.wants(p, raw / 2));
+    const StoreStats st = s.stats();
+    EXPECT_EQ(st.puts_skipped, 1u);
+    EXPECT_EQ(st.pending, 0u);
+    ASSERT_EQ(logs.size(), 1u);
+    EXPECT_NE(logs[0].find(std::to_string(raw) + " raw bytes"), std::string::npos) << logs[0];
+    EXPECT_NE(logs[0].find("max_pending_bytes " + std::to_string(raw - 1)), std::string::npos) << logs[0];
+    // What wants() refuses, put() would have skipped after the copy.
+    s.put(p, prompt_capture(p));
+    s.flush();
+    EXPECT_EQ(s.stats().puts_skipped, 2u);
+    EXPECT_EQ(s.stats().puts, 0u);
+  }
+  // Default: max(1 GiB, ram_bytes).
+  StoreOptions d = small(/*async=*/true);
+  PromptStore a(cal(), lowrank_geometry(), d);
+  EXPECT_EQ(a.stats().pending_budget, 1ull << 30);
+  EXPECT_FALSE(a.wants(p, 2ull << 30));
+  d.ram_bytes = 3ull << 30;
+  PromptStore b(cal(), lowrank_geometry(), d);
+  EXPECT_EQ(b.stats().pending_budget, 3ull << 30);
+  EXPECT_TRUE(b.wants(p, 2ull << 30));
+  // Without a queue (puts coded in put itself) nothing waits: any size.
+  PromptStore c(cal(), lowrank_geometry(), small(/*async=*/false));
+  EXPECT_EQ(c.stats().pending_budget, 0u);
+  EXPECT_TRUE(c.wants(p, 1ull << 40));
+  // A prompt held already is not wanted, whatever its size.
+  c.put(p, prompt_capture(p));
+  EXPECT_FALSE(c.wants(p, 1));
 }

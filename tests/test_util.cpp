@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "core/util.h"
 #include "kvtc/error.h"
@@ -124,6 +125,24 @@ TEST_F(TmpDir, ReadFileErrorsNameThePath) {
     EXPECT_NE(std::string(e.what()).find("nope.txt"), std::string::npos);
   }
   EXPECT_THROW(read_file(dir.string()), Error);
+}
+
+// The system's refusals are IoError with the errno (the prompt store keeps a
+// file it could not read; it deletes one whose bytes are wrong).
+TEST_F(TmpDir, IoFailuresCarryTheirErrno) {
+  auto code_of = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const IoError& e) {
+      return e.code();
+    }
+    return 0;
+  };
+  EXPECT_EQ(code_of([&] { read_file((dir / "nope.txt").string()); }), ENOENT);
+  EXPECT_EQ(code_of([&] { read_file(dir.string()); }), EISDIR);
+  EXPECT_EQ(code_of([&] { write_file_atomic((dir / "missing-dir" / "f.bin").string(), std::vector<uint8_t>(3, 1)); }), ENOENT);
+  write_file_atomic((dir / "f.bin").string(), std::vector<uint8_t>(3, 1));  // and the directory's sync succeeds here
+  EXPECT_EQ(read_file((dir / "f.bin").string()).size(), 3u);
 }
 
 TEST(Cpu, FeaturesAreConsistent) {

@@ -19,8 +19,9 @@
 // Saving never blocks the caller: put() queues the raw state and a worker
 // thread compresses it. Restoring decodes only the chunks the match needs.
 // A disk tier survives restarts; a file that fails its checksum is dropped
-// (a miss, never an error); a directory that cannot be written disables the
-// tier (reported in stats()), and the store keeps serving from RAM.
+// (a miss, never an error), one that cannot be read this time is kept (a
+// miss); a directory that cannot be written disables the tier (reported in
+// stats()), and the store keeps serving from RAM.
 // Thread safety: every member function may be called from any thread.
 #pragma once
 
@@ -69,13 +70,19 @@ struct StoreOptions {
   uint32_t window = 128;        // raw tokens at the end (in the tail)
   int deflate_level = 6;
   Precision precision = Precision::kAuto;
-  uint64_t ram_bytes = 0;                   // the RAM tier's budget of stored bytes; 0: no limit
-  std::string disk_dir;                     // the disk tier's directory (created); empty: no disk tier
-  uint64_t disk_bytes = 0;                  // the disk tier's budget of file bytes; 0: no limit
-  bool async = true;                        // compress puts on a worker thread (false: in put itself)
-  uint64_t max_pending_bytes = 1ull << 30;  // raw state queued for the worker at most; a put past it is skipped
-  int threads = 0;                          // the worker's coding threads (0: all hardware threads)
-  int restore_threads = 0;                  // take()'s decoding threads (0: all)
+  uint64_t ram_bytes = 0;   // the RAM tier's budget of stored bytes; 0: no limit
+  std::string disk_dir;     // the disk tier's directory (created); empty: no disk tier
+  uint64_t disk_bytes = 0;  // the disk tier's budget of file bytes; 0: no limit
+  bool async = true;        // compress puts on a worker thread (false: in put itself)
+  // Raw state queued for the worker at most; a put past it is skipped (ask
+  // wants(tokens, bytes) before copying a state). 0: max(1 GiB, ram_bytes).
+  // A put is a whole prompt's raw f16 cache, n_tokens x (layers x KV heads x
+  // head_dim x 4) bytes — 1 GiB for 8K tokens of an 8B GQA model (32 x 8 x
+  // 128) — so size it for two of the longest prompts (kvtc-server does:
+  // docs/server.md).
+  uint64_t max_pending_bytes = 0;
+  int threads = 0;          // the worker's coding threads (0: all hardware threads)
+  int restore_threads = 0;  // take()'s decoding threads (0: all)
   // Compression is background work: the worker thread runs at this nice
   // value (Linux, per thread; 0 leaves it) and pauses between chunks while a
   // take() decodes, so restores and the caller's own work come first.
@@ -110,6 +117,9 @@ struct TierStats {
   uint64_t bytes = 0;            // bytes it holds (the queue: raw state bytes)
   uint64_t hits = 0;             // takes it served
   uint64_t corrupt_dropped = 0;  // pieces or entries it refused by checksum or content, and dropped
+  uint64_t io_errors = 0;        // reads the system refused (the files kept)
+  uint64_t missing = 0;          // files its index named that were gone
+  uint64_t scan_pending = 0;     // files found at start not verified yet
 };
 
 struct StoreStats {
@@ -121,10 +131,17 @@ struct StoreStats {
   uint64_t puts_contained = 0;                     // puts not needed: a stored or queued prompt holds all their tokens
   uint64_t puts_skipped = 0;                       // puts refused (queue full) or failed (bad cache; logged)
   uint64_t pending = 0, pending_bytes = 0;         // puts queued for the worker, and their raw bytes
+  uint64_t pending_budget = 0;                     // the queue's budget (max_pending_bytes, or its default); 0: no queue (not async)
   uint64_t chunks_written = 0, chunks_shared = 0;  // chunks coded, and chunks a put found stored already
   uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, hits_redis = 0, misses = 0;
   uint64_t tokens_restored = 0;
   uint64_t corrupt_dropped = 0;  // files or entries refused by checksum or content, dropped
+  // The disk tier's I/O (docs/store.md "Disk"): only a file whose bytes fail
+  // their checks is deleted (corrupt_dropped).
+  uint64_t disk_io_errors = 0;     // reads the system refused (EACCES, EMFILE, EIO, ENOMEM ...): a miss, the files kept
+  uint64_t disk_missing = 0;       // files the index named that were gone (removed from outside); a chunk is rewritten by the next put through it
+  uint64_t disk_scan_pending = 0;  // entry files found at start and not verified yet (the scan runs in the background)
+  double disk_scan_ms = 0;         // the start-up scan's time (so far, while it runs)
   // The Redis tier (all zero without one).
   bool redis_enabled = false;  // configured
   bool redis_up = false;       // the last exchange with it worked
@@ -146,7 +163,9 @@ struct StoreStats {
 class PromptStore {
  public:
   // The calibration must be of the geometry's model; a single-block cache.
-  // Opens (and scans) the disk tier when there is one. Error on bad options.
+  // Opens the disk tier when there is one and returns: its files are read
+  // back by a background thread, and become hits as they are verified
+  // (flush() waits for it). Error on bad options.
   PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt = {});
   ~PromptStore();  // finishes the queued puts first
   PromptStore(const PromptStore&) = delete;
@@ -155,6 +174,11 @@ class PromptStore {
   // Whether saving `tokens` would add anything: false when an entry already
   // holds all of them (llama-server's alloc() skips such a save).
   bool wants(std::span<const int32_t> tokens) const;
+  // ... and whether a put of `bytes` (its state blob's or capture's raw
+  // size) would be queued now: false when it does not fit the queue's
+  // budget (max_pending_bytes; counted in puts_skipped and logged), so that
+  // the caller does not copy a state that put_state would skip.
+  bool wants(std::span<const int32_t> tokens, uint64_t bytes) const;
   // Stores the cache of `tokens` (positions 0..n-1): a llama.cpp state blob
   // of one sequence (put_state) or a capture. Returns at once when async.
   void put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob);
@@ -190,7 +214,7 @@ class PromptStore {
   };
   std::optional<StateMatch> take_state(std::span<const int32_t> current, std::span<const int32_t> tokens, const StateLayout& to);
 
-  void flush();  // waits until every queued put is stored
+  void flush();  // waits until the disk tier's start-up scan is done and every queued put is stored
   // SHA-256 (hex) of the scheme, model, calibration and settings: the root
   // of every key; its first 16 digits name the store's directory.
   const std::string& fingerprint() const;

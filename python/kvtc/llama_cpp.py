@@ -322,7 +322,7 @@ class KvtcCache(BaseLlamaCache):
         return self._store.stats()
 
     def flush(self) -> None:
-        """Waits until every stored state is compressed."""
+        """Waits until every stored state is compressed (and the disk tier's files, read back in the background at start, are)."""
         self._store.flush()
         self._forward_messages()
 

@@ -655,6 +655,7 @@ class PyStore {
     KVTC_STAT(puts_skipped);
     KVTC_STAT(pending);
     KVTC_STAT(pending_bytes);
+    KVTC_STAT(pending_budget);
     KVTC_STAT(chunks_written);
     KVTC_STAT(chunks_shared);
     KVTC_STAT(hits_ram);
@@ -664,6 +665,9 @@ class PyStore {
     KVTC_STAT(misses);
     KVTC_STAT(tokens_restored);
     KVTC_STAT(corrupt_dropped);
+    KVTC_STAT(disk_io_errors);
+    KVTC_STAT(disk_missing);
+    KVTC_STAT(disk_scan_pending);
     KVTC_STAT(redis_enabled);
     KVTC_STAT(redis_up);
     KVTC_STAT(redis_error);
@@ -824,7 +828,7 @@ NB_MODULE(_kvtc, m) {
            "arch"_a = "",
            "The best stored prompt for `tokens` when the context holds `current` (llama-server's rules), or None:\n"
            "{'tokens', 'state', 'common_prefix', 'tier'}; 'state' is a context state of `arch` when given, else a sequence state.")
-      .def("flush", &PyStore::flush, "Waits until every queued put is stored.")
+      .def("flush", &PyStore::flush, "Waits until the disk tier's start-up scan is done and every queued put is stored.")
       .def("stats", &PyStore::stats)
       .def("messages", &PyStore::messages, "What the store logged since the last call (a disk tier disabled, a corrupt file dropped, ...).")
       .def_prop_ro("fingerprint", &PyStore::fingerprint)

@@ -154,6 +154,7 @@ def test_states_survive_a_restart_on_disk(smol_calibration, work):
     llm2 = make_llm()
     with KvtcCache(smol_calibration, llm2, disk_dir=disk) as cache2:
         llm2.set_cache(cache2)
+        cache2.flush()  # the disk tier is read back in the background
         assert llm2.tokenize(p1.encode()) in cache2
         ask(llm2, p1 + " Paul.\nQuestion: To whom?\nAnswer:", n=4)
         assert cache2.stats()["hits_disk"] >= 1
@@ -245,6 +246,7 @@ def test_other_rope_settings_never_share_states(smol_calibration, work):
     llm2 = make_llm(rope_freq_base=20000.0)
     with KvtcCache(smol_calibration, llm2, disk_dir=disk) as cache2:
         llm2.set_cache(cache2)
+        cache2.flush()
         assert llm2.tokenize(p1.encode()) not in cache2
         got = ask(llm2, p2, n=6)
         s = cache2.stats()
@@ -253,6 +255,7 @@ def test_other_rope_settings_never_share_states(smol_calibration, work):
     # The same settings read the store again.
     llm3 = make_llm()
     with KvtcCache(smol_calibration, llm3, disk_dir=disk) as cache3:
+        cache3.flush()  # the disk tier is read back in the background
         assert llm3.tokenize(p1.encode()) in cache3
 
 

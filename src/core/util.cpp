@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #endif
 
+#include <fcntl.h>
 #include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -30,6 +31,13 @@ using File = std::unique_ptr<FILE, FileCloser>;
 
 std::string errno_text() {
   return std::strerror(errno);
+}
+
+// Throws IoError("path: what: strerror(errno)"), errno read before the
+// message is built (an allocation may change it).
+[[noreturn]] void io_fail(const std::string& path, const char* what) {
+  const int code = errno;
+  throw IoError(path + ": " + what + ": " + std::strerror(code), code);
 }
 
 std::string hex(const unsigned char* p, unsigned n) {
@@ -82,22 +90,38 @@ std::string sha256_bytes(std::span<const uint8_t> data) {
 
 std::vector<uint8_t> read_file(const std::string& path) {
   std::error_code ec;
-  require(!std::filesystem::is_directory(path, ec), path + ": is a directory, expected a file");
+  if (std::filesystem::is_directory(path, ec)) throw IoError(path + ": is a directory, expected a file", EISDIR);
   File f(std::fopen(path.c_str(), "rb"));
-  require(f != nullptr, path + ": cannot open for reading: " + errno_text());
+  if (!f) io_fail(path, "cannot open for reading");
   std::vector<uint8_t> out;
   std::vector<uint8_t> buf(1 << 20);
   size_t n;
   while ((n = std::fread(buf.data(), 1, buf.size(), f.get())) > 0) out.insert(out.end(), buf.begin(), buf.begin() + n);
-  require(!std::ferror(f.get()), path + ": read error: " + errno_text());
+  if (std::ferror(f.get())) io_fail(path, "read error");
   return out;
 }
 
 void write_file_atomic(const std::string& path, std::span<const uint8_t> data) {
+  write_file_atomic(path, data, true);
+}
+
+void sync_directory(const std::string& dir, const std::string& path) {
+  // EINVAL: the file system has nothing to sync for directories.
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) io_fail(path, "renamed into place, but its directory cannot be opened to sync it");
+  if (::fsync(dfd) != 0 && errno != EINVAL) {
+    const int code = errno;
+    ::close(dfd);
+    throw IoError(path + ": renamed into place, but syncing its directory failed: " + std::strerror(code), code);
+  }
+  ::close(dfd);
+}
+
+void write_file_atomic(const std::string& path, std::span<const uint8_t> data, bool sync_dir) {
   namespace fs = std::filesystem;
   fs::path target(path);
   std::error_code ec;
-  require(!fs::is_directory(target, ec), path + ": is a directory, expected a file path to write");
+  if (fs::is_directory(target, ec)) throw IoError(path + ": is a directory, expected a file path to write", EISDIR);
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
   // Appended piece by piece: GCC 12 warns falsely (-Wrestrict, its bug
@@ -109,13 +133,16 @@ void write_file_atomic(const std::string& path, std::span<const uint8_t> data) {
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
   int fd = ::mkstemp(name.data());
-  require(fd >= 0, path + ": cannot create a temporary file in " + dir.string() + ": " + errno_text());
+  if (fd < 0) {
+    const int code = errno;
+    throw IoError(path + ": cannot create a temporary file in " + dir.string() + ": " + std::strerror(code), code);
+  }
   std::string tmp(name.data());
   auto fail = [&](const std::string& what) {
-    std::string e = errno_text();
+    const int code = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    throw Error(path + ": " + what + ": " + e);
+    throw IoError(path + ": " + what + ": " + std::strerror(code), code);
   };
   size_t off = 0;
   while (off < data.size()) {
@@ -129,15 +156,19 @@ void write_file_atomic(const std::string& path, std::span<const uint8_t> data) {
   if (::fchmod(fd, 0644) != 0) fail("chmod failed");
   if (::fsync(fd) != 0) fail("fsync failed");
   if (::close(fd) != 0) {
-    std::string e = errno_text();
+    const int code = errno;
     ::unlink(tmp.c_str());
-    throw Error(path + ": close failed: " + e);
+    throw IoError(path + ": close failed: " + std::strerror(code), code);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string e = errno_text();
+    const int code = errno;
     ::unlink(tmp.c_str());
-    throw Error(path + ": cannot rename the temporary file into place: " + e);
+    throw IoError(path + ": cannot rename the temporary file into place: " + std::strerror(code), code);
   }
+  // The new name lives in the directory: until the directory is synced, a
+  // crash can bring back the old name (or none) even though the file's
+  // bytes were synced above.
+  if (sync_dir) sync_directory(dir.string(), path);
 }
 
 const CpuFeatures& cpu_features() {

@@ -1,23 +1,48 @@
 // The disk tier (docs/store.md "Disk"): write-through files under
 // disk_dir/<compat>/ — chunks/<key>.kvtc and entries/<key>.kvse — that
 // survive restarts. Every file is written to a temporary name and renamed,
-// chunks before the entry that names them (data before index), so a crash
-// leaves at worst chunk files no entry names, deleted at the next start.
-// The index (entries in LRU order, chunk reference counts) is in memory,
-// read back from the entry files at start; file I/O runs outside the lock.
+// chunks before the entry that names them (data before index), each
+// directory fsynced after its renames, so a crash leaves at worst chunk
+// files no entry names, deleted by the next start's scan. The index
+// (entries in LRU order, chunk reference counts) is in memory; file I/O runs
+// outside the lock.
+//
+// What deletes a file: only its bytes — a checksum, format or key check
+// that fails (here, or when the store decodes a piece: drop_damaged). What
+// keeps it: the system refusing the I/O (EACCES, EMFILE, EIO, ENOMEM ...):
+// counted, logged once per kind, a miss this time. A file the index names
+// that is gone (removed from outside) is forgotten: an entry with its
+// chunks, or a chunk alone, marked missing — the entries naming it restore
+// the chunks before it until the next put through that chunk rewrites it.
 // A write that fails disables the tier for the rest of the run.
+//
+// Start-up: the constructor takes the directory's lock and lists the entry
+// files; a background thread verifies them (checksum, salt, keys), newest
+// first, and indexes each as it is verified, so the store serves at once
+// and older entries become hits as the scan reaches them.
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <list>
 #include <mutex>
+#include <new>
+#include <set>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
+#include "core/util.h"
 #include "kvtc/error.h"
 #include "kvtc/files.h"
 #include "store/tier.h"
@@ -31,6 +56,8 @@ class DiskTier final : public Tier {
  public:
   explicit DiskTier(const TierContext& ctx) : ctx_(ctx) { open(); }
   ~DiskTier() override {
+    stop_scan_ = true;  // the scan ends after the file it is reading
+    if (scanner_.joinable()) scanner_.join();
     if (lock_fd_ >= 0) ::close(lock_fd_);
   }
 
@@ -38,7 +65,15 @@ class DiskTier final : public Tier {
 
   std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
     std::lock_guard<std::mutex> g(mu_);
-    return candidates_in(lru_, tokens);
+    if (!missing_now_) return candidates_in(lru_, tokens);
+    // Some chunk files are known gone: an entry naming one restores only
+    // the chunks before it, and is a candidate for that much.
+    std::vector<Candidate> out;
+    for (const Entry& e : lru_) {
+      const size_t lcp = std::min(common_prefix(e.tokens, tokens), usable(e));
+      if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
+    }
+    return out;
   }
 
   // Reads the entry file (the tail) and the chunk files the match needs.
@@ -49,8 +84,10 @@ class DiskTier final : public Tier {
       auto it = find(c.entry);
       if (it == lru_.end()) return std::nullopt;
       f.piece = *it;
-      lru_.splice(lru_.end(), lru_, it);  // most recently used
+      n = uint32_t(std::min<size_t>(n, usable(*it)));  // a chunk marked missing since the lookup
+      lru_.splice(lru_.end(), lru_, it);               // most recently used
     }
+    if (n == 0) return f;  // a miss for this candidate
     const uint32_t C = ctx_.scheme->chunk_tokens(), m = uint32_t(f.piece.chunks.size());
     const std::string ep = entry_path(f.piece.key).string();
     try {
@@ -59,28 +96,49 @@ class DiskTier final : public Tier {
       auto tail = std::make_shared<Bytes>();
       (void)ctx_.scheme->parse_entry(read_file(ep), ep, tail.get());
       f.tail = std::move(tail);
-    } catch (const std::exception& x) {
+    } catch (const IoError& x) {
       if (!indexed(f.piece.key)) return std::nullopt;  // evicted while we read
+      if (x.code() == ENOENT)
+        forget_entry(f.piece.key, x.what());
+      else
+        io_error(x.code(), x.what());
+      return f;  // n = 0: a miss; the entry stays unless its file is gone
+    } catch (const Error& x) {
+      if (!indexed(f.piece.key)) return std::nullopt;
       // Dropping the entry releases its chunk files too: nothing is left to restore.
       drop(f.piece.key, std::string("kvtc store: dropped a damaged entry (recomputing instead): ") + x.what());
-      f.n = 0;
+      return f;
+    } catch (const std::exception& x) {  // bad_alloc and the like: not the file's fault
+      if (!indexed(f.piece.key)) return std::nullopt;
+      io_error(kNoErrno, ep + ": " + x.what());
       return f;
     }
     const uint32_t need = std::min((n + C - 1) / C, m);
     for (uint32_t i = 0; i < need; ++i) {
+      const std::string cp = chunk_path(f.piece.chunks[i]).string();
+      std::string failed;
+      int code = kNoErrno;
       try {
-        f.chunks.push_back(std::make_shared<const Bytes>(read_file(chunk_path(f.piece.chunks[i]).string())));
+        f.chunks.push_back(std::make_shared<const Bytes>(read_file(cp)));
+        continue;
+      } catch (const IoError& x) {
+        failed = x.what();
+        code = x.code();
       } catch (const std::exception& x) {
-        if (!indexed(f.piece.key)) return std::nullopt;  // evicted while we read
-        (void)drop_damaged(f, i, x.what());              // unreadable: it and every entry naming it go
-        n = i * C;
-        break;
+        failed = cp + ": " + x.what();
       }
+      if (!indexed(f.piece.key)) return std::nullopt;  // evicted while we read (its chunks went with it)
+      if (code == ENOENT)
+        forget_chunk(f.piece.chunks[i], failed);
+      else
+        io_error(code, failed);
+      n = i * C;  // the chunks before it
+      break;
     }
     f.n = n;
     f.whole = f.chunks.size() == m;  // and the tail: the whole entry, worth keeping in RAM
     std::error_code ec;
-    fs::last_write_time(ep, fs::file_time_type::clock::now(), ec);  // LRU order across restarts
+    if (n) fs::last_write_time(ep, fs::file_time_type::clock::now(), ec);  // LRU order across restarts
     return f;
   }
 
@@ -104,27 +162,34 @@ class DiskTier final : public Tier {
     return dropped;
   }
 
+  // An entry lacking a chunk the tokens need does not hold them: a put of
+  // them must go ahead, to rewrite that chunk.
   bool holds(std::span<const int32_t> tokens) const override {
     std::lock_guard<std::mutex> g(mu_);
-    return any_holds(lru_, tokens);
+    if (!missing_now_) return any_holds(lru_, tokens);
+    for (const Entry& e : lru_)
+      if (common_prefix(e.tokens, tokens) == tokens.size() && usable(e) >= tokens.size()) return true;
+    return false;
   }
 
-  // Chunks not there yet, then the entry file; the oldest entries go first
-  // when over budget.
+  // Chunks not there yet (or marked missing), then the entry file; the
+  // oldest entries go first when over budget.
   void put(const Coded& c) override {
     const Piece& p = c.piece;
     const Bytes ef_own = c.entry_file ? Bytes() : ctx_.scheme->entry_file(p, *c.tail);
     const Bytes& ef = c.entry_file ? *c.entry_file : ef_own;
     std::vector<size_t> fresh;
     const uint64_t budget = ctx_.opt.disk_bytes;
-    auto missing = [&] {  // under mu_: the chunks this tier lacks, and the bytes the entry needs
+    auto missing = [&] {  // under mu_: the chunks to write, and the bytes the entry needs
       fresh.clear();
       uint64_t need = ef.size();
-      for (size_t i = 0; i < p.chunks.size(); ++i)
-        if (!chunks_.count(p.chunks[i])) {
+      for (size_t i = 0; i < p.chunks.size(); ++i) {
+        auto it = chunks_.find(p.chunks[i]);
+        if (it == chunks_.end() || it->second.missing) {
           fresh.push_back(i);
           need += c.chunks[i]->size();
         }
+      }
       return need;
     };
     {
@@ -136,86 +201,129 @@ class DiskTier final : public Tier {
                  " bytes, more than the disk budget; not written");
         return;
       }
+      // The files the scan has not verified yet are older than every entry
+      // indexed (it goes newest first): when room is needed they go first,
+      // deleted unread as the scan reaches them.
+      if (budget && bytes_ + need > budget && scan_pending_) scan_full_ = true;
       // Room first: the oldest entries that the new one does not need.
       while (budget && bytes_ + need > budget && !lru_.empty()) erase(lru_.begin());
       // Chunks this entry shares with the ones just evicted are gone now.
       (void)missing();
-      // Claim the chunks so that no eviction removes them while we write.
+      // Claim the chunks so that no eviction removes them while we write,
+      // and the entry's name so that the scan leaves its file alone.
       for (const std::string& k : p.chunks) ++chunks_[k].refs;
+      writing_.insert(p.key);
     }
     std::string failed;
-    for (size_t i : fresh) {
-      try {
-        write_file_atomic(chunk_path(p.chunks[i]).string(), *c.chunks[i]);
-      } catch (const std::exception& x) {
-        failed = x.what();
-        break;
+    size_t written = 0;
+    try {
+      for (size_t i : fresh) {
+        write_file_atomic(chunk_path(p.chunks[i]).string(), *c.chunks[i], /*sync_dir=*/false);
+        ++written;
       }
-    }
-    if (failed.empty()) {
-      try {
-        write_file_atomic(entry_path(p.key).string(), ef);
-      } catch (const std::exception& x) {
-        failed = x.what();
-      }
+      // One fsync of chunks/ for them all, before the entry that names them.
+      if (!fresh.empty()) sync_directory((root_ / "chunks").string(), chunk_path(p.chunks[fresh.back()]).string());
+      write_file_atomic(entry_path(p.key).string(), ef, /*sync_dir=*/true);
+    } catch (const std::exception& x) {
+      failed = x.what();
     }
     std::lock_guard<std::mutex> g(mu_);
-    for (size_t i : fresh) {
-      chunks_[p.chunks[i]].bytes = c.chunks[i]->size();
-      bytes_ += c.chunks[i]->size();
+    writing_.erase(p.key);
+    for (size_t j = 0; j < fresh.size(); ++j) {
+      Chunk& ch = chunks_[p.chunks[fresh[j]]];
+      if (j < written) {
+        if (ch.missing) {  // rewritten: the entries naming it are whole again
+          ch.missing = false;
+          --missing_now_;
+        }
+        if (!ch.bytes) bytes_ += ch.bytes = c.chunks[fresh[j]]->size();
+      } else if (!ch.missing) {  // never written: for whoever else names it (the scan), it is missing
+        ch.missing = true;
+        ++missing_now_;
+      }
     }
     if (!failed.empty()) {
       unref(p.chunks);  // removes the fresh chunk files again
       disable(failed);
       return;
     }
-    // Entries the new one contains, and an older copy of it, go.
-    for (auto it = lru_.begin(); it != lru_.end();) it = common_prefix(it->tokens, p.tokens) == it->tokens.size() ? erase(it) : std::next(it);
+    // Entries the new one contains, and an older copy of it (whose file the
+    // new one just replaced: kept), go.
+    for (auto it = lru_.begin(); it != lru_.end();)
+      it = common_prefix(it->tokens, p.tokens) == it->tokens.size() ? erase(it, it->key != p.key) : std::next(it);
     Entry e;
     static_cast<Piece&>(e) = p;
     e.file_bytes = ef.size();
+    e.put_here = true;
     bytes_ += e.file_bytes;
     lru_.push_back(std::move(e));
+  }
+
+  void wait_ready() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    scan_cv_.wait(lk, [&] { return scan_done_; });
   }
 
   void add_stats(StoreStats& s) const override {
     std::lock_guard<std::mutex> g(mu_);
     s.disk_entries = lru_.size();
-    s.disk_chunks = chunks_.size();
+    s.disk_chunks = chunks_.size() - missing_now_;
     s.disk_bytes = bytes_;
     s.disk_enabled = on_;
     s.disk_error = error_;
+    s.disk_io_errors = io_errors_;
+    s.disk_missing = missing_total_;
+    s.disk_scan_pending = scan_pending_;
+    s.disk_scan_ms = scan_done_ ? scan_ms_ : ms_since(scan_t0_);
     s.corrupt_dropped += corrupt_;
     TierStats t;
     t.name = name();
     t.enabled = on_;
     t.error = error_;
     t.entries = lru_.size();
-    t.chunks = chunks_.size();
+    t.chunks = s.disk_chunks;
     t.bytes = bytes_;
     t.corrupt_dropped = corrupt_;
+    t.io_errors = io_errors_;
+    t.missing = missing_total_;
+    t.scan_pending = scan_pending_;
     s.tiers.push_back(std::move(t));
   }
 
  private:
+  static constexpr int kNoErrno = -1;  // an I/O failure without an errno (bad_alloc): its own kind
+
   struct Entry : Piece {
     uint64_t file_bytes = 0;
+    bool put_here = false;  // put by this process (the scan drops older entries it contains)
   };
   struct Chunk {
     uint32_t refs = 0;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0;    // counted in bytes_; 0 while missing
+    bool missing = false;  // its file is gone: the next put naming it rewrites it
   };
 
   fs::path chunk_path(const std::string& k) const { return root_ / "chunks" / (k + ".kvtc"); }
   fs::path entry_path(const std::string& k) const { return root_ / "entries" / (k + ".kvse"); }
 
-  std::list<Entry>::iterator find(const std::string& key) {
+  std::list<Entry>::iterator find(const std::string& key) {  // under mu_
     return std::find_if(lru_.begin(), lru_.end(), [&](const Entry& e) { return e.key == key; });
   }
   bool indexed(const std::string& key) {
     std::lock_guard<std::mutex> g(mu_);
     return find(key) != lru_.end();
   }
+  // Leading tokens of e it can restore: all of them, or the chunks before
+  // the first one marked missing. Under mu_.
+  size_t usable(const Entry& e) const {
+    if (!missing_now_) return e.tokens.size();
+    for (size_t i = 0; i < e.chunks.size(); ++i) {
+      auto it = chunks_.find(e.chunks[i]);
+      if (it != chunks_.end() && it->second.missing) return i * ctx_.scheme->chunk_tokens();
+    }
+    return e.tokens.size();
+  }
+
   void drop(const std::string& key, const std::string& why) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = find(key);
@@ -223,6 +331,46 @@ class DiskTier final : public Tier {
     erase(it);
     ++corrupt_;
     ctx_.log(why);
+  }
+
+  // An I/O failure (not the bytes' fault): counted, and logged the first
+  // time for each errno, so that a failing disk does not flood the log.
+  void io_error(int code, const std::string& what) {
+    std::lock_guard<std::mutex> g(mu_);
+    io_error_locked(code, what);
+  }
+  void io_error_locked(int code, const std::string& what) {
+    ++io_errors_;
+    if (io_logged_.insert(code).second)
+      ctx_.log("kvtc store: a disk read failed; the file is kept, a miss this time (" + what +
+               "; further failures of this kind are only counted: disk_io_errors)");
+  }
+  // A file the index names was gone (removed from outside).
+  void note_missing(const std::string& what) {  // under mu_
+    ++missing_total_;
+    if (io_logged_.insert(ENOENT).second)
+      ctx_.log("kvtc store: a disk file the index names is gone (" + what +
+               "); its entries restore what comes before it until a put rewrites it (further ones are only counted: disk_missing)");
+  }
+  // The entry file is gone: its chunks are reachable through nothing else.
+  void forget_entry(const std::string& key, const std::string& what) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = find(key);
+    if (it == lru_.end()) return;
+    erase(it);
+    note_missing(what);
+  }
+  // The chunk file is gone: the entries naming it keep everything else;
+  // the next put through that chunk writes it again (put(): missing()).
+  void forget_chunk(const std::string& key, const std::string& what) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = chunks_.find(key);
+    if (it == chunks_.end() || it->second.missing) return;
+    bytes_ -= it->second.bytes;
+    it->second.bytes = 0;
+    it->second.missing = true;
+    ++missing_now_;
+    note_missing(what);
   }
 
   void disable(const std::string& why) {  // under mu_
@@ -237,6 +385,7 @@ class DiskTier final : public Tier {
       auto it = chunks_.find(k);
       if (it == chunks_.end()) continue;
       if (--it->second.refs == 0) {
+        if (it->second.missing) --missing_now_;
         bytes_ -= it->second.bytes;
         std::error_code ec;
         fs::remove(chunk_path(k), ec);
@@ -244,17 +393,22 @@ class DiskTier final : public Tier {
       }
     }
   }
-  std::list<Entry>::iterator erase(std::list<Entry>::iterator it) {  // under mu_
+  // Drops an entry from the index and its file (unless a put just wrote a
+  // new copy under the same name), and releases its chunks.
+  std::list<Entry>::iterator erase(std::list<Entry>::iterator it, bool remove_file = true) {  // under mu_
     std::error_code ec;
-    fs::remove(entry_path(it->key), ec);  // the index goes before the data it points to
+    if (remove_file) fs::remove(entry_path(it->key), ec);  // the index goes before the data it points to
     bytes_ -= it->file_bytes;
     unref(it->chunks);
     return lru_.erase(it);
   }
 
   // Opens disk_dir/<compat>, takes its lock, writes store.json (which tells
-  // whether the directory is writable) and reads the entries back.
+  // whether the directory is writable), lists the entry files and starts
+  // the scan that reads them back.
   void open() {
+    scan_t0_ = std::chrono::steady_clock::now();
+    started_ = fs::file_time_type::clock::now();
     root_ = fs::path(ctx_.opt.disk_dir) / ctx_.scheme->compat();
     try {
       std::error_code ec;
@@ -271,77 +425,237 @@ class DiskTier final : public Tier {
     } catch (const std::exception& x) {
       std::lock_guard<std::mutex> g(mu_);
       disable(x.what());
+      scan_done_ = true;
       return;
     }
-    scan();
+    listed_ = list_entries();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      scan_pending_ = listed_.size();
+    }
+    try {
+      scanner_ = std::thread([this] { scan(); });
+    } catch (const std::system_error& x) {  // no thread to be had (EAGAIN): scan here, as before
+      ctx_.log(std::string("kvtc store: disk tier: no thread for the background scan (") + x.what() + "); scanning before serving");
+      scan();
+    }
   }
 
-  void scan() {
-    std::lock_guard<std::mutex> g(mu_);
-    struct Found {
-      Entry e;
-      fs::file_time_type t;
-    };
-    std::vector<Found> found;
+  struct Listed {
+    fs::path path;
+    fs::file_time_type t;
+  };
+  // The entry files, newest first; temporaries left by a crash are removed
+  // (no put runs yet). A directory that cannot be listed keeps every chunk.
+  std::vector<Listed> list_entries() {
+    std::vector<Listed> out;
     std::error_code ec;
-    for (const auto& de : fs::directory_iterator(root_ / "entries", ec)) {
-      const std::string path = de.path().string(), name = de.path().filename().string();
-      if (name.rfind(".", 0) == 0) {  // a temporary file left by a crash
-        fs::remove(de.path(), ec);
+    fs::directory_iterator it(root_ / "entries", ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      std::error_code e2;
+      if (name.rfind(".", 0) == 0) {
+        fs::remove(it->path(), e2);
         continue;
       }
-      try {
-        const Bytes f = read_file(path);
-        Entry e;
-        static_cast<Piece&>(e) = ctx_.scheme->parse_entry(f, path, nullptr);
-        require(name == e.key + ".kvse", path + ": the file name is not the entry's key");
-        e.file_bytes = f.size();
-        found.push_back({std::move(e), fs::last_write_time(de.path(), ec)});
-      } catch (const std::exception& x) {
-        ++corrupt_;
-        ctx_.log("kvtc store: dropped " + path + ": " + x.what());
-        fs::remove(de.path(), ec);
+      const fs::file_time_type t = it->last_write_time(e2);
+      out.push_back({it->path(), e2 ? fs::file_time_type::min() : t});
+    }
+    if (ec) {
+      std::lock_guard<std::mutex> g(mu_);
+      scan_unreadable_ = true;
+      io_error_locked(ec.value(), (root_ / "entries").string() + ": cannot list: " + ec.message());
+    }
+    std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) { return a.t > b.t; });
+    return out;
+  }
+
+  // The start-up scan (its own thread, at the worker's priority): every
+  // listed entry file, newest first, verified and indexed one at a time.
+  void scan() {
+    const std::vector<Listed>& files = listed_;
+    if (ctx_.opt.worker_nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), ctx_.opt.worker_nice);
+    uint64_t read = 0, damaged = 0, unreadable = 0, over = 0;
+    for (const Listed& l : files) {
+      if (stop_scan_) break;
+      const std::string path = l.path.string(), name = l.path.filename().string();
+      const std::string key = name.size() > 5 ? name.substr(0, name.size() - 5) : name;
+      enum { kOk, kDamaged, kUnreadable, kGone, kUnread } got = kOk;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (scan_full_) got = kUnread;
+      }
+      Entry e;
+      std::string why;
+      int code = kNoErrno;
+      if (got == kOk) {
+        try {
+          const Bytes f = read_file(path);
+          static_cast<Piece&>(e) = ctx_.scheme->parse_entry(f, path, nullptr);
+          require(name == e.key + ".kvse", path + ": the file name is not the entry's key");
+          e.file_bytes = f.size();
+        } catch (const IoError& x) {
+          got = x.code() == ENOENT ? kGone : kUnreadable;
+          why = x.what();
+          code = x.code();
+        } catch (const Error& x) {
+          got = kDamaged;
+          why = x.what();
+        } catch (const std::exception& x) {  // bad_alloc and the like: not the file's fault
+          got = kUnreadable;
+          why = path + ": " + x.what();
+        }
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      --scan_pending_;
+      // A put of this very prompt during the scan wrote a newer copy of the
+      // file (or is writing it): that one stays, and is indexed already.
+      const bool put_again = writing_.count(key) || find(key) != lru_.end();
+      std::error_code ec;
+      switch (got) {
+        case kGone: continue;  // removed meanwhile: nothing to do
+        case kUnreadable:
+          ++unreadable;
+          scan_unreadable_ = true;  // its chunks must not be swept as orphans
+          io_error_locked(code, why);
+          continue;
+        case kDamaged:
+          if (put_again) continue;
+          ++damaged;
+          ++corrupt_;
+          ctx_.log("kvtc store: dropped " + path + ": " + why);
+          fs::remove(l.path, ec);
+          continue;
+        case kOk:
+          if (put_again) continue;
+          if (contained_in_a_put(e)) {  // what the put of the newer prompt would have dropped
+            fs::remove(l.path, ec);
+            continue;
+          }
+          if (admit(std::move(e))) {
+            ++read;
+            continue;
+          }
+          scan_full_ = true;
+          [[fallthrough]];
+        case kUnread:  // older than every indexed entry and past the budget: it would be evicted first
+          if (put_again) continue;
+          ++over;
+          fs::remove(l.path, ec);
+          continue;
       }
     }
-    std::unordered_map<std::string, uint64_t> sizes;
-    for (const auto& de : fs::directory_iterator(root_ / "chunks", ec)) {
-      const std::string name = de.path().filename().string();
-      if (name.size() == 64 + 5 && name.substr(64) == ".kvtc")
-        sizes[name.substr(0, 64)] = de.file_size(ec);
-      else
-        fs::remove(de.path(), ec);  // temporaries
+    const bool found = !files.empty();
+    std::vector<Listed>().swap(listed_);  // its paths: ~100 bytes per entry file
+    bool sweep = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      sweep = !stop_scan_ && !scan_unreadable_;
     }
-    std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.t < b.t; });
-    for (Found& f : found) {
-      bool complete = true;
-      for (const std::string& k : f.e.chunks) complete = complete && sizes.count(k);
-      if (!complete) {
-        ++corrupt_;
-        ctx_.log("kvtc store: dropped " + entry_path(f.e.key).string() + ": a chunk file is missing");
-        fs::remove(entry_path(f.e.key), ec);
-        continue;
-      }
-      for (const std::string& k : f.e.chunks) {
-        Chunk& c = chunks_[k];
-        if (c.refs++ == 0) bytes_ += c.bytes = sizes[k];
-      }
-      bytes_ += f.e.file_bytes;
-      lru_.push_back(std::move(f.e));
+    if (sweep) sweep_chunks();
+    std::lock_guard<std::mutex> g(mu_);
+    if (!stop_scan_) {
+      const uint64_t budget = ctx_.opt.disk_bytes;  // puts during the scan may have gone past it
+      while (budget && bytes_ > budget && !lru_.empty()) erase(lru_.begin());
+      scan_ms_ = ms_since(scan_t0_);
+      if (found)
+        ctx_.log("kvtc store: disk tier: " + std::to_string(read) + " prompts read back in " + std::to_string(int64_t(scan_ms_)) + " ms (" +
+                 std::to_string(damaged) + " damaged and dropped, " + std::to_string(unreadable) + " unreadable and kept, " + std::to_string(over) +
+                 " past the budget and dropped)");
     }
-    for (const auto& [k, b] : sizes)  // chunks no entry names (a crash between chunk and entry)
-      if (!chunks_.count(k)) fs::remove(chunk_path(k), ec);
+    scan_pending_ = 0;
+    scan_done_ = true;
+    scan_cv_.notify_all();
+  }
+
+  bool contained_in_a_put(const Entry& e) const {  // under mu_
+    for (const Entry& x : lru_)
+      if (x.put_here && common_prefix(e.tokens, x.tokens) == e.tokens.size()) return true;
+    return false;
+  }
+
+  // Indexes a verified entry as the least recently used (the scan goes
+  // newest first; a chunk file missing is marked so); false when it does
+  // not fit the budget. Under mu_: a chunk is looked up on disk only when
+  // no entry holds it yet, and no eviction runs meanwhile.
+  bool admit(Entry e) {
+    std::vector<std::pair<const std::string*, int64_t>> sizes;  // chunks not indexed: their file size, -1 when missing
+    uint64_t need = e.file_bytes;
+    for (const std::string& k : e.chunks) {
+      if (chunks_.count(k)) continue;
+      std::error_code ec;
+      const uintmax_t b = fs::file_size(chunk_path(k), ec);
+      sizes.push_back({&k, ec ? -1 : int64_t(b)});
+      if (!ec) need += b;
+    }
     const uint64_t budget = ctx_.opt.disk_bytes;
-    while (budget && bytes_ > budget && !lru_.empty()) erase(lru_.begin());
+    if (budget && bytes_ + need > budget) return false;
+    for (const auto& [k, b] : sizes) {  // chunk keys are chained: distinct within an entry
+      Chunk& c = chunks_[*k];
+      if (b < 0) {
+        c.missing = true;
+        ++missing_now_;
+        note_missing(entry_path(e.key).string() + ": chunk " + chunk_path(*k).string());
+      } else {
+        bytes_ += c.bytes = uint64_t(b);
+      }
+    }
+    for (const std::string& k : e.chunks) ++chunks_[k].refs;
+    bytes_ += e.file_bytes;
+    lru_.push_front(std::move(e));
+    return true;
+  }
+
+  // Chunk files no entry names (a crash between a chunk and its entry, or
+  // entries dropped by the scan) go, and temporaries older than this start
+  // (a put's own are newer). The directory is listed outside the lock (a
+  // large tier holds 100,000s of chunks); each name is checked and removed
+  // under it, in batches, so that no put claims a chunk between the check
+  // and the removal, and takes wait for one batch at most.
+  void sweep_chunks() {
+    std::vector<std::string> keys;
+    std::error_code ec;
+    fs::directory_iterator it(root_ / "chunks", ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      std::error_code e2;
+      if (name.size() == 64 + 5 && name.substr(64) == ".kvtc")
+        keys.push_back(name.substr(0, 64));
+      else if (name.rfind(".", 0) == 0 && it->last_write_time(e2) < started_ && !e2)
+        fs::remove(it->path(), e2);
+    }
+    constexpr size_t kBatch = 256;
+    for (size_t at = 0; at < keys.size() && !stop_scan_; at += kBatch) {
+      std::lock_guard<std::mutex> g(mu_);
+      for (size_t i = at; i < std::min(keys.size(), at + kBatch); ++i)
+        if (!chunks_.count(keys[i])) fs::remove(chunk_path(keys[i]), ec);
+    }
   }
 
   TierContext ctx_;
   mutable std::mutex mu_;
   std::list<Entry> lru_;  // least recently used first
   std::unordered_map<std::string, Chunk> chunks_;
+  std::unordered_set<std::string> writing_;  // entry keys a put is writing now
   uint64_t bytes_ = 0;
   bool on_ = false;
   std::string error_;
-  uint64_t corrupt_ = 0;
+  uint64_t corrupt_ = 0, io_errors_ = 0;
+  uint64_t missing_total_ = 0;  // files the index named found gone
+  uint64_t missing_now_ = 0;    // chunks marked missing now
+  std::set<int> io_logged_;     // errno values logged once
+  // The start-up scan.
+  std::condition_variable scan_cv_;
+  uint64_t scan_pending_ = 0;     // listed entry files not handled yet
+  bool scan_done_ = false;        // it ended (or there was none)
+  bool scan_full_ = false;        // the budget is full: the files left are the oldest and go unread
+  bool scan_unreadable_ = false;  // an entry file could not be read: its chunks are not orphans
+  double scan_ms_ = 0;
+  std::chrono::steady_clock::time_point scan_t0_;
+  std::vector<Listed> listed_;  // the entry files found at start: the scan's own after it starts
+  fs::file_time_type started_;
+  std::atomic<bool> stop_scan_{false};
+  std::thread scanner_;
   fs::path root_;
   int lock_fd_ = -1;
 };

@@ -4,13 +4,19 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <string>
 
 #include "kvtc/error.h"
 
 namespace kvtc::store {
 
-PutQueue::PutQueue(const TierContext& ctx, Coder code) : ctx_(ctx), code_(std::move(code)) {
+PutQueue::PutQueue(const TierContext& ctx, Coder code)
+    : ctx_(ctx),
+      code_(std::move(code)),
+      // The default follows the RAM budget (what the operator gave prompts),
+      // and is at least the old fixed 1 GiB.
+      budget_(ctx.opt.max_pending_bytes ? ctx.opt.max_pending_bytes : std::max<uint64_t>(1ull << 30, ctx.opt.ram_bytes)) {
   if (ctx_.opt.async) worker_ = std::thread([this] { run(); });
 }
 
@@ -34,9 +40,9 @@ bool PutQueue::push(std::shared_ptr<Pending> q) {
   }
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (bytes_ + q->bytes > ctx_.opt.max_pending_bytes) {
-      ctx_.log("kvtc store: put skipped: " + std::to_string(bytes_) + " bytes already wait to be compressed (max_pending_bytes " +
-               std::to_string(ctx_.opt.max_pending_bytes) + ")");
+    if (bytes_ + q->bytes > budget_) {
+      ctx_.log("kvtc store: put skipped: " + std::to_string(q->bytes) + " raw bytes, and " + std::to_string(bytes_) +
+               " already wait to be compressed (max_pending_bytes " + std::to_string(budget_) + ")");
       return false;
     }
     q->seq = next_seq_++;
@@ -45,6 +51,12 @@ bool PutQueue::push(std::shared_ptr<Pending> q) {
   }
   cv_work_.notify_one();
   return true;
+}
+
+bool PutQueue::fits(uint64_t bytes) const {
+  if (!ctx_.opt.async) return true;
+  std::lock_guard<std::mutex> g(mu_);
+  return bytes_ + bytes <= budget_;
 }
 
 void PutQueue::flush() {
@@ -127,6 +139,7 @@ void PutQueue::add_stats(StoreStats& s) const {
   std::lock_guard<std::mutex> g(mu_);
   s.pending = queue_.size();
   s.pending_bytes = bytes_;
+  s.pending_budget = ctx_.opt.async ? budget_ : 0;
   TierStats t;
   t.name = name();
   t.entries = queue_.size();

@@ -35,8 +35,11 @@ class PutQueue final : public Tier {
   ~PutQueue() override;  // stop() first
 
   // Queues a put (async), or codes it at once on the caller's thread. False
-  // when the queue already holds max_pending_bytes (the put is skipped).
+  // when it does not fit the budget (the put is skipped).
   bool push(std::shared_ptr<Pending> q);
+  // Whether a put of `bytes` would be queued now (always when not async).
+  bool fits(uint64_t bytes) const;
+  uint64_t budget() const { return budget_; }
   void flush();  // until every queued put is coded
   void stop();   // codes what is queued, then ends the worker; idempotent
 
@@ -67,6 +70,7 @@ class PutQueue final : public Tier {
 
   TierContext ctx_;
   Coder code_;
+  uint64_t budget_;  // max_pending_bytes, or its default
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_idle_, cv_takes_;
   std::deque<std::shared_ptr<const Pending>> queue_;  // the front one is being coded while busy_

@@ -275,6 +275,15 @@ bool PromptStore::wants(std::span<const int32_t> tokens) const {
   return !tokens.empty() && !impl_->contained(tokens);
 }
 
+bool PromptStore::wants(std::span<const int32_t> tokens, uint64_t bytes) const {
+  if (!wants(tokens)) return false;
+  if (impl_->queue->fits(bytes)) return true;
+  impl_->count(&StoreStats::puts_skipped);
+  impl_->ctx.log("kvtc store: a " + std::to_string(tokens.size()) + "-token put of " + std::to_string(bytes) +
+                 " raw bytes does not fit the queue now (max_pending_bytes " + std::to_string(impl_->queue->budget()) + "); not taken");
+  return false;
+}
+
 void PromptStore::put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob) {
   auto q = std::make_shared<Pending>();
   q->tokens = std::move(tokens);
@@ -324,6 +333,7 @@ std::optional<PromptStore::StateMatch> PromptStore::take_state(std::span<const i
 }
 
 void PromptStore::flush() {
+  for (const auto& t : impl_->tiers) t->wait_ready();
   impl_->queue->flush();
 }
 

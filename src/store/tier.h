@@ -102,6 +102,9 @@ class Tier {
   virtual void put(const Coded& c) = 0;
   // Adds its figures: its named fields of StoreStats and one TierStats.
   virtual void add_stats(StoreStats& s) const = 0;
+  // Returns once the tier's start-up work is done (the disk tier's scan of
+  // its files, which runs in the background: the tier serves meanwhile).
+  virtual void wait_ready() {}
 };
 
 // What the tiers that index their entries in memory (RAM, disk) answer for
@@ -123,7 +126,7 @@ bool any_holds(const Entries& entries, std::span<const int32_t> tokens) {
 }
 
 std::unique_ptr<Tier> make_ram_tier(const TierContext& ctx);
-std::unique_ptr<Tier> make_disk_tier(const TierContext& ctx);   // opens and scans opt.disk_dir
+std::unique_ptr<Tier> make_disk_tier(const TierContext& ctx);   // opens opt.disk_dir; its files are verified in the background
 std::unique_ptr<Tier> make_redis_tier(const TierContext& ctx);  // Error on a malformed URL; a Redis that is down is not an error
 
 }  // namespace kvtc::store

@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <set>
@@ -200,6 +202,8 @@ TEST(StoreRedis, AnIndexKeepsItsNewest32Fields) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));  // distinct write times
   }
   EXPECT_EQ(redis.cmd({"HLEN", index_key(a, sys, 0, 64)}).integer, 32);
+  // The 8 whose fields went are deleted too: nothing could find them again.
+  EXPECT_EQ(keys_of(redis, a, 'e').size(), 32u);
   PromptStore b(cal(), lowrank_geometry(), o);
   auto m = b.take({}, cat(ps.back(), seq(3, 3)));  // the newest: whole
   ASSERT_TRUE(m);
@@ -423,6 +427,84 @@ TEST(StoreRedis, PasswordAndDatabase) {
   EXPECT_FALSE(c.stats().redis_up);
   EXPECT_NE(c.stats().redis_error.find("WRONGPASS"), std::string::npos) << c.stats().redis_error;
   EXPECT_FALSE(c.take({}, p));
+}
+
+// Every key is written with the TTL; a hit renews what it read (the
+// chunks, the entry, its index), a put the chunks it shares; 0: no TTL.
+TEST(StoreRedis, EveryKeyExpiresAndUseRenewsIt) {
+  RedisServer redis(tmp("ttl"));
+  StoreOptions o = on(redis);
+  o.redis_ttl_s = 1000;
+  PromptStore a(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300);
+  a.put(p, prompt_capture(p));
+  const auto keys = redis.cmd({"KEYS", "kvtc:*"}).elements;
+  ASSERT_EQ(keys.size(), 4u + 1u + 1u);  // 4 chunks, the entry, its index
+  auto ttl = [&](const std::string& k) { return redis.cmd({"TTL", k}).integer; };
+  for (const auto& k : keys) {
+    EXPECT_GT(ttl(k.str), 990) << k.str;
+    EXPECT_LE(ttl(k.str), 1000) << k.str;
+    redis.cmd({"EXPIRE", k.str, "500"});  // older
+  }
+  PromptStore b(cal(), lowrank_geometry(), o);
+  auto m = b.take({}, cat(p, seq(7, 3)));
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 300u);
+  for (const auto& k : keys) {
+    EXPECT_GT(ttl(k.str), 990) << k.str;
+    redis.cmd({"EXPIRE", k.str, "500"});
+  }
+  // A chat over the same first 128 tokens: it renews those 2 chunks.
+  const auto q = cat(seq(1000, 128), seq(70000, 100));
+  a.put(q, prompt_capture(q));
+  for (size_t i = 0; i < 4; ++i) {
+    if (i < 2)
+      EXPECT_GT(ttl(chunk_key(a, p, i, 64)), 990) << i;
+    else
+      EXPECT_LE(ttl(chunk_key(a, p, i, 64)), 500) << i;
+  }
+  o.redis_ttl_s = 0;
+  PromptStore c(cal(), lowrank_geometry(), o);
+  const auto r = seq(20000, 300);
+  c.put(r, prompt_capture(r));
+  EXPECT_EQ(ttl(chunk_key(a, r, 0, 64)), -1);  // no TTL
+  EXPECT_EQ(ttl(index_key(a, r, 3, 64)), -1);  // the index of its 4th chunk
+}
+
+// A Redis that would grow until the OOM killer (maxmemory 0, its default)
+// or refuse writes when full (noeviction, its default policy) is named at
+// start, in the log and in the stats; one that evicts within a budget is
+// not; one that refuses CONFIG is logged as unknown.
+TEST(StoreRedis, WarnsWhenRedisMemoryIsUnbounded) {
+  std::mutex mu;
+  std::vector<std::string> logs;
+  auto logged = [&](const std::string& what) {
+    std::lock_guard<std::mutex> g(mu);
+    return std::any_of(logs.begin(), logs.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+  auto warning_of = [&](const std::string& name, const std::vector<std::string>& args) {
+    RedisServer redis(tmp(name), args);
+    StoreOptions o = on(redis);
+    o.log = [&](const std::string& s) {
+      std::lock_guard<std::mutex> g(mu);
+      logs.push_back(s);
+    };
+    PromptStore s(cal(), lowrank_geometry(), o);
+    EXPECT_TRUE(s.stats().redis_up) << s.stats().redis_error;
+    return s.stats().redis_config_warning;
+  };
+  std::string w = warning_of("defaults", {});
+  EXPECT_NE(w.find("maxmemory is 0 on 127.0.0.1:"), std::string::npos) << w;
+  EXPECT_NE(w.find("maxmemory-policy is noeviction on 127.0.0.1:"), std::string::npos) << w;
+  EXPECT_TRUE(logged(w));
+  w = warning_of("noeviction", {"--maxmemory", "100mb"});
+  EXPECT_EQ(w.find("maxmemory is 0"), std::string::npos) << w;
+  EXPECT_NE(w.find("maxmemory-policy is noeviction"), std::string::npos) << w;
+  w = warning_of("lru", {"--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"});
+  EXPECT_EQ(w, "");
+  w = warning_of("no-config", {"--rename-command", "CONFIG", ""});
+  EXPECT_EQ(w, "");
+  EXPECT_TRUE(logged("maxmemory and maxmemory-policy unknown on 127.0.0.1:"));
 }
 
 // Redis under SIGSTOP: the kernel accepts the connection and the commands,

@@ -96,6 +96,12 @@ struct StoreOptions {
   // After a failure, Redis is not asked for this long (calls fail at once,
   // without the network); then one attempt, bounded like any exchange.
   int redis_retry_ms = 2000;
+  // Every key written expires after this long (0: never); a take's hit
+  // renews the keys it read, and a put the chunks it shares. The bound on
+  // Redis's growth when maxmemory is not set: one TTL's worth of writes. A
+  // day: a conversation resumed the next day still restores; one idle for
+  // longer is recomputed (one prefill).
+  int64_t redis_ttl_s = 86400;
   // Where the store says what happened (a disk tier disabled, a corrupt
   // file dropped, a put skipped); called from the store's threads.
   std::function<void(const std::string&)> log;
@@ -132,6 +138,11 @@ struct StoreStats {
   bool redis_up = false;       // the last exchange with it worked
   std::string redis_error;     // the last failure
   std::string redis_where;     // "redis://host:port/db" or "cluster host:port,..."
+  // Set when Redis would grow without bound (maxmemory 0) or fail writes
+  // when full (maxmemory-policy noeviction), naming the nodes; checked once
+  // it answers (also logged; a Redis that refuses CONFIG GET is logged as
+  // unknown and leaves this empty).
+  std::string redis_config_warning;
   uint64_t redis_lookups = 0;  // takes that asked Redis
   uint64_t redis_errors = 0;   // exchanges that failed (down, past their deadline, error reply)
   uint64_t redis_missing = 0;  // values an index named that were gone (evicted), or chunks a match lacked

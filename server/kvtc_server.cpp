@@ -84,6 +84,7 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-redis URL         a shared tier below RAM and disk on one Redis, redis://[[user]:password@]host[:port][/db]:\n"
           "                         every replica with the same model, calibration and flags resumes any conversation\n"
           "--kvtc-redis-cluster L   ... or on a Redis Cluster: L = host:port,host:port,... (any of its masters)\n"
+          "--kvtc-redis-ttl N       seconds a Redis key lives unless a restore or a save uses it again (default: 86400; 0: no expiry)\n"
           "--kvtc-ecsq              entropy-coded pieces (one step rate-controlled to --kvtc-ratio, rANS; docs/format.md version 2)\n"
           "                         instead of the DP allocation with DEFLATE\n"
           "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n\n");
@@ -140,10 +141,13 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-threads") {
         p.threads = std::stoi(val, &used);
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
+      } else if (a == "--kvtc-redis-ttl") {
+        p.redis_ttl_s = std::stoll(val, &used);
+        if (p.redis_ttl_s < 0) throw std::out_of_range("");
       } else {
         err = a +
               ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
-              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-ecsq, --kvtc-raw)";
+              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-ecsq, --kvtc-raw)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -323,10 +327,11 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.disk_bytes = uint64_t(cfg.disk_mib) << 20;
     o.redis_url = cfg.redis;
     o.redis_cluster = cfg.redis_cluster;
+    if (cfg.redis_ttl_s >= 0) o.redis_ttl_s = cfg.redis_ttl_s;
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
     o.kv_settings = kvtc::context_kv_settings(ctx);  // --rope-freq-base, --rope-scaling, YaRN: part of the salt
-    o.restore_threads = 0;  // a restore holds the loop: every core decodes
+    o.restore_threads = 0;                           // a restore holds the loop: every core decodes
     // The queue of raw states waiting for the worker: a save is the slot's
     // whole f16 cache, n_tokens x B bytes (B = layers x KV heads x head_dim
     // x 4: 23,040 for SmolLM2-135M, 131,072 for an 8B GQA model, whose 8K
@@ -403,10 +408,10 @@ std::string kvtc_server_metrics() {
   item("ram_bytes", "gauge", "Compressed bytes held in RAM", double(s.ram_bytes));
   item("ram_budget_bytes", "gauge", "The RAM tier's budget (--cache-ram; 0: none)", double(I->opt.ram_bytes));
   // A message as a Prometheus label value: quotes, backslashes and newlines would end it.
-  auto label = [](std::string m) {
+  auto label = [](std::string m, const char* name = "error") {
     for (char& c : m)
       if (c == '"' || c == '\\' || c == '\n') c = '\'';
-    return "{error=\"" + m + "\"}";
+    return std::string("{") + name + "=\"" + m + "\"}";
   };
   item("disk_enabled", "gauge", "1 when the disk tier is in use", s.disk_enabled ? 1 : 0);
   if (!s.disk_error.empty()) item("disk_error", "gauge", "Why the disk tier was disabled (the label)", 1, label(s.disk_error));
@@ -432,6 +437,9 @@ std::string kvtc_server_metrics() {
   if (s.redis_enabled) {
     item("redis_up", "gauge", "1 when the last exchange with Redis worked", s.redis_up ? 1 : 0);
     if (!s.redis_error.empty()) item("redis_last_error", "gauge", "The last Redis failure (the label)", 1, label(s.redis_error));
+    if (!s.redis_config_warning.empty())
+      item("redis_config_warning", "gauge", "Redis can grow without limit (maxmemory 0) or refuses writes when full (noeviction): the label", 1,
+           label(s.redis_config_warning, "warning"));
     item("redis_errors_total", "counter", "Redis exchanges that failed (down, timeout, error reply); the prompt was recomputed",
          double(s.redis_errors));
     item("redis_lookups_total", "counter", "Lookups that asked Redis", double(s.redis_lookups));

@@ -32,6 +32,7 @@ struct kvtc_server_params {
   bool ecsq = false;                       // --kvtc-ecsq: entropy-coded pieces (container version 2)
   std::string redis;                       // --kvtc-redis redis://HOST:PORT[/DB]: the shared tier on one Redis
   std::vector<std::string> redis_cluster;  // --kvtc-redis-cluster HOST:PORT,...: ... or on a Redis Cluster
+  int64_t redis_ttl_s = -1;                // --kvtc-redis-ttl S: every Redis key's time to live (0: none; -1: the store's default, a day)
 };
 
 // The flags of this process (set by kvtc_server_take_args).

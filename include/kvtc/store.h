@@ -94,13 +94,40 @@ struct StoreOptions {
   // replica resumes any conversation. Puts are written by the worker thread;
   // a take asks Redis when the local tiers hold less than the whole prompt
   // (one round trip to find the longest stored prefix, one to fetch it). A
-  // Redis that is down, a missing or damaged value: a miss, never an error
-  // (counted in stats(), logged at the change); retried after retry_ms.
+  // Redis that is down, slow, a missing or damaged value: a miss, never an
+  // error (counted in stats(), logged at the change); retried after retry_ms.
   std::string redis_url;
   std::vector<std::string> redis_cluster;
-  int redis_connect_timeout_ms = 250;
-  int redis_timeout_ms = 2000;  // one round trip at most
-  int redis_retry_ms = 2000;    // after a failure, Redis is not asked for this long
+  // Deadlines, each for one whole exchange (name resolution, connecting,
+  // sending, every reply; docs/store.md "Redis", "Time"), whatever Redis
+  // does (frozen, trickling, a name that does not resolve):
+  // - a take's two exchanges run on the caller's thread (kvtc-server: its
+  //   loop, which every slot waits on), so each gets
+  //   redis_lookup_timeout_ms, plus its bytes at redis_min_mib_s for the
+  //   fetch: a take holds its caller at most 2 x 100 ms + the match's bytes
+  //   / 100 MiB/s (6 MB, a 2.5K-token SmolLM2 session: 60 ms; 35 MB, an 8B
+  //   one: 350 ms) + decoding, and one more lookup deadline to delete a
+  //   damaged value when it finds one. 100 ms: a few decode steps of the
+  //   other slots, and ~15x what both exchanges took together on loopback
+  //   for a 5.7 MiB restore (6.8 ms p50, 11.8 ms p99;
+  //   bench/results/serve-redis.md);
+  // - the worker's writes: redis_timeout_ms, plus their bytes at
+  //   redis_min_mib_s.
+  int redis_connect_timeout_ms = 250;  // resolving and connecting, within the deadline
+  int redis_lookup_timeout_ms = 100;
+  int redis_timeout_ms = 2000;
+  // The slowest transfer rate a deadline allows for (MiB/s, ~0.84 Gbit/s):
+  // a large fetch or write on a slow link is not cut short, a stalled one is.
+  double redis_min_mib_s = 100;
+  // After a failure, Redis is not asked for this long (calls fail at once,
+  // without the network); then one attempt, bounded like any exchange.
+  int redis_retry_ms = 2000;
+  // Every key written expires after this long (0: never); a take's hit
+  // renews the keys it read, and a put the chunks it shares. The bound on
+  // Redis's growth when maxmemory is not set: one TTL's worth of writes. A
+  // day: a conversation resumed the next day still restores; one idle for
+  // longer is recomputed (one prefill).
+  int64_t redis_ttl_s = 86400;
   // Where the store says what happened (a disk tier disabled, a corrupt
   // file dropped, a put skipped); called from the store's threads.
   std::function<void(const std::string&)> log;
@@ -147,8 +174,13 @@ struct StoreStats {
   bool redis_up = false;       // the last exchange with it worked
   std::string redis_error;     // the last failure
   std::string redis_where;     // "redis://host:port/db" or "cluster host:port,..."
+  // Set when Redis would grow without bound (maxmemory 0) or fail writes
+  // when full (maxmemory-policy noeviction), naming the nodes; checked once
+  // it answers (also logged; a Redis that refuses CONFIG GET is logged as
+  // unknown and leaves this empty).
+  std::string redis_config_warning;
   uint64_t redis_lookups = 0;  // takes that asked Redis
-  uint64_t redis_errors = 0;   // exchanges that failed (down, timeout, error reply)
+  uint64_t redis_errors = 0;   // exchanges that failed (down, past their deadline, error reply)
   uint64_t redis_missing = 0;  // values an index named that were gone (evicted), or chunks a match lacked
   uint64_t redis_chunks_written = 0, redis_entries_written = 0, redis_entries_dropped = 0;  // dropped: contained in a newer prompt
   uint64_t redis_bytes_written = 0, redis_bytes_read = 0;

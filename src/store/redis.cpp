@@ -1,19 +1,34 @@
-// The store's Redis client (src/store/redis.h): hiredis for the wire
-// protocol, the cluster routing written here.
+// The store's Redis client (src/store/redis.h): the sockets driven with
+// poll() to one deadline per exchange, hiredis's reader for the replies,
+// the cluster routing written here.
 #include "store/redis.h"
 
+#include <arpa/inet.h>
 #include <hiredis/hiredis.h>
-#include <pthread.h>
-#include <signal.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <set>
+#include <system_error>
+#include <thread>
 
 namespace kvtc::detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
 
 struct Endpoint {
   std::string host;
@@ -44,8 +59,31 @@ Endpoint parse_hostport(const std::string& s, const std::string& what) {
   return e;
 }
 
-timeval tv_of(int ms) {
-  return timeval{ms / 1000, (ms % 1000) * 1000};
+// A cluster redirect, "MOVED <slot> <host>:<port>" or "ASK ...": its slot
+// and target, false when it does not parse (then it is left as an error
+// reply). An empty host (":7001": Redis 7 with
+// cluster-preferred-endpoint-type unknown-endpoint) means the node that
+// sent it.
+bool parse_redirect(const std::string& r, const Endpoint& from, long& slot, Endpoint& to) {
+  const size_t sp1 = r.find(' '), sp2 = sp1 == std::string::npos ? sp1 : r.find(' ', sp1 + 1);
+  if (sp2 == std::string::npos) return false;
+  char* end = nullptr;
+  slot = std::strtol(r.c_str() + sp1 + 1, &end, 10);
+  if (end != r.c_str() + sp2 || slot < 0 || slot > 16383) return false;
+  const std::string hp = r.substr(sp2 + 1);
+  const size_t c = hp.rfind(':');
+  if (c == std::string::npos || c + 1 == hp.size() || c + 6 < hp.size()) return false;
+  int port = 0;
+  for (size_t i = c + 1; i < hp.size(); ++i) {
+    if (hp[i] < '0' || hp[i] > '9') return false;
+    port = port * 10 + (hp[i] - '0');
+  }
+  if (port < 1 || port > 65535) return false;
+  to.host = hp.substr(0, c);
+  if (to.host.size() > 2 && to.host.front() == '[' && to.host.back() == ']') to.host = to.host.substr(1, to.host.size() - 2);
+  if (to.host.empty()) to.host = from.host;
+  to.port = port;
+  return true;
 }
 
 RedisReply convert(const redisReply* r) {
@@ -76,48 +114,137 @@ RedisReply convert(const redisReply* r) {
   return o;
 }
 
-// One connection to one server.
+// A command in the wire protocol (RESP): an array of bulk strings.
+void append_command(std::string& out, const RedisCommand& c) {
+  out += '*';
+  out += std::to_string(c.size());
+  out += "\r\n";
+  for (const std::string& a : c) {
+    out += '$';
+    out += std::to_string(a.size());
+    out += "\r\n";
+    out += a;
+    out += "\r\n";
+  }
+}
+
+std::string errno_text(int e) {
+  char buf[128];
+  return strerror_r(e, buf, sizeof buf);  // GNU: returns the message
+}
+
+struct Addr {
+  sockaddr_storage sa{};
+  socklen_t len = 0;
+};
+
+// A host's addresses. getaddrinfo cannot be given a deadline, so it runs on
+// a helper thread that owns its share of this: the caller stops waiting at
+// its deadline, and the answer still lands here for the next attempt.
+struct Resolution {
+  std::mutex mu;
+  bool done = false;
+  std::string error;  // set when done without an address
+  std::vector<Addr> addrs;
+  Clock::time_point at;  // when it finished
+};
+
+std::shared_ptr<Resolution> numeric(const Endpoint& e) {
+  Addr a;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&a.sa);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.sa);
+  if (inet_pton(AF_INET, e.host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(uint16_t(e.port));
+    a.len = sizeof(sockaddr_in);
+  } else if (inet_pton(AF_INET6, e.host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(uint16_t(e.port));
+    a.len = sizeof(sockaddr_in6);
+  } else {
+    return nullptr;
+  }
+  auto r = std::make_shared<Resolution>();
+  r->done = true;
+  r->addrs.push_back(a);
+  r->at = Clock::now();
+  return r;
+}
+
+std::shared_ptr<Resolution> start_resolving(const Endpoint& e) {
+  auto r = std::make_shared<Resolution>();
+  try {
+    std::thread([r, host = e.host, port = std::to_string(e.port)] {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* res = nullptr;
+      const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+      std::vector<Addr> found;
+      for (addrinfo* p = rc == 0 ? res : nullptr; p; p = p->ai_next) {
+        if (p->ai_addrlen > sizeof(sockaddr_storage)) continue;
+        Addr a;
+        std::memcpy(&a.sa, p->ai_addr, p->ai_addrlen);
+        a.len = socklen_t(p->ai_addrlen);
+        found.push_back(a);
+      }
+      if (res) freeaddrinfo(res);
+      std::lock_guard<std::mutex> g(r->mu);
+      r->done = true;
+      r->error = rc ? gai_strerror(rc) : found.empty() ? "no address" : "";
+      r->addrs = std::move(found);
+      r->at = Clock::now();
+    }).detach();
+  } catch (const std::system_error& x) {
+    std::lock_guard<std::mutex> g(r->mu);
+    r->done = true;
+    r->error = std::string("cannot start a resolver thread: ") + x.what();
+  }
+  return r;
+}
+
+// One connection to one server: a non-blocking socket and its reply parser.
 struct Conn {
   Endpoint at;
-  redisContext* c = nullptr;
+  int fd = -1;
+  redisReader* rd = nullptr;  // set once connected
   ~Conn() { close(); }
   void close() {
-    if (c) redisFree(c);
-    c = nullptr;
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+    if (rd) redisReaderFree(rd);
+    rd = nullptr;
   }
 };
 
-// Writing to a connection the server closed raises SIGPIPE, which kills the
-// process unless the program ignores it; a library must not change the
-// program's handlers, so the calling thread blocks it while it talks to
-// Redis and takes back a SIGPIPE raised meanwhile (the error itself comes
-// back from hiredis as EPIPE).
-class NoSigpipe {
- public:
-  NoSigpipe() {
-    sigemptyset(&pipe_);
-    sigaddset(&pipe_, SIGPIPE);
-    sigset_t pending;
-    sigpending(&pending);
-    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
-    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+// One connection's part of an exchange: the bytes to send, the replies.
+struct Link {
+  Conn* k = nullptr;
+  std::string out;
+  size_t sent = 0;
+  size_t hello = 0;  // leading replies that answer AUTH/SELECT on a new connection
+  size_t want = 0;   // replies expected, hello's included
+  std::vector<RedisReply> got;
+  enum class St { kResolve, kConnect, kTalk, kDone, kFailed } st = St::kTalk;
+  std::shared_ptr<Resolution> res;
+  std::vector<Addr> addrs;
+  size_t next = 0;          // the address being tried
+  std::string connect_why;  // the last address's failure
+  std::string why;          // kFailed: what went wrong, naming the server
+  void add(const RedisCommand& c) {
+    append_command(out, c);
+    ++want;
   }
-  ~NoSigpipe() {
-    if (!was_pending_) {
-      sigset_t pending;
-      sigpending(&pending);
-      if (sigismember(&pending, SIGPIPE) == 1) {
-        const timespec zero{0, 0};
-        (void)sigtimedwait(&pipe_, nullptr, &zero);
-      }
-    }
-    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-
- private:
-  sigset_t pipe_, old_;
-  bool was_pending_ = false;
 };
+
+// A resolved name is used this long, then renewed in the background (the
+// old addresses serve meanwhile): a connection attempt never waits on DNS
+// once a name has resolved, and a moved server is found within a minute.
+constexpr auto kDnsReuse = std::chrono::seconds(60);
+// While a name resolves, the exchange checks for the answer this often.
+constexpr auto kResolvePoll = milliseconds(5);
+// Cluster map refreshes ask this many nodes at once.
+constexpr size_t kRefreshFanout = 16;
 
 }  // namespace
 
@@ -131,12 +258,19 @@ struct Redis::Impl {
   std::vector<int16_t> slot_node;  // cluster: slot -> index in `nodes`, -1 unknown
   std::vector<Endpoint> nodes;
   bool map_stale = true;
+  size_t refresh_turn = 0;  // which nodes a refresh asks first: turns round
   Clock::time_point down_until{};
   std::string down_why;
-  std::atomic<uint64_t> redirects{0}, refreshes{0};  // read by stats() from other threads
+  int budget_ms = 0;  // the current call's deadline, in ms from its start (for messages)
+  struct Dns {
+    std::shared_ptr<Resolution> good, pending;
+  };
+  std::map<Endpoint, Dns> dns;
+  std::vector<char> buf = std::vector<char>(256 * 1024);  // what one recv() reads at most
+  std::atomic<uint64_t> redirects{0}, refreshes{0};       // read by stats() from other threads
 
   [[noreturn]] void down(const std::string& why) {
-    down_until = Clock::now() + std::chrono::milliseconds(opt.retry_ms);
+    down_until = Clock::now() + milliseconds(opt.retry_ms);
     down_why = why;
     map_stale = true;
     throw RedisDown("redis " + describe() + ": " + why);
@@ -149,70 +283,249 @@ struct Redis::Impl {
     return s;
   }
 
-  // A connected context for `e`; throws RedisDown when it cannot connect.
+  void close_all() {
+    for (auto& [e, k] : conns) k->close();
+  }
+
+  // The connection to `e`, closed first when it has something to read
+  // between exchanges: the server closed it (idle timeout) or sent what no
+  // command asked for; either way it is not to be trusted with the next
+  // exchange's replies.
   Conn& conn(const Endpoint& e) {
     auto& p = conns[e];
     if (!p) p = std::make_unique<Conn>();
-    Conn& k = *p;
-    k.at = e;
-    if (k.c) return k;
-    k.c = redisConnectWithTimeout(e.host.c_str(), e.port, tv_of(opt.connect_timeout_ms));
-    if (!k.c || k.c->err) {
-      const std::string why = k.c ? k.c->errstr : "out of memory";
-      k.close();
-      down(e.str() + ": cannot connect: " + why);
+    p->at = e;
+    if (p->fd >= 0) {
+      pollfd f{p->fd, POLLIN, 0};
+      if (::poll(&f, 1, 0) != 0) p->close();
     }
-    redisSetTimeout(k.c, tv_of(opt.timeout_ms));
-    std::vector<RedisCommand> hello;
-    if (!password.empty()) hello.push_back(user.empty() ? RedisCommand{"AUTH", password} : RedisCommand{"AUTH", user, password});
-    if (db != 0) hello.push_back({"SELECT", std::to_string(db)});
-    if (!hello.empty()) {
-      const auto r = exchange(k, hello);
-      for (const RedisReply& x : r)
-        if (!x.ok()) {
-          k.close();
-          throw RedisError("redis " + e.str() + ": " + x.str);
-        }
+    return *p;
+  }
+  // A link on `k`; AUTH and SELECT go first when it is not connected yet.
+  Link link(Conn& k) {
+    Link l;
+    l.k = &k;
+    if (k.fd < 0) {
+      if (!password.empty()) l.add(user.empty() ? RedisCommand{"AUTH", password} : RedisCommand{"AUTH", user, password});
+      if (db != 0) l.add({"SELECT", std::to_string(db)});
+      l.hello = l.want;
     }
-    return k;
+    return l;
   }
 
-  // Sends a pipeline on one connection and reads every reply.
-  std::vector<RedisReply> exchange(Conn& k, const std::vector<RedisCommand>& cmds) {
-    send(k, cmds);
-    return receive(k, cmds.size());
-  }
-  void send(Conn& k, const std::vector<RedisCommand>& cmds) {
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const RedisCommand& c : cmds) {
-      argv.clear();
-      lens.clear();
-      for (const std::string& a : c) {
-        argv.push_back(a.data());
-        lens.push_back(a.size());
-      }
-      if (redisAppendCommandArgv(k.c, int(argv.size()), argv.data(), lens.data()) != REDIS_OK) {
-        const std::string why = k.c->errstr;
-        k.close();
-        down(k.at.str() + ": " + why);
+  // Addresses for `e`: at once for a numeric address or a name resolved
+  // before (the last good answer, renewed in the background after
+  // kDnsReuse), else a resolution in progress (one per name at a time).
+  std::shared_ptr<Resolution> resolve(const Endpoint& e) {
+    if (auto r = numeric(e)) return r;
+    Dns& d = dns[e];
+    std::shared_ptr<Resolution> failed;
+    if (d.pending) {
+      std::unique_lock<std::mutex> g(d.pending->mu);
+      if (d.pending->done) {
+        auto r = std::move(d.pending);
+        g.unlock();
+        (r->error.empty() ? d.good : failed) = std::move(r);
       }
     }
+    const Clock::time_point now = Clock::now();
+    if (!d.pending && !failed && (!d.good || now - d.good->at > kDnsReuse)) d.pending = start_resolving(e);
+    if (d.good) return d.good;
+    return failed ? failed : d.pending;
   }
-  std::vector<RedisReply> receive(Conn& k, size_t n) {
-    std::vector<RedisReply> out;
-    out.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      void* r = nullptr;
-      if (redisGetReply(k.c, &r) != REDIS_OK || !r) {
-        const std::string why = k.c->err ? k.c->errstr : "no reply";
-        k.close();  // the stream is out of step now: a fresh connection next time
-        down(k.at.str() + ": " + why);
+
+  void fail(Link& l, const std::string& why) {
+    l.st = Link::St::kFailed;
+    l.why = l.k->at.str() + ": " + why;
+    l.k->close();
+  }
+  void connected(Link& l) {
+    const int one = 1;
+    (void)setsockopt(l.k->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // a pipeline is written at once: no Nagle wait for the tail
+    l.k->rd = redisReaderCreate();
+    if (!l.k->rd) return fail(l, "out of memory");
+    l.st = Link::St::kTalk;
+  }
+  void try_connect(Link& l) {
+    for (; l.next < l.addrs.size(); ++l.next) {
+      const Addr& a = l.addrs[l.next];
+      const int fd = ::socket(a.sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        l.connect_why = errno_text(errno);
+        continue;
       }
-      out.push_back(convert(static_cast<redisReply*>(r)));
+      if (::connect(fd, reinterpret_cast<const sockaddr*>(&a.sa), a.len) == 0 || errno == EINPROGRESS) {
+        l.k->fd = fd;
+        l.st = Link::St::kConnect;
+        return;
+      }
+      l.connect_why = errno_text(errno);
+      ::close(fd);
+    }
+    fail(l, "cannot connect: " + l.connect_why);
+  }
+  void resolved(Link& l) {
+    {
+      std::lock_guard<std::mutex> g(l.res->mu);
+      if (!l.res->done) return;
+      if (!l.res->error.empty()) return fail(l, "cannot resolve '" + l.k->at.host + "': " + l.res->error);
+      l.addrs = l.res->addrs;
+    }
+    l.res.reset();
+    try_connect(l);
+  }
+  // Parses what arrived; kDone when every reply is in and nothing else.
+  void parse(Link& l) {
+    while (l.got.size() < l.want) {
+      void* r = nullptr;
+      if (redisReaderGetReply(l.k->rd, &r) != REDIS_OK) return fail(l, std::string("reply does not parse: ") + l.k->rd->errstr);
+      if (!r) return;
+      l.got.push_back(convert(static_cast<const redisReply*>(r)));
       freeReplyObject(r);
     }
-    return out;
+    if (l.k->rd->pos < l.k->rd->len) return fail(l, "more bytes than replies: the connection is out of step");
+    for (size_t i = 0; i < l.hello; ++i)
+      if (!l.got[i].ok()) return fail(l, (i == 0 && !password.empty() ? "AUTH: " : "SELECT: ") + l.got[i].str);
+    l.got.erase(l.got.begin(), l.got.begin() + std::ptrdiff_t(l.hello));
+    l.st = Link::St::kDone;
+  }
+  void talk(Link& l, short revents) {
+    if ((revents & POLLOUT) && l.sent < l.out.size()) {
+      const ssize_t w = ::send(l.k->fd, l.out.data() + l.sent, l.out.size() - l.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w >= 0)
+        l.sent += size_t(w);
+      else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        return fail(l, "send: " + errno_text(errno));
+    }
+    if (!(revents & (POLLIN | POLLERR | POLLHUP))) return;
+    // A few reads per wake-up, so that one fast server does not keep the
+    // others (and the deadline check) waiting.
+    for (int i = 0; i < 16 && l.st == Link::St::kTalk; ++i) {
+      const ssize_t n = ::recv(l.k->fd, buf.data(), buf.size(), MSG_DONTWAIT);
+      if (n > 0) {
+        if (redisReaderFeed(l.k->rd, buf.data(), size_t(n)) != REDIS_OK) return fail(l, "out of memory reading a reply");
+        parse(l);
+        if (size_t(n) < buf.size()) return;
+        continue;
+      }
+      if (n == 0)
+        return fail(l, "the server closed the connection (" + std::to_string(l.got.size()) + " of " + std::to_string(l.want) + " replies read)");
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno != EINTR) return fail(l, "recv: " + errno_text(errno));
+    }
+  }
+  // Why a link that is still busy at its deadline failed.
+  static std::string late(const Link& l, int budget) {
+    const std::string ms = std::to_string(budget) + " ms";
+    switch (l.st) {
+      case Link::St::kResolve: return "cannot resolve '" + l.k->at.host + "' within " + ms;
+      case Link::St::kConnect: return "cannot connect within " + ms;
+      default:
+        if (l.sent < l.out.size()) return "cannot send the commands within " + ms;
+        return "no complete answer within " + ms + " (" + std::to_string(l.got.size()) + " of " + std::to_string(l.want) + " replies)";
+    }
+  }
+
+  // Runs the links' exchanges at once, to `deadline`. All of them must
+  // succeed (`good` empty): else every link's connection is closed and
+  // RedisDown thrown. Or the first whose replies are `good` wins: its
+  // index is returned (-1: none), and the links still talking are closed.
+  int pump(std::vector<Link>& ls, Clock::time_point deadline, const std::function<bool(const Link&)>& good = {}) {
+    const Clock::time_point connect_by = std::min(deadline, Clock::now() + milliseconds(opt.connect_timeout_ms));
+    for (Link& l : ls)
+      if (l.k->fd < 0) {
+        l.st = Link::St::kResolve;
+        l.res = resolve(l.k->at);
+      }
+    std::vector<pollfd> pfd;
+    std::vector<size_t> who;
+    for (;;) {
+      for (Link& l : ls)
+        if (l.st == Link::St::kResolve) resolved(l);
+      size_t done = 0, failed = 0;
+      const Link* first_failed = nullptr;
+      for (size_t i = 0; i < ls.size(); ++i) {
+        if (ls[i].st == Link::St::kDone) {
+          if (good && good(ls[i])) {
+            for (Link& l : ls)
+              if (l.st != Link::St::kDone) l.k->close();
+            return int(i);
+          }
+          ++done;
+        } else if (ls[i].st == Link::St::kFailed) {
+          ++failed;
+          if (!first_failed) first_failed = &ls[i];
+        }
+      }
+      if (!good && first_failed) {
+        for (Link& l : ls) l.k->close();
+        down(first_failed->why);
+      }
+      if (done + failed == ls.size()) return good ? -1 : int(ls.size());
+      const Clock::time_point now = Clock::now();
+      bool waiting_dns = false, connecting = false, late_ones = false;
+      for (Link& l : ls) {
+        if (l.st == Link::St::kDone || l.st == Link::St::kFailed) continue;
+        if (now >= deadline || (l.st != Link::St::kTalk && now >= connect_by)) {
+          fail(l, late(l, now >= deadline ? budget_ms : opt.connect_timeout_ms));
+          late_ones = true;
+          continue;
+        }
+        waiting_dns |= l.st == Link::St::kResolve;
+        connecting |= l.st != Link::St::kTalk;
+      }
+      if (late_ones) continue;
+      pfd.clear();
+      who.clear();
+      for (size_t i = 0; i < ls.size(); ++i) {
+        const Link& l = ls[i];
+        if (l.st == Link::St::kConnect) {
+          pfd.push_back({l.k->fd, POLLOUT, 0});
+        } else if (l.st == Link::St::kTalk) {
+          pfd.push_back({l.k->fd, short(POLLIN | (l.sent < l.out.size() ? POLLOUT : 0)), 0});
+        } else {
+          continue;
+        }
+        who.push_back(i);
+      }
+      Clock::duration wait = (connecting ? std::min(deadline, connect_by) : deadline) - now;
+      if (waiting_dns) wait = std::min<Clock::duration>(wait, kResolvePoll);
+      const long long wait_ms = std::max<long long>(0, (std::chrono::duration_cast<std::chrono::microseconds>(wait).count() + 999) / 1000);
+      const int n = ::poll(pfd.data(), nfds_t(pfd.size()), int(wait_ms));
+      if (n < 0 && errno != EINTR) {
+        for (size_t j : who) fail(ls[j], "poll: " + errno_text(errno));
+        continue;
+      }
+      for (size_t j = 0; n > 0 && j < pfd.size(); ++j) {
+        if (!pfd[j].revents) continue;
+        Link& l = ls[who[j]];
+        if (l.st == Link::St::kConnect) {
+          int err = 0;
+          socklen_t len = sizeof err;
+          if (getsockopt(l.k->fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+          if (err == 0) {
+            connected(l);
+            continue;
+          }
+          l.connect_why = errno_text(err);
+          ::close(l.k->fd);
+          l.k->fd = -1;
+          ++l.next;
+          try_connect(l);
+        } else {
+          talk(l, pfd[j].revents);
+        }
+      }
+    }
+  }
+
+  // One pipeline to one server.
+  std::vector<RedisReply> exchange(const Endpoint& e, const std::vector<RedisCommand>& cmds, Clock::time_point deadline) {
+    std::vector<Link> ls;
+    ls.push_back(link(conn(e)));
+    for (const RedisCommand& c : cmds) ls[0].add(c);
+    pump(ls, deadline);
+    return std::move(ls[0].got);
   }
 
   // ---------------------------------------------------------------- cluster
@@ -223,57 +536,54 @@ struct Redis::Impl {
     return int(nodes.size() - 1);
   }
 
-  // CLUSTER SLOTS from the first node that answers (known nodes, then seeds).
-  void refresh_map() {
-    std::vector<Endpoint> ask = nodes;
-    for (const Endpoint& s : seeds) ask.push_back(s);
-    std::string why = "no node to ask";
+  // CLUSTER SLOTS from the first node that answers: up to kRefreshFanout
+  // of the known nodes and seeds asked at once (a frozen node costs no more
+  // than a live one), starting at a different one each time.
+  void refresh_map(Clock::time_point deadline) {
+    std::vector<Endpoint> ask;
+    for (const auto* list : {&nodes, &seeds})
+      for (const Endpoint& e : *list)
+        if (std::find(ask.begin(), ask.end(), e) == ask.end()) ask.push_back(e);
+    if (ask.empty()) down("no node to ask for the cluster's slot map");
+    std::rotate(ask.begin(), ask.begin() + std::ptrdiff_t(refresh_turn++ % ask.size()), ask.end());
+    if (ask.size() > kRefreshFanout) ask.resize(kRefreshFanout);
+    std::vector<Link> ls;
     for (const Endpoint& e : ask) {
-      RedisReply r;
-      try {
-        r = exchange(conn(e), {{"CLUSTER", "SLOTS"}}).at(0);
-      } catch (const RedisDown& x) {
-        why = x.what();
-        down_until = {};  // try the next node now
-        continue;
-      }
-      if (r.type != RedisReply::Type::kArray) {
-        why = e.str() + ": CLUSTER SLOTS: " + (r.ok() ? "not an array" : r.str);
-        continue;
-      }
-      std::vector<int16_t> map(16384, -1);
-      for (const RedisReply& range : r.elements) {
-        if (range.elements.size() < 3 || range.elements[2].elements.size() < 2) continue;
-        const long long a = range.elements[0].integer, b = range.elements[1].integer;
-        Endpoint m;
-        m.host = range.elements[2].elements[0].str;
-        m.port = int(range.elements[2].elements[1].integer);
-        if (m.host.empty() || m.host == "?") m.host = e.host;  // a node that does not know its own address
-        const int idx = node_index(m);
-        for (long long s = std::max(0LL, a); s <= std::min(16383LL, b); ++s) map[size_t(s)] = int16_t(idx);
-      }
-      slot_node = std::move(map);
-      map_stale = false;
-      ++refreshes;
-      return;
+      ls.push_back(link(conn(e)));
+      ls.back().add({"CLUSTER", "SLOTS"});
     }
-    down("cannot read the cluster's slot map: " + why);
+    const int w = pump(ls, deadline, [](const Link& l) { return l.got.size() == 1 && l.got[0].type == RedisReply::Type::kArray; });
+    if (w < 0) {
+      std::string why;
+      for (const Link& l : ls)
+        why += (why.empty() ? "" : "; ") +
+               (l.st == Link::St::kDone ? l.k->at.str() + ": CLUSTER SLOTS: " + (l.got.at(0).ok() ? "not an array" : l.got.at(0).str) : l.why);
+      down("cannot read the cluster's slot map: " + why);
+    }
+    const Endpoint from = ls[size_t(w)].k->at;
+    std::vector<int16_t> map(16384, -1);
+    for (const RedisReply& range : ls[size_t(w)].got[0].elements) {
+      if (range.elements.size() < 3 || range.elements[2].elements.size() < 2) continue;
+      const long long a = range.elements[0].integer, b = range.elements[1].integer, port = range.elements[2].elements[1].integer;
+      if (port < 1 || port > 65535) continue;
+      Endpoint m;
+      m.host = range.elements[2].elements[0].str;
+      m.port = int(port);
+      // "" or "?": a node that does not know its address, or Redis 7's
+      // unknown-endpoint mode; the address this client reached the cluster at.
+      if (m.host.empty() || m.host == "?") m.host = from.host;
+      const int idx = node_index(m);
+      for (long long s = std::max(0LL, a); s <= std::min(16383LL, b); ++s) map[size_t(s)] = int16_t(idx);
+    }
+    slot_node = std::move(map);
+    map_stale = false;
+    ++refreshes;
   }
 
   // Follows MOVED/ASK up to this many times per command before giving up.
   static constexpr int kMaxRedirects = 5;
 
-  std::vector<RedisReply> run_cluster(const std::vector<RedisCommand>& cmds) {
-    try {
-      return route(cmds);
-    } catch (const RedisDown&) {
-      // Pipelines sent to other nodes may wait unread: start every
-      // connection afresh rather than read a stale reply later.
-      for (auto& [e, k] : conns) k->close();
-      throw;
-    }
-  }
-  std::vector<RedisReply> route(const std::vector<RedisCommand>& cmds) {
+  std::vector<RedisReply> route(const std::vector<RedisCommand>& cmds, Clock::time_point deadline) {
     std::vector<RedisReply> out(cmds.size());
     struct Todo {
       size_t i;
@@ -291,7 +601,7 @@ struct Redis::Impl {
         }
         break;
       }
-      if (map_stale) refresh_map();
+      if (map_stale) refresh_map(deadline);
       // Group by node, keeping each node's commands in their order.
       std::map<Endpoint, std::vector<Todo>> by;
       for (const Todo& t : todo) {
@@ -307,41 +617,35 @@ struct Redis::Impl {
         }
         by[e].push_back(t);
       }
-      // Send everything, then read: the nodes work in parallel.
-      std::vector<std::pair<Conn*, std::vector<Todo>*>> sent;
-      for (auto& [e, ts] : by) {
-        Conn& k = conn(e);
-        std::vector<RedisCommand> batch;
+      // Every node's pipeline at once, all of each read before any reply is
+      // looked at: a redirect never leaves another node's replies unread.
+      std::vector<Link> ls;
+      std::vector<const std::vector<Todo>*> whose;
+      for (const auto& [e, ts] : by) {
+        ls.push_back(link(conn(e)));
         for (const Todo& t : ts) {
-          if (t.asking) batch.push_back({"ASKING"});
-          batch.push_back(cmds[t.i]);
+          if (t.asking) ls.back().add({"ASKING"});
+          ls.back().add(cmds[t.i]);
         }
-        send(k, batch);
-        sent.push_back({&k, &ts});
+        whose.push_back(&ts);
       }
+      pump(ls, deadline);
       std::vector<Todo> again;
-      for (auto& [k, ts] : sent) {
-        size_t n = 0;
-        for (const Todo& t : *ts) n += t.asking ? 2 : 1;
-        std::vector<RedisReply> rs = receive(*k, n);
+      for (size_t j = 0; j < ls.size(); ++j) {
         size_t at = 0;
-        for (const Todo& t : *ts) {
+        for (const Todo& t : *whose[j]) {
           if (t.asking) ++at;  // ASKING's +OK
-          RedisReply& r = rs[at++];
-          if (r.type == RedisReply::Type::kError && (r.str.rfind("MOVED ", 0) == 0 || r.str.rfind("ASK ", 0) == 0)) {
-            // "MOVED <slot> <host>:<port>" / "ASK <slot> <host>:<port>"
-            const bool moved = r.str[0] == 'M';
-            const size_t sp2 = r.str.find(' ', r.str.find(' ') + 1);
-            Endpoint to = parse_hostport(r.str.substr(sp2 + 1), "redis cluster redirect");
-            if (to.host.empty()) to.host = k->at.host;
+          RedisReply& r = ls[j].got[at++];
+          const bool moved = r.str.rfind("MOVED ", 0) == 0;
+          long slot = -1;
+          Endpoint to;
+          if (r.type == RedisReply::Type::kError && (moved || r.str.rfind("ASK ", 0) == 0) && parse_redirect(r.str, ls[j].k->at, slot, to)) {
             ++redirects;
-            Todo n2{t.i, !moved, to, true};
             if (moved) {
-              const long slot = std::strtol(r.str.c_str() + 6, nullptr, 10);
-              if (slot >= 0 && slot < 16384) slot_node[size_t(slot)] = int16_t(node_index(to));
+              slot_node[size_t(slot)] = int16_t(node_index(to));
               map_stale = true;  // the topology changed: read it again before the next round
             }
-            again.push_back(n2);
+            again.push_back(Todo{t.i, !moved, to, true});
             continue;
           }
           out[t.i] = std::move(r);
@@ -350,6 +654,45 @@ struct Redis::Impl {
       todo = std::move(again);
     }
     return out;
+  }
+
+  std::vector<std::pair<std::string, RedisReply>> each(const RedisCommand& cmd, Clock::time_point deadline) {
+    std::vector<Endpoint> to;
+    if (!is_cluster) {
+      to.push_back(seeds[0]);
+    } else {
+      if (map_stale) refresh_map(deadline);
+      std::set<int16_t> owners(slot_node.begin(), slot_node.end());
+      for (int16_t n : owners)
+        if (n >= 0) to.push_back(nodes[size_t(n)]);
+    }
+    std::vector<Link> ls;
+    for (const Endpoint& e : to) {
+      ls.push_back(link(conn(e)));
+      ls.back().add(cmd);
+    }
+    pump(ls, deadline);
+    std::vector<std::pair<std::string, RedisReply>> out;
+    for (Link& l : ls) out.emplace_back(l.k->at.str(), std::move(l.got.at(0)));
+    return out;
+  }
+
+  // The common frame of a call: fail fast while down, one deadline, and
+  // any failure leaves no connection that could hold an unread reply.
+  template <class F>
+  auto call(int timeout_ms, F&& f) {
+    if (Clock::now() < down_until) throw RedisDown("redis " + describe() + ": down (" + down_why + "); retrying later");
+    budget_ms = timeout_ms > 0 ? timeout_ms : opt.timeout_ms;
+    const Clock::time_point deadline = Clock::now() + milliseconds(budget_ms);
+    try {
+      return f(deadline);
+    } catch (const RedisDown&) {
+      close_all();
+      throw;
+    } catch (const std::exception& x) {  // out of memory, say: the streams may be out of step
+      close_all();
+      down(x.what());
+    }
   }
 };
 
@@ -418,13 +761,16 @@ Redis::Redis(const RedisOptions& opt) : impl_(std::make_unique<Impl>()) {
 
 Redis::~Redis() = default;
 
-std::vector<RedisReply> Redis::run(const std::vector<RedisCommand>& cmds) {
+std::vector<RedisReply> Redis::run(const std::vector<RedisCommand>& cmds, int timeout_ms) {
   Impl& I = *impl_;
   if (cmds.empty()) return {};
-  NoSigpipe no_sigpipe;
-  if (Clock::now() < I.down_until) throw RedisDown("redis " + I.describe() + ": down (" + I.down_why + "); retrying later");
-  if (I.is_cluster) return I.run_cluster(cmds);
-  return I.exchange(I.conn(I.seeds[0]), cmds);
+  return I.call(timeout_ms,
+                [&](Clock::time_point deadline) { return I.is_cluster ? I.route(cmds, deadline) : I.exchange(I.seeds[0], cmds, deadline); });
+}
+
+std::vector<std::pair<std::string, RedisReply>> Redis::run_each(const RedisCommand& cmd, int timeout_ms) {
+  Impl& I = *impl_;
+  return I.call(timeout_ms, [&](Clock::time_point deadline) { return I.each(cmd, deadline); });
 }
 
 std::string Redis::describe() const {

@@ -4,11 +4,15 @@
 // entry whose last full chunk is c_j (c_0: the salt) to its tokens after
 // that chunk. A lookup is one round trip (which chunks exist, the indexes
 // along the prompt), a fetch one more; a put four (the worker's thread).
-// Two connections: a take never waits behind the worker's writes. A Redis
-// that is down, a missing or damaged value: a miss or a shorter match,
-// never an error (counted, logged once per outage).
+// Two connections: a take never waits behind the worker's writes, and each
+// has its deadline (a take's short, it holds the caller; the worker's
+// longer). Every key expires after redis_ttl_s, renewed by the hits and
+// puts that use it. A Redis that is down or slow, a missing or damaged
+// value: a miss or a shorter match, never an error (counted, logged once
+// per outage).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <mutex>
 
 #include "core/util.h"
@@ -58,27 +62,44 @@ void check(std::span<const RedisReply> r, const char* what) {
 // Fields one index hash keeps at most: a lookup reads every field of the
 // levels it visits (up to ~1.5 KB each at chunk 256 + window 128), so a
 // chunk that thousands of short chats share (a system prompt) must not make
-// every lookup read megabytes. The oldest go first; their entries stay
-// reachable through their chunks until LRU evicts them.
+// every lookup read megabytes. The oldest go first, and their entries with
+// them (no lookup could find them again); their chunks are shared and age
+// out by TTL or LRU.
 constexpr size_t kIndexFieldsMax = 32;
+// What an entry holds besides its tail's K/V bytes, at most: the .kvse
+// header (its JSON names every chunk key, ~70 bytes each) and the
+// containers' own; for a fetch's deadline only (64 KB: 0.6 ms at 100 MiB/s).
+constexpr uint64_t kEntryOverhead = 65536;
 
 class RedisTier final : public Tier {
  public:
   explicit RedisTier(const TierContext& ctx) : ctx_(ctx) {
+    const StoreOptions& o = ctx.opt;
+    require(o.redis_lookup_timeout_ms > 0 && o.redis_timeout_ms > 0 && o.redis_connect_timeout_ms > 0 && o.redis_retry_ms >= 0,
+            "redis: redis_lookup_timeout_ms, redis_timeout_ms and redis_connect_timeout_ms must be positive, redis_retry_ms not negative");
+    require(o.redis_min_mib_s > 0, "redis: redis_min_mib_s must be positive");
+    require(o.redis_ttl_s >= 0, "redis: redis_ttl_s must not be negative (0: keys never expire)");
     detail::RedisOptions ro;
-    ro.url = ctx.opt.redis_url;
-    ro.cluster = ctx.opt.redis_cluster;
-    ro.connect_timeout_ms = ctx.opt.redis_connect_timeout_ms;
-    ro.timeout_ms = ctx.opt.redis_timeout_ms;
-    ro.retry_ms = ctx.opt.redis_retry_ms;
+    ro.url = o.redis_url;
+    ro.cluster = o.redis_cluster;
+    ro.connect_timeout_ms = o.redis_connect_timeout_ms;
+    ro.retry_ms = o.redis_retry_ms;
+    ro.timeout_ms = o.redis_lookup_timeout_ms;
     take_ = std::make_unique<detail::Redis>(ro);  // Error on a malformed URL: refused at start
+    ro.timeout_ms = o.redis_timeout_ms;
     put_ = std::make_unique<detail::Redis>(ro);
     where_ = take_->describe();
+    if (o.redis_ttl_s > 0) ttl_ = std::to_string(o.redis_ttl_s);
+    for (const BlockGeometry& b : ctx.codec->geometry().blocks) raw_per_token_ += 4ull * b.features();  // K and V, f16
+    // The memory settings, on the worker's connection and deadline (a
+    // start, not a take); then the take's connection is opened, so that the
+    // first take does not pay for it. Neither is fatal: retried later.
+    std::lock_guard<std::mutex> pg(put_mu_);
+    if (!check_config()) return;
+    std::lock_guard<std::mutex> tg(take_mu_);
     try {
       check(take_->run({{"PING"}}), "PING");
-      std::lock_guard<std::mutex> g(mu_);
-      fine();
-    } catch (const std::exception& x) {  // not fatal: retried later
+    } catch (const std::exception& x) {
       std::lock_guard<std::mutex> g(mu_);
       failed(x.what());
     }
@@ -98,17 +119,23 @@ class RedisTier final : public Tier {
     const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(K));
     std::vector<Candidate> out;
     try {
+      // STRLEN: whether each chunk is there, and its size (a fetch's
+      // deadline allows for its bytes); 0 when it is not.
       std::vector<RedisCommand> q;
-      for (size_t i = 0; i < K; ++i) q.push_back({"EXISTS", rkey('c', keys[i])});
+      for (size_t i = 0; i < K; ++i) q.push_back({"STRLEN", rkey('c', keys[i])});
       for (size_t j = 0; j <= K; ++j) q.push_back({"HGETALL", rkey('x', level_key(keys, j))});
       const auto r = take_->run(q);
-      // EXISTS cannot fail but for the connection (NOAUTH, LOADING): Redis
-      // is not usable. An index of the wrong type reads as empty.
-      check(std::span(r).first(K), "EXISTS");
+      // STRLEN cannot fail but for the connection (NOAUTH, LOADING): Redis
+      // is not usable; or for a value of the wrong type, counted as there
+      // (the fetch's GET finds it and drops it). An index of the wrong type
+      // reads as empty.
+      for (size_t i = 0; i < K; ++i)
+        if (!r[i].ok() && r[i].str.rfind("WRONGTYPE", 0) != 0) throw detail::RedisError("STRLEN: " + r[i].str);
+      std::vector<uint64_t> upto(1, 0);  // bytes of the chunks before each level
       size_t run = 0;
-      while (run < K && r[run].integer == 1) ++run;
+      while (run < K && (!r[run].ok() || r[run].integer > 0)) upto.push_back(upto.back() + uint64_t(std::max(0LL, r[run++].integer)));
       const double ms = ms_since(t0);
-      out.push_back({run * C, 1.0f, "", run, ms});
+      out.push_back({run * C, 1.0f, "", run, ms, upto[run]});
       for (size_t j = 0; j <= run; ++j) {
         const auto& h = r[K + j].elements;
         const auto rest = tokens.subspan(j * C);
@@ -116,11 +143,13 @@ class RedisTier final : public Tier {
           const std::string& v = h[f + 1].str;
           if (!index_value_ok(v)) continue;
           const size_t lcp = j * C + value_prefix(v, rest), whole = j * C + index_tokens(v);
-          out.push_back({lcp, float(lcp) / float(whole), h[f].str, j, ms});
+          // The entry: its tokens as int32 and its tail, raw at most.
+          const uint64_t entry = kEntryOverhead + 4 * whole + raw_per_token_ * index_tokens(v);
+          out.push_back({lcp, float(lcp) / float(whole), h[f].str, j, ms, upto[j] + entry});
         }
       }
       account(t0, true, "");
-    } catch (const detail::RedisError& x) {
+    } catch (const std::exception& x) {
       account(t0, false, x.what());
       out.clear();
     }
@@ -140,17 +169,33 @@ class RedisTier final : public Tier {
     try {
       const bool want_tail = !c.entry.empty() && n > c.level * C;
       const size_t need = std::min<size_t>((n + C - 1) / C, c.level);
+      // A hit renews what it reads: each GET is followed by an EXPIRE in
+      // the same pipeline (GETEX needs Redis 6.2), and the entry's index
+      // hash with its entry. Still one round trip.
       std::vector<RedisCommand> q;
-      for (size_t i = 0; i < need; ++i) q.push_back({"GET", rkey('c', keys[i])});
-      if (want_tail) q.push_back({"GET", rkey('e', c.entry)});
-      auto r = take_->run(q);
-      f.ms += ms_since(t0);  // both round trips, before any decoding
+      std::vector<std::string> names;  // the GETs' keys, in order
+      std::vector<size_t> at;          // and their places in q
+      auto get = [&](const std::string& key) {
+        at.push_back(q.size());
+        q.push_back({"GET", key});
+        names.push_back(key);
+        if (!ttl_.empty()) q.push_back({"EXPIRE", key, ttl_});
+      };
+      for (size_t i = 0; i < need; ++i) get(rkey('c', keys[i]));
+      if (want_tail) {
+        get(rkey('e', c.entry));
+        if (!ttl_.empty()) q.push_back({"EXPIRE", rkey('x', level_key(keys, c.level)), ttl_});
+      }
+      auto all = take_->run(q, deadline_ms(ctx_.opt.redis_lookup_timeout_ms, c.bytes));
+      f.ms += ms_since(t0);       // both round trips, before any decoding
+      std::vector<RedisReply> r;  // the GETs' replies
+      for (size_t i : at) r.push_back(std::move(all[i]));
       for (size_t i = 0; i < r.size(); ++i) {
         f.bytes += r[i].str.size();
         if (r[i].type != RedisReply::Type::kString && r[i].type != RedisReply::Type::kNil) {
           // Not ours (WRONGTYPE): a miss; the key is cleared for the next writer.
-          ctx_.log("kvtc store: dropped a Redis value that is not a string: " + q[i][1] + ": " + r[i].str);
-          drop.push_back({"DEL", q[i][1]});
+          ctx_.log("kvtc store: dropped a Redis value that is not a string: " + names[i] + ": " + r[i].str);
+          drop.push_back({"DEL", names[i]});
           r[i] = RedisReply{};
         }
       }
@@ -191,7 +236,7 @@ class RedisTier final : public Tier {
       f.whole = f.tail && have == c.level;
       finish(drop, missing, corrupt, f.bytes, ms_since(t0), true, "");
       return f;
-    } catch (const detail::RedisError& x) {  // down or failing: nothing restored, and no second lookup
+    } catch (const std::exception& x) {  // down, late or failing: nothing restored, and no second lookup
       finish(drop, missing, corrupt, f.bytes, ms_since(t0), false, x.what());
       return Fetched{};
     }
@@ -222,32 +267,46 @@ class RedisTier final : public Tier {
     const uint32_t C = ctx_.scheme->chunk_tokens();
     const size_t m = p.chunks.size(), n = p.tokens.size();
     uint64_t chunks = 0, bytes = 0, dropped = 0;
+    if (!check_config()) return;  // Redis is not answering (counted, logged)
     try {
       const Bytes ef_own = c.entry_file ? Bytes() : ctx_.scheme->entry_file(p, *c.tail);
       const Bytes& ef = c.entry_file ? *c.entry_file : ef_own;
-      // 1: which chunks are there (TOUCH refreshes their LRU clock too), and
-      // the entries that may be prefixes of this prompt.
+      const int base = ctx_.opt.redis_timeout_ms;
+      // SET with the TTL, when there is one.
+      auto set = [&](std::string key, const Bytes& v) {
+        RedisCommand x{"SET", std::move(key), std::string(v.begin(), v.end())};
+        if (!ttl_.empty()) x.insert(x.end(), {"EX", ttl_});
+        return x;
+      };
+      // 1: which chunks are there, and the entries that may be prefixes of
+      // this prompt. EXPIRE answers 1 for a key that is there and renews
+      // its TTL (a system prompt's chunks live as long as chats use them)
+      // and its LRU clock; without a TTL, TOUCH does the latter.
       std::vector<RedisCommand> q;
-      for (size_t i = 0; i < m; ++i) q.push_back({"TOUCH", rkey('c', p.chunks[i])});
+      for (size_t i = 0; i < m; ++i)
+        q.push_back(ttl_.empty() ? RedisCommand{"TOUCH", rkey('c', p.chunks[i])} : RedisCommand{"EXPIRE", rkey('c', p.chunks[i]), ttl_});
       for (size_t j = 0; j <= m; ++j) q.push_back({"HGETALL", rkey('x', level_key(p.chunks, j))});
       const auto r = put_->run(q);
-      check(std::span(r).first(m), "TOUCH");
+      check(std::span(r).first(m), ttl_.empty() ? "TOUCH" : "EXPIRE");
       // 2: the missing chunks.
       q.clear();
+      uint64_t chunk_bytes = 0;
       for (size_t i = 0; i < m; ++i)
         if (r[i].integer == 0) {
-          q.push_back({"SET", rkey('c', p.chunks[i]), std::string(c.chunks[i]->begin(), c.chunks[i]->end())});
-          bytes += c.chunks[i]->size();
+          q.push_back(set(rkey('c', p.chunks[i]), *c.chunks[i]));
+          chunk_bytes += c.chunks[i]->size();
           ++chunks;
         }
-      check(put_->run(q), "SET chunk");
+      check(put_->run(q, deadline_ms(base, chunk_bytes)), "SET chunk");
       // 3: the entry.
-      check(put_->run({{"SET", rkey('e', p.key), std::string(ef.begin(), ef.end())}}), "SET entry");
-      bytes += ef.size();
+      check(put_->run({set(rkey('e', p.key), ef)}, deadline_ms(base, ef.size())), "SET entry");
+      bytes = chunk_bytes + ef.size();
       // 4: the index; then the entries this one contains go.
       q.clear();
-      if (!r[2 * m].ok()) q.push_back({"DEL", rkey('x', level_key(p.chunks, m))});  // not a hash (not ours): replaced
-      q.push_back({"HSET", rkey('x', level_key(p.chunks, m)), p.key, index_value(std::span(p.tokens).subspan(m * C))});
+      const std::string index = rkey('x', level_key(p.chunks, m));
+      if (!r[2 * m].ok()) q.push_back({"DEL", index});  // not a hash (not ours): replaced
+      q.push_back({"HSET", index, p.key, index_value(std::span(p.tokens).subspan(m * C))});
+      if (!ttl_.empty()) q.push_back({"EXPIRE", index, ttl_});
       for (size_t j = 0; j <= m; ++j) {
         const auto& h = r[m + j].elements;
         const auto rest = std::span(p.tokens).subspan(j * C);
@@ -269,7 +328,10 @@ class RedisTier final : public Tier {
         }
         if (j == m && kept.size() + 1 > kIndexFieldsMax) {  // the new field counts
           std::sort(kept.begin(), kept.end());
-          for (size_t i = 0; i + kIndexFieldsMax < kept.size() + 1; ++i) q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), kept[i].second});
+          for (size_t i = 0; i + kIndexFieldsMax < kept.size() + 1; ++i) {
+            q.push_back({"HDEL", index, kept[i].second});
+            q.push_back({"DEL", rkey('e', kept[i].second)});  // no lookup finds it any more
+          }
         }
       }
       check(put_->run(q), "HSET index");
@@ -293,6 +355,7 @@ class RedisTier final : public Tier {
     s.redis_up = up_;
     s.redis_error = error_;
     s.redis_where = where_;
+    s.redis_config_warning = config_warning_;
     s.redis_lookups = lookups_;
     s.redis_errors = errors_;
     s.redis_missing = missing_;
@@ -318,6 +381,63 @@ class RedisTier final : public Tier {
 
   std::string rkey(char kind, const std::string& k) const { return "kvtc:" + ctx_.scheme->compat() + ":" + kind + ":" + k; }
   const std::string& level_key(const std::vector<std::string>& chunks, size_t j) const { return j == 0 ? ctx_.scheme->salt() : chunks[j - 1]; }
+  // An exchange's deadline (ms) that allows for moving `bytes` at
+  // redis_min_mib_s: a large fetch on a slow link is not cut short. At most
+  // a minute more than `base`, whatever sizes Redis reported.
+  int deadline_ms(int base, uint64_t bytes) const {
+    const double extra = double(bytes) / (ctx_.opt.redis_min_mib_s * 1048576.0) * 1000.0;
+    return base + int(std::ceil(std::min(extra, 60000.0)));
+  }
+
+  // Whether Redis bounds its memory: maxmemory set, and a policy that
+  // evicts (docs/store.md "Redis", "Eviction"). Asked on every master once
+  // Redis answers (under put_mu_); false when it did not answer (counted
+  // and logged as a failure). A Redis that refuses CONFIG GET (renamed,
+  // ACL) is logged as unknown.
+  bool check_config() {
+    if (config_checked_) return true;
+    try {
+      std::vector<std::string> unbounded, noeviction, unknown;
+      for (const auto& [node, r] : put_->run_each({"CONFIG", "GET", "maxmemory*"})) {
+        std::string mem, policy;
+        for (size_t i = 0; i + 1 < r.elements.size(); i += 2) {
+          if (r.elements[i].str == "maxmemory") mem = r.elements[i + 1].str;
+          if (r.elements[i].str == "maxmemory-policy") policy = r.elements[i + 1].str;
+        }
+        if (mem.empty() || policy.empty()) {
+          unknown.push_back(node + (r.ok() ? "" : " (" + r.str + ")"));
+          continue;
+        }
+        if (mem == "0") unbounded.push_back(node);
+        if (policy == "noeviction") noeviction.push_back(node);
+      }
+      auto list = [](const std::vector<std::string>& v) {
+        std::string s;
+        for (const std::string& x : v) s += (s.empty() ? "" : ", ") + x;
+        return s;
+      };
+      std::string w;
+      if (!unbounded.empty())
+        w = "maxmemory is 0 on " + list(unbounded) + ": Redis grows without limit (until the OOM killer" +
+            (ttl_.empty() ? "" : "; the keys' TTL only slows it") + ")";
+      if (!noeviction.empty())
+        w += std::string(w.empty() ? "" : "; ") + "maxmemory-policy is noeviction on " + list(noeviction) + ": writes fail with OOM once full";
+      if (!w.empty())
+        ctx_.log("kvtc store: Redis " + where_ + ": " + w + "; set maxmemory and maxmemory-policy allkeys-lru (docs/store.md \"Redis\")");
+      if (!unknown.empty())
+        ctx_.log("kvtc store: Redis " + where_ + ": maxmemory and maxmemory-policy unknown on " + list(unknown) +
+                 " (CONFIG GET refused); make sure they bound the tier (docs/store.md \"Redis\")");
+      config_checked_ = true;
+      std::lock_guard<std::mutex> g(mu_);
+      config_warning_ = w;
+      fine();
+      return true;
+    } catch (const std::exception& x) {
+      std::lock_guard<std::mutex> g(mu_);
+      failed(x.what());
+      return false;
+    }
+  }
 
   void fine() {  // under mu_
     if (!up_ && !error_.empty()) ctx_.log("kvtc store: Redis " + where_ + " reachable again");
@@ -359,11 +479,14 @@ class RedisTier final : public Tier {
   }
 
   TierContext ctx_;
+  std::string ttl_;             // redis_ttl_s as an argument; empty: no TTL
+  uint64_t raw_per_token_ = 0;  // f16 K/V bytes of one token
   std::unique_ptr<detail::Redis> take_, put_;
+  bool config_checked_ = false;  // under put_mu_
   std::mutex take_mu_, put_mu_;  // one exchange at a time on each connection
   mutable std::mutex mu_;        // the figures below
   bool up_ = false;
-  std::string error_, where_;
+  std::string error_, where_, config_warning_;
   uint64_t lookups_ = 0, errors_ = 0, missing_ = 0, corrupt_ = 0;
   uint64_t chunks_written_ = 0, entries_written_ = 0, entries_dropped_ = 0, bytes_written_ = 0, bytes_read_ = 0;
   double lookup_ms_ = 0, write_ms_ = 0;

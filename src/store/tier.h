@@ -30,11 +30,12 @@ namespace kvtc::store {
 
 // A stored prompt a tier could restore for a new prompt.
 struct Candidate {
-  size_t lcp = 0;     // leading tokens of the new prompt it restores
-  float keep = 0;     // lcp / tokens of the stored prompt (1 for a run of chunks alone)
-  std::string entry;  // the entry's key; empty: a run of chunks alone (a remote tier's)
-  size_t level = 0;   // remote tiers: full chunks of the new prompt before the entry's own tokens
-  double ms = 0;      // time the lookup spent in round trips (remote tiers)
+  size_t lcp = 0;      // leading tokens of the new prompt it restores
+  float keep = 0;      // lcp / tokens of the stored prompt (1 for a run of chunks alone)
+  std::string entry;   // the entry's key; empty: a run of chunks alone (a remote tier's)
+  size_t level = 0;    // remote tiers: full chunks of the new prompt before the entry's own tokens
+  double ms = 0;       // time the lookup spent in round trips (remote tiers)
+  uint64_t bytes = 0;  // remote tiers: at most this many bytes to fetch (the fetch's deadline allows for them)
 };
 
 // The bytes a tier hands over for the first n tokens of a candidate:

@@ -197,10 +197,21 @@ inline ::testing::AssertionResult matches_prefix(const KvCapture& got, const KvC
   return ::testing::AssertionSuccess();
 }
 
+// The root of a tenant's key chain in store `s` (docs/store.md "Tenants"):
+// SHA-256('t' ‖ salt ‖ tenant bytes), computed here from the spec.
+inline std::string tenant_root(const PromptStore& s, const std::string& tenant) {
+  const std::string salt = s.fingerprint();
+  std::vector<uint8_t> b = {uint8_t('t')};
+  b.insert(b.end(), salt.begin(), salt.end());
+  b.insert(b.end(), tenant.begin(), tenant.end());
+  return sha256_bytes(b);
+}
+
 // The chain key c_{i+1} of the chunks of `tokens` in store `s`
-// (docs/store.md "Keys"), computed here from the spec, not by the store.
-inline std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C) {
-  std::string h = s.fingerprint();
+// (docs/store.md "Keys"), computed here from the spec, not by the store;
+// on the chain from `root` (a tenant's, tenant_root) when given.
+inline std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C, const std::string& root = "") {
+  std::string h = root.empty() ? s.fingerprint() : root;
   for (size_t j = 0; j <= i; ++j) {
     std::vector<uint8_t> b = {uint8_t('c')};
     b.insert(b.end(), h.begin(), h.end());

@@ -470,6 +470,80 @@ TEST(Store, OtherCalibrationsAndSettingsNeverMix) {
   EXPECT_EQ(s.stats().disk_entries, 1u);
 }
 
+// Tenants (docs/store.md "Tenants"): the same prompt stored for tenant A is
+// never restored, contained or shared by tenant B or by tenant "" — queued,
+// in RAM, and on disk after a restart — and is restored for A.
+TEST(Store, TenantsNeverShareAPromptInAnyTier) {
+  TempDir dir("tenants");
+  StoreOptions o = small(/*async=*/true);
+  o.disk_dir = dir.path.string();
+  const auto p = seq(1000, 300);  // 4 chunks of 64 + a 44-token tail
+  const auto next = cat(p, seq(5, 20));
+  const std::string A = "tenant-a", B = std::string("tenant-b\0\xff", 10);  // any bytes
+  {
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.put(p, prompt_capture(p), A);
+    // Queued or coded by now: either way B and "" find nothing of A's.
+    EXPECT_FALSE(s.take({}, next, B));
+    EXPECT_FALSE(s.take({}, next));
+    s.flush();
+    EXPECT_FALSE(s.take({}, next, B));
+    EXPECT_FALSE(s.take({}, next));
+    auto m = s.take({}, next, A);
+    ASSERT_TRUE(m);
+    EXPECT_STREQ(m->tier, "ram");
+    EXPECT_EQ(m->common_prefix, 300u);
+    EXPECT_FALSE(s.wants(p, A));  // A holds it; B and "" do not
+    EXPECT_TRUE(s.wants(p, B));
+    EXPECT_TRUE(s.wants(p));
+    // B stores the same prompt, then a longer one: its own chunks (none
+    // shared with A's), and A's entry is not dropped as contained in B's.
+    s.put(p, prompt_capture(p), B);
+    s.put(next, prompt_capture(next), B);
+    s.flush();
+    StoreStats st = s.stats();
+    EXPECT_EQ(st.chunks_shared, 4u);  // B's second put shares B's first's 4 chunks, nothing of A's
+    EXPECT_EQ(st.entries, 2u);        // A's p, B's next (B's p is contained in it)
+    EXPECT_EQ(st.chunks, 4u + 4u);
+    // Keys and files follow the spec: A's chain starts at SHA-256('t' ‖
+    // salt ‖ "tenant-a"); the entry names that root in its header.
+    const fs::path root = dir.path / s.fingerprint().substr(0, 16);
+    EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key(s, p, 3, 64, tenant_root(s, A)) + ".kvtc")));
+    EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key(s, p, 3, 64, tenant_root(s, B)) + ".kvtc")));
+    EXPECT_FALSE(fs::exists(root / "chunks" / (chain_key(s, p, 0, 64) + ".kvtc")));  // tenant "": nothing stored
+    for (const auto& f : files_in(root, ".kvse")) {
+      std::ifstream in(f, std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_NE(bytes.find("\"tenant_root\":\""), std::string::npos) << f;
+    }
+  }
+  // A restart: the disk tier reads the roots back from the entry files.
+  PromptStore s(cal(), lowrank_geometry(), o);
+  s.flush();
+  EXPECT_EQ(s.stats().disk_entries, 2u);
+  EXPECT_FALSE(s.take({}, cat(next, seq(9, 3))));
+  EXPECT_FALSE(s.take({}, cat(next, seq(9, 3)), "tenant-c"));
+  auto m = s.take({}, cat(next, seq(9, 3)), A);
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "disk");
+  EXPECT_EQ(m->common_prefix, 300u);  // A's prompt, not B's longer one
+  expect_prefix_of(m->cache, whole_roundtrip(p, o), 300);
+  m = s.take({}, cat(next, seq(9, 3)), B);
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "disk");
+  EXPECT_EQ(m->common_prefix, 320u);
+  // Tenant "" is the store as without tenants: its entry file has no
+  // tenant_root field (existing stores and their golden keys unchanged).
+  s.put(p, prompt_capture(p));
+  s.flush();
+  const fs::path e = dir.path / s.fingerprint().substr(0, 16) / "entries" / (entry_key(s, p, 4, 64) + ".kvse");
+  ASSERT_TRUE(fs::exists(e));
+  std::ifstream in(e, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(bytes.find("tenant_root"), std::string::npos);
+  EXPECT_TRUE(s.take({}, next));
+}
+
 TEST(Store, AsyncPutsAreServedWhileQueued) {
   StoreOptions o = small(/*async=*/true);
   PromptStore s(cal(), lowrank_geometry(), o);

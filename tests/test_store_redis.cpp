@@ -411,6 +411,48 @@ TEST(StoreRedis, OtherModelsCalibrationsAndSettingsNeverMix) {
   EXPECT_EQ(d.stats().corrupt_dropped, 1u);
 }
 
+// Tenants (docs/store.md "Tenants") on a shared Redis: replica B never
+// restores tenant A's prompt for another tenant (not even its chunks
+// alone: they are on A's chain), walks no key of A's, and restores it for A.
+TEST(StoreRedis, TenantsNeverShareAPrompt) {
+  RedisServer redis(tmp("tenants"));
+  const StoreOptions o = on(redis);
+  PromptStore a(cal(), lowrank_geometry(), o), b(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300), next = cat(p, seq(7, 30));
+  a.put(p, prompt_capture(p), "tenant-a");
+  EXPECT_FALSE(b.take({}, next, "tenant-b"));
+  EXPECT_FALSE(b.take({}, next));
+  EXPECT_EQ(b.stats().redis_bytes_read, 0u);  // nothing of A's fetched
+  EXPECT_EQ(b.stats().redis_lookups, 2u);
+  // A's index starts at its root, not at the salt (tenant ""'s level 0).
+  const std::string ns = "kvtc:" + a.fingerprint().substr(0, 16);
+  const std::string root = tenant_root(a, "tenant-a");
+  EXPECT_EQ(redis.cmd({"EXISTS", ns + ":x:" + chain_key(a, p, 3, 64, root)}).integer, 1);
+  EXPECT_EQ(redis.cmd({"EXISTS", ns + ":x:" + a.fingerprint()}).integer, 0);
+  auto m = b.take({}, next, "tenant-a");
+  ASSERT_TRUE(m);
+  EXPECT_STREQ(m->tier, "redis");
+  EXPECT_EQ(m->common_prefix, 300u);
+  // B stores the same prompt for its tenant: 4 chunks of its own, and A's
+  // entry stays (only an entry of the same tenant is dropped as contained).
+  b.put(next, prompt_capture(next), "tenant-b");
+  EXPECT_EQ(keys_of(redis, a, 'c').size(), 8u);
+  EXPECT_EQ(keys_of(redis, a, 'e').size(), 2u);
+  // A's entry copied under B's key (a writer who can, without the secret
+  // of issue 28's other half): refused by its root, dropped; B restores its
+  // own chunks only.
+  std::string key_a, key_b;
+  for (const std::string& k : keys_of(redis, a, 'e')) (redis.cmd({"GET", k}).str.find("\"n_tokens\":300") != std::string::npos ? key_a : key_b) = k;
+  ASSERT_FALSE(key_a.empty());
+  ASSERT_FALSE(key_b.empty());
+  redis.cmd({"SET", key_b, redis.cmd({"GET", key_a}).str});
+  PromptStore c(cal(), lowrank_geometry(), o);
+  m = c.take({}, cat(next, seq(3, 3)), "tenant-b");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->common_prefix, 256u);  // B's 4 chunks; the foreign entry dropped
+  EXPECT_EQ(c.stats().corrupt_dropped, 1u);
+}
+
 TEST(StoreRedis, PasswordAndDatabase) {
   RedisServer redis(tmp("auth"), {"--requirepass", "s3cret"});
   StoreOptions o = small();

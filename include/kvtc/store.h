@@ -31,6 +31,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvtc/cache.h"
@@ -203,22 +204,33 @@ class PromptStore {
   PromptStore(const PromptStore&) = delete;
   PromptStore& operator=(const PromptStore&) = delete;
 
-  // Whether saving `tokens` would add anything: false when an entry already
-  // holds all of them (llama-server's alloc() skips such a save).
-  bool wants(std::span<const int32_t> tokens) const;
+  // Tenants (docs/store.md "Tenants"): every put and take names one, any
+  // bytes (kvtc-server: a request's cache_salt, or its API key's hash); ""
+  // (the default) is the store as without tenants, its keys and files
+  // unchanged. A tenant's prompts are keyed on a chain of their own, so a
+  // take of one tenant never restores, and a put never shares a chunk with
+  // or drops, another tenant's prompt, in any tier; their lookups cost one
+  // another no more than one comparison per stored prompt. What they share:
+  // the budgets (one tenant's puts evict another's oldest) and stats().
+
+  // Whether saving `tokens` would add anything: false when an entry of the
+  // tenant already holds all of them (llama-server's alloc() skips such a
+  // save).
+  bool wants(std::span<const int32_t> tokens, std::string_view tenant = {}) const;
   // ... and whether a put of `bytes` (its state blob's or capture's raw
   // size) would be queued now: false when it does not fit the queue's
   // budget (max_pending_bytes; counted in puts_skipped and logged), so that
   // the caller does not copy a state that put_state would skip.
-  bool wants(std::span<const int32_t> tokens, uint64_t bytes) const;
+  bool wants(std::span<const int32_t> tokens, uint64_t bytes, std::string_view tenant = {}) const;
   // Stores the cache of `tokens` (positions 0..n-1): a llama.cpp state blob
   // of one sequence (put_state) or a capture. Returns at once when async.
-  void put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob);
-  void put(std::vector<int32_t> tokens, KvCapture cache);
+  void put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob, std::string_view tenant = {});
+  void put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant = {});
 
-  // The best stored prompt for `tokens` when the slot holds `current`
-  // (llama-server's load() rules), decoded: its first n tokens (n at least
-  // the common prefix with `tokens`, rounded up to a chunk) and their cache.
+  // The best stored prompt of `tenant` for `tokens` when the slot holds
+  // `current` (llama-server's load() rules; `current` must be the same
+  // tenant's, or empty), decoded: its first n tokens (n at least the common
+  // prefix with `tokens`, rounded up to a chunk) and their cache.
   struct Match {
     std::vector<int32_t> tokens;
     KvCapture cache;
@@ -227,7 +239,7 @@ class PromptStore {
     double redis_ms = 0;         // redis: time in the two round trips (finding, fetching)
     uint64_t redis_bytes = 0;    // redis: bytes fetched
   };
-  std::optional<Match> take(std::span<const int32_t> current, std::span<const int32_t> tokens);
+  std::optional<Match> take(std::span<const int32_t> current, std::span<const int32_t> tokens, std::string_view tenant = {});
 
   // The same match as a llama.cpp sequence state for a context of layout
   // `to` (streams, V layout, the slot's sequence id: state_layout, or
@@ -244,7 +256,8 @@ class PromptStore {
     double redis_ms = 0;
     uint64_t redis_bytes = 0;
   };
-  std::optional<StateMatch> take_state(std::span<const int32_t> current, std::span<const int32_t> tokens, const StateLayout& to);
+  std::optional<StateMatch> take_state(std::span<const int32_t> current, std::span<const int32_t> tokens, const StateLayout& to,
+                                       std::string_view tenant = {});
 
   void flush();  // waits until the disk tier's start-up scan is done and every queued put is stored
   // SHA-256 (hex) of the scheme, model, calibration and settings: the root

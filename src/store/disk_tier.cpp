@@ -63,13 +63,14 @@ class DiskTier final : public Tier {
 
   const char* name() const override { return "disk"; }
 
-  std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
+  std::vector<Candidate> lookup(std::span<const int32_t> tokens, const std::string& root) override {
     std::lock_guard<std::mutex> g(mu_);
-    if (!missing_now_) return candidates_in(lru_, tokens);
+    if (!missing_now_) return candidates_in(lru_, tokens, root);
     // Some chunk files are known gone: an entry naming one restores only
     // the chunks before it, and is a candidate for that much.
     std::vector<Candidate> out;
     for (const Entry& e : lru_) {
+      if (e.root != root) continue;
       const size_t lcp = std::min(common_prefix(e.tokens, tokens), usable(e));
       if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
     }
@@ -77,12 +78,12 @@ class DiskTier final : public Tier {
   }
 
   // Reads the entry file (the tail) and the chunk files the match needs.
-  std::optional<Fetched> fetch(std::span<const int32_t>, const Candidate& c, uint32_t n) override {
+  std::optional<Fetched> fetch(std::span<const int32_t>, const std::string& root, const Candidate& c, uint32_t n) override {
     Fetched f;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = find(c.entry);
-      if (it == lru_.end()) return std::nullopt;
+      if (it == lru_.end() || it->root != root) return std::nullopt;
       f.piece = *it;
       n = uint32_t(std::min<size_t>(n, usable(*it)));  // a chunk marked missing since the lookup
       lru_.splice(lru_.end(), lru_, it);               // most recently used
@@ -94,7 +95,8 @@ class DiskTier final : public Tier {
       // The entry file holds the tail; it is read even when the match ends
       // in the chunks, as its checks vouch for the index's chunk keys.
       auto tail = std::make_shared<Bytes>();
-      (void)ctx_.scheme->parse_entry(read_file(ep), ep, tail.get());
+      const Piece got = ctx_.scheme->parse_entry(read_file(ep), ep, tail.get());
+      require(got.key == f.piece.key && got.root == f.piece.root, ep + ": not the entry (key, tenant root) its name and the index say");
       f.tail = std::move(tail);
     } catch (const IoError& x) {
       if (!indexed(f.piece.key)) return std::nullopt;  // evicted while we read
@@ -164,11 +166,11 @@ class DiskTier final : public Tier {
 
   // An entry lacking a chunk the tokens need does not hold them: a put of
   // them must go ahead, to rewrite that chunk.
-  bool holds(std::span<const int32_t> tokens) const override {
+  bool holds(std::span<const int32_t> tokens, const std::string& root) const override {
     std::lock_guard<std::mutex> g(mu_);
-    if (!missing_now_) return any_holds(lru_, tokens);
+    if (!missing_now_) return any_holds(lru_, tokens, root);
     for (const Entry& e : lru_)
-      if (common_prefix(e.tokens, tokens) == tokens.size() && usable(e) >= tokens.size()) return true;
+      if (e.root == root && common_prefix(e.tokens, tokens) == tokens.size() && usable(e) >= tokens.size()) return true;
     return false;
   }
 
@@ -247,10 +249,10 @@ class DiskTier final : public Tier {
       disable(failed);
       return;
     }
-    // Entries the new one contains, and an older copy of it (whose file the
-    // new one just replaced: kept), go.
+    // Entries of its tenant the new one contains, and an older copy of it
+    // (whose file the new one just replaced: kept), go.
     for (auto it = lru_.begin(); it != lru_.end();)
-      it = common_prefix(it->tokens, p.tokens) == it->tokens.size() ? erase(it, it->key != p.key) : std::next(it);
+      it = it->root == p.root && common_prefix(it->tokens, p.tokens) == it->tokens.size() ? erase(it, it->key != p.key) : std::next(it);
     Entry e;
     static_cast<Piece&>(e) = p;
     e.file_bytes = ef.size();
@@ -570,7 +572,7 @@ class DiskTier final : public Tier {
 
   bool contained_in_a_put(const Entry& e) const {  // under mu_
     for (const Entry& x : lru_)
-      if (x.put_here && common_prefix(e.tokens, x.tokens) == e.tokens.size()) return true;
+      if (x.put_here && x.root == e.root && common_prefix(e.tokens, x.tokens) == e.tokens.size()) return true;
     return false;
   }
 

@@ -34,6 +34,24 @@ std::string link(char domain, const std::string& parent, std::span<const int32_t
   return sha256_bytes(b);
 }
 
+// A tenant's root: SHA-256 over the domain byte 't', the root it is derived
+// from (64 ASCII hex digits) and the tenant's bytes as given. 't' is no
+// link's domain, so a tenant root is never a chunk or entry key; the fixed
+// 64-digit root before the tenant's bytes makes (root, tenant) -> digest
+// one-to-one whatever bytes the tenant holds.
+std::string derive_tenant_root(const std::string& root, std::string_view tenant) {
+  Bytes b;
+  b.reserve(1 + root.size() + tenant.size());
+  b.push_back(uint8_t('t'));
+  b.insert(b.end(), root.begin(), root.end());
+  b.insert(b.end(), tenant.begin(), tenant.end());
+  return sha256_bytes(b);
+}
+
+bool is_hex64(const std::string& s) {
+  return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
 nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
   return {{"scheme", kStoreScheme},
           {"salt", salt},
@@ -80,29 +98,34 @@ Scheme::Scheme(const SchemeFields& f) : f_(f) {
   compat_ = salt_.substr(0, 16);
 }
 
-std::vector<std::string> Scheme::chunk_keys(std::span<const int32_t> tokens, uint32_t m) const {
+std::string Scheme::tenant_root(std::string_view tenant) const {
+  return tenant.empty() ? salt_ : derive_tenant_root(salt_, tenant);
+}
+
+std::vector<std::string> Scheme::chunk_keys(std::span<const int32_t> tokens, uint32_t m, const std::string& root) const {
   std::vector<std::string> keys;
   keys.reserve(m);
-  std::string h = salt_;
+  std::string h = root;
   const uint32_t C = f_.chunk_tokens;
   for (uint32_t i = 0; i < m; ++i) keys.push_back(h = link('c', h, tokens.subspan(size_t(i) * C, C)));
   return keys;
 }
 
-std::string Scheme::entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks) const {
+std::string Scheme::entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks, const std::string& root) const {
   const size_t m = chunks.size();
-  return link('e', m ? chunks.back() : salt_, tokens.subspan(m * f_.chunk_tokens));
+  return link('e', m ? chunks.back() : root, tokens.subspan(m * f_.chunk_tokens));
 }
 
 uint32_t Scheme::full_chunks(size_t n) const {
   return n > f_.window ? uint32_t((n - f_.window) / f_.chunk_tokens) : 0;
 }
 
-Piece Scheme::piece_of(std::vector<int32_t> tokens) const {
+Piece Scheme::piece_of(std::vector<int32_t> tokens, const std::string& root) const {
   Piece p;
   p.tokens = std::move(tokens);
-  p.chunks = chunk_keys(p.tokens, full_chunks(p.tokens.size()));
-  p.key = entry_key(p.tokens, p.chunks);
+  p.root = root;
+  p.chunks = chunk_keys(p.tokens, full_chunks(p.tokens.size()), root);
+  p.key = entry_key(p.tokens, p.chunks, root);
   return p;
 }
 
@@ -111,7 +134,9 @@ std::string Scheme::fingerprint_json(int indent) const {
 }
 
 Bytes Scheme::entry_file(const Piece& e, std::span<const uint8_t> tail) const {
+  require(is_hex64(e.root), "kvtc store: an entry without its chain's root");
   nlohmann::json j = fingerprint(f_, salt_);
+  if (e.root != salt_) j["tenant_root"] = e.root;  // tenant "": no field, the file as without tenants
   j["format"] = "kvtc-store-entry";
   j["version"] = kEntryVersion;
   j["key"] = e.key;
@@ -144,6 +169,11 @@ Piece Scheme::parse_entry(std::span<const uint8_t> f, const std::string& origin,
   try {
     const auto j = nlohmann::json::parse(f.begin() + kEntryHeaderBytes, f.begin() + kEntryHeaderBytes + jl);
     require(j.at("salt") == salt_, "salt: written by another model, calibration or setting");
+    e.root = salt_;
+    if (j.contains("tenant_root")) {  // written only for a tenant other than ""
+      e.root = j.at("tenant_root").get<std::string>();
+      require(is_hex64(e.root) && e.root != salt_, "tenant_root: 64 lower-case hex digits other than the salt expected");
+    }
     e.key = j.at("key").get<std::string>();
     const uint64_t n = j.at("n_tokens").get<uint64_t>();
     e.chunks = j.at("chunks").get<std::vector<std::string>>();
@@ -157,8 +187,8 @@ Piece Scheme::parse_entry(std::span<const uint8_t> f, const std::string& origin,
   } catch (const Error& x) {
     throw Error(origin + ": " + x.what());
   }
-  require(e.chunks.size() == full_chunks(e.tokens.size()) && chunk_keys(e.tokens, uint32_t(e.chunks.size())) == e.chunks &&
-              entry_key(e.tokens, e.chunks) == e.key,
+  require(e.chunks.size() == full_chunks(e.tokens.size()) && chunk_keys(e.tokens, uint32_t(e.chunks.size()), e.root) == e.chunks &&
+              entry_key(e.tokens, e.chunks, e.root) == e.key,
           origin + ": the keys do not match the tokens");
   if (tail) tail->assign(f.end() - std::ptrdiff_t(tail_bytes), f.end());
   return e;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace kvtc::store {
@@ -38,11 +39,14 @@ inline uint64_t get_le64(const uint8_t* p) {
 size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b);
 
 // A stored prompt as the tiers index it: its tokens (positions 0..n-1),
-// the keys of its full chunks in order, and its entry key.
+// the keys of its full chunks in order, its entry key, and the root of its
+// key chain (its tenant's: Scheme::tenant_root). Tiers that compare tokens
+// in memory match only pieces of the lookup's root.
 struct Piece {
   std::string key;
   std::vector<int32_t> tokens;
   std::vector<std::string> chunks;  // keys of chunks 1..m
+  std::string root;                 // c_0: the salt (tenant ""), or a tenant's root
 };
 
 // What names a store's pieces: the salt's fields (docs/store.md "Salt").
@@ -64,23 +68,30 @@ class Scheme {
   uint32_t chunk_tokens() const { return f_.chunk_tokens; }
   const SchemeFields& fields() const { return f_; }
 
-  // c_1..c_m of `tokens` (at least m * chunk_tokens of them).
-  std::vector<std::string> chunk_keys(std::span<const int32_t> tokens, uint32_t m) const;
-  // The entry key of a prompt whose full chunks are `chunks`.
-  std::string entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks) const;
+  // The root of `tenant`'s key chain (docs/store.md "Tenants"): the salt
+  // itself for "" (every key and file exactly as without tenants), else
+  // derived from it and the tenant's bytes, so that two tenants' chains
+  // never share a key.
+  std::string tenant_root(std::string_view tenant) const;
+  // c_1..c_m of `tokens` (at least m * chunk_tokens of them) on the chain from `root`.
+  std::vector<std::string> chunk_keys(std::span<const int32_t> tokens, uint32_t m, const std::string& root) const;
+  // The entry key of a prompt whose full chunks are `chunks` (`root`: c_0, for a prompt without one).
+  std::string entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks, const std::string& root) const;
   // Full chunks of an n-token prompt: those that end at or before the raw
   // window, so a chunk never holds a token the tail keeps raw.
   uint32_t full_chunks(size_t n) const;
-  // The Piece of a whole prompt (keys computed from its tokens).
-  Piece piece_of(std::vector<int32_t> tokens) const;
+  // The Piece of a whole prompt (keys computed from its tokens and `root`).
+  Piece piece_of(std::vector<int32_t> tokens, const std::string& root) const;
 
   // The salt's fields as JSON text (store.json, and every entry file's header).
   std::string fingerprint_json(int indent = -1) const;
   // An entry (.kvse) file: header, tokens, tail container.
   Bytes entry_file(const Piece& e, std::span<const uint8_t> tail) const;
+  // An entry of a tenant names its root in the header (tenant_root); one
+  // of tenant "" is byte for byte the file without tenants.
   // Parses and checks an entry file (checksum, salt, sizes, keys recomputed
-  // from the tokens); Error names `origin` and what is wrong. `tail`
-  // receives the tail container when given.
+  // from the tokens and the header's root); Error names `origin` and what
+  // is wrong. `tail` receives the tail container when given.
   Piece parse_entry(std::span<const uint8_t> f, const std::string& origin, Bytes* tail) const;
 
  private:

@@ -100,26 +100,28 @@ void PutQueue::yield_to_takes() {
   cv_takes_.wait(lk, [&] { return takers_ == 0; });
 }
 
-std::vector<Candidate> PutQueue::lookup(std::span<const int32_t> tokens) {
+std::vector<Candidate> PutQueue::lookup(std::span<const int32_t> tokens, const std::string& root) {
   std::lock_guard<std::mutex> g(mu_);
   std::vector<Candidate> out;
   for (const auto& q : queue_) {
+    if (q->root != root) continue;  // another tenant's
     const size_t lcp = common_prefix(q->tokens, tokens);
     if (lcp) out.push_back({lcp, float(lcp) / float(q->tokens.size()), std::to_string(q->seq)});
   }
   return out;
 }
 
-std::optional<Fetched> PutQueue::fetch(std::span<const int32_t>, const Candidate& c, uint32_t n) {
+std::optional<Fetched> PutQueue::fetch(std::span<const int32_t>, const std::string& root, const Candidate& c, uint32_t n) {
   std::shared_ptr<const Pending> q;
   {
     std::lock_guard<std::mutex> g(mu_);
     for (const auto& p : queue_)
-      if (std::to_string(p->seq) == c.entry) q = p;
+      if (std::to_string(p->seq) == c.entry && p->root == root) q = p;
   }
   if (!q) return std::nullopt;  // coded meanwhile: in the other tiers now
   Fetched f;
   f.piece.tokens = q->tokens;
+  f.piece.root = q->root;
   f.n = n;
   // The raw state, exact; a blob is parsed here, outside the lock.
   f.raw = q->blob.empty() ? std::shared_ptr<const KvCapture>(q, &q->cap)
@@ -128,10 +130,10 @@ std::optional<Fetched> PutQueue::fetch(std::span<const int32_t>, const Candidate
   return f;
 }
 
-bool PutQueue::holds(std::span<const int32_t> tokens) const {
+bool PutQueue::holds(std::span<const int32_t> tokens, const std::string& root) const {
   std::lock_guard<std::mutex> g(mu_);
   for (const auto& q : queue_)
-    if (common_prefix(q->tokens, tokens) == tokens.size()) return true;
+    if (q->root == root && common_prefix(q->tokens, tokens) == tokens.size()) return true;
   return false;
 }
 

@@ -21,8 +21,9 @@ namespace kvtc::store {
 
 struct Pending {
   std::vector<int32_t> tokens;
-  Bytes blob;     // a state blob (put_state) ...
-  KvCapture cap;  // ... or a capture (put)
+  std::string root;  // its tenant's key chain (Scheme::tenant_root)
+  Bytes blob;        // a state blob (put_state) ...
+  KvCapture cap;     // ... or a capture (put)
   uint64_t bytes = 0;
   uint64_t seq = 0;  // set by push(): names it in a Candidate
 };
@@ -58,10 +59,10 @@ class PutQueue final : public Tier {
   void yield_to_takes();
 
   const char* name() const override { return "pending"; }
-  std::vector<Candidate> lookup(std::span<const int32_t> tokens) override;
-  std::optional<Fetched> fetch(std::span<const int32_t> tokens, const Candidate& c, uint32_t n) override;
+  std::vector<Candidate> lookup(std::span<const int32_t> tokens, const std::string& root) override;
+  std::optional<Fetched> fetch(std::span<const int32_t> tokens, const std::string& root, const Candidate& c, uint32_t n) override;
   bool drop_damaged(const Fetched&, size_t, const std::string&) override { return false; }  // raw states have no pieces
-  bool holds(std::span<const int32_t> tokens) const override;
+  bool holds(std::span<const int32_t> tokens, const std::string& root) const override;
   void put(const Coded&) override {}  // filled by push(), not by the coder
   void add_stats(StoreStats& s) const override;
 

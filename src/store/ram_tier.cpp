@@ -20,15 +20,15 @@ class RamTier final : public Tier {
 
   const char* name() const override { return "ram"; }
 
-  std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
+  std::vector<Candidate> lookup(std::span<const int32_t> tokens, const std::string& root) override {
     std::lock_guard<std::mutex> g(mu_);
-    return candidates_in(lru_, tokens);
+    return candidates_in(lru_, tokens, root);
   }
 
-  std::optional<Fetched> fetch(std::span<const int32_t>, const Candidate& c, uint32_t n) override {
+  std::optional<Fetched> fetch(std::span<const int32_t>, const std::string& root, const Candidate& c, uint32_t n) override {
     std::lock_guard<std::mutex> g(mu_);
     auto it = find(c.entry);
-    if (it == lru_.end()) return std::nullopt;
+    if (it == lru_.end() || it->root != root) return std::nullopt;
     Fetched f;
     f.piece = *it;
     const uint32_t C = ctx_.scheme->chunk_tokens(), m = uint32_t(it->chunks.size());
@@ -56,9 +56,9 @@ class RamTier final : public Tier {
     return dropped;
   }
 
-  bool holds(std::span<const int32_t> tokens) const override {
+  bool holds(std::span<const int32_t> tokens, const std::string& root) const override {
     std::lock_guard<std::mutex> g(mu_);
-    return any_holds(lru_, tokens);
+    return any_holds(lru_, tokens, root);
   }
 
   BytesPtr chunk(const std::string& key) const override {
@@ -67,15 +67,16 @@ class RamTier final : public Tier {
     return it == chunks_.end() ? nullptr : it->second.bytes;
   }
 
-  // Inserts (most recently used), dropping entries the new one contains and
-  // the oldest ones past the budget.
+  // Inserts (most recently used), dropping entries of its tenant the new one
+  // contains and the oldest ones (of any tenant: one budget) past the budget.
   void put(const Coded& c) override {
     Entry e;
     static_cast<Piece&>(e) = c.piece;
     e.tail = c.tail;
     e.bytes = c.tail->size() + 4 * e.tokens.size();
     std::lock_guard<std::mutex> g(mu_);
-    for (auto it = lru_.begin(); it != lru_.end();) it = common_prefix(it->tokens, e.tokens) == it->tokens.size() ? erase(it) : std::next(it);
+    for (auto it = lru_.begin(); it != lru_.end();)
+      it = it->root == e.root && common_prefix(it->tokens, e.tokens) == it->tokens.size() ? erase(it) : std::next(it);
     uint64_t cost = e.bytes;  // chunks it shares cost nothing
     for (size_t i = 0; i < e.chunks.size(); ++i)
       if (!chunks_.count(e.chunks[i])) cost += c.chunks[i]->size();

@@ -1,9 +1,10 @@
 // The shared tier (docs/store.md "Redis"): the same pieces as the disk tier
 // under kvtc:<compat>:c:<chunk key> and kvtc:<compat>:e:<entry key>, and
 // per chunk level an index hash kvtc:<compat>:x:<c_j> from the key of every
-// entry whose last full chunk is c_j (c_0: the salt) to its tokens after
-// that chunk. A lookup is one round trip (which chunks exist, the indexes
-// along the prompt), a fetch one more; a put four (the worker's thread).
+// entry whose last full chunk is c_j (c_0: its tenant's root, the salt for
+// tenant "") to its tokens after that chunk. A lookup is one round trip
+// (which chunks exist, the indexes along the prompt), a fetch one more; a
+// put four (the worker's thread).
 // Two connections: a take never waits behind the worker's writes, and each
 // has its deadline (a take's short, it holds the caller; the worker's
 // longer). Every key expires after redis_ttl_s, renewed by the hits and
@@ -111,19 +112,19 @@ class RedisTier final : public Tier {
   // Round trip 1: which chunks of the prompt are stored, and the entries
   // hanging off each of them. Candidates: the leading run of stored chunks
   // (kept whole), and every index field at a level within that run.
-  std::vector<Candidate> lookup(std::span<const int32_t> tokens) override {
+  std::vector<Candidate> lookup(std::span<const int32_t> tokens, const std::string& root) override {
     std::lock_guard<std::mutex> rg(take_mu_);
     const auto t0 = Clock::now();
     const uint32_t C = ctx_.scheme->chunk_tokens();
     const size_t K = tokens.size() / C;
-    const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(K));
+    const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(K), root);  // the tenant's chain: only its keys are asked
     std::vector<Candidate> out;
     try {
       // STRLEN: whether each chunk is there, and its size (a fetch's
       // deadline allows for its bytes); 0 when it is not.
       std::vector<RedisCommand> q;
       for (size_t i = 0; i < K; ++i) q.push_back({"STRLEN", rkey('c', keys[i])});
-      for (size_t j = 0; j <= K; ++j) q.push_back({"HGETALL", rkey('x', level_key(keys, j))});
+      for (size_t j = 0; j <= K; ++j) q.push_back({"HGETALL", rkey('x', level_key(root, keys, j))});
       const auto r = take_->run(q);
       // STRLEN cannot fail but for the connection (NOAUTH, LOADING): Redis
       // is not usable; or for a value of the wrong type, counted as there
@@ -157,11 +158,11 @@ class RedisTier final : public Tier {
   }
 
   // Round trip 2: the chunks the match needs, and the entry when its tail is.
-  std::optional<Fetched> fetch(std::span<const int32_t> tokens, const Candidate& c, uint32_t n) override {
+  std::optional<Fetched> fetch(std::span<const int32_t> tokens, const std::string& root, const Candidate& c, uint32_t n) override {
     std::lock_guard<std::mutex> rg(take_mu_);
     const auto t0 = Clock::now();
     const uint32_t C = ctx_.scheme->chunk_tokens();
-    const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(c.level));
+    const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(c.level), root);
     Fetched f;
     f.ms = c.ms;
     std::vector<RedisCommand> drop;  // damaged or dangling values
@@ -184,7 +185,7 @@ class RedisTier final : public Tier {
       for (size_t i = 0; i < need; ++i) get(rkey('c', keys[i]));
       if (want_tail) {
         get(rkey('e', c.entry));
-        if (!ttl_.empty()) q.push_back({"EXPIRE", rkey('x', level_key(keys, c.level)), ttl_});
+        if (!ttl_.empty()) q.push_back({"EXPIRE", rkey('x', level_key(root, keys, c.level)), ttl_});
       }
       auto all = take_->run(q, deadline_ms(ctx_.opt.redis_lookup_timeout_ms, c.bytes));
       f.ms += ms_since(t0);       // both round trips, before any decoding
@@ -206,25 +207,26 @@ class RedisTier final : public Tier {
         n = std::min<uint32_t>(n, uint32_t(have * C));
       }
       f.piece.tokens.assign(tokens.begin(), tokens.end());
+      f.piece.root = root;
       f.piece.chunks.assign(keys.begin(), keys.begin() + std::ptrdiff_t(have));
       if (want_tail && n > c.level * C) {
         const RedisReply& e = r.back();
         const std::string where = "redis " + rkey('e', c.entry);
         if (e.type != RedisReply::Type::kString) {
           ++missing;
-          drop.push_back({"HDEL", rkey('x', level_key(keys, c.level)), c.entry});
+          drop.push_back({"HDEL", rkey('x', level_key(root, keys, c.level)), c.entry});
           n = uint32_t(c.level * C);
         } else {
           try {
             auto tb = std::make_shared<Bytes>();
             Piece p = ctx_.scheme->parse_entry(std::span(reinterpret_cast<const uint8_t*>(e.str.data()), e.str.size()), where, tb.get());
-            require(p.chunks.size() == c.level && p.key == c.entry, where + ": not the entry its index names");
+            require(p.chunks.size() == c.level && p.key == c.entry && p.root == root, where + ": not the entry its index names");
             f.piece = std::move(p);
             f.tail = std::move(tb);
           } catch (const std::exception& x) {
             ++corrupt;
             ctx_.log(std::string("kvtc store: dropped a damaged Redis entry: ") + x.what());
-            drop.push_back({"HDEL", rkey('x', level_key(keys, c.level)), c.entry});
+            drop.push_back({"HDEL", rkey('x', level_key(root, keys, c.level)), c.entry});
             drop.push_back({"DEL", rkey('e', c.entry)});
             n = uint32_t(c.level * C);
           }
@@ -246,7 +248,7 @@ class RedisTier final : public Tier {
     const size_t m = f.piece.chunks.size();
     std::vector<RedisCommand> drop;
     if (i == m) {
-      drop.push_back({"HDEL", rkey('x', level_key(f.piece.chunks, m)), f.piece.key});
+      drop.push_back({"HDEL", rkey('x', level_key(f.piece.root, f.piece.chunks, m)), f.piece.key});
       drop.push_back({"DEL", rkey('e', f.piece.key)});
     } else {
       drop.push_back({"DEL", rkey('c', f.piece.chunks[i])});
@@ -285,7 +287,7 @@ class RedisTier final : public Tier {
       std::vector<RedisCommand> q;
       for (size_t i = 0; i < m; ++i)
         q.push_back(ttl_.empty() ? RedisCommand{"TOUCH", rkey('c', p.chunks[i])} : RedisCommand{"EXPIRE", rkey('c', p.chunks[i]), ttl_});
-      for (size_t j = 0; j <= m; ++j) q.push_back({"HGETALL", rkey('x', level_key(p.chunks, j))});
+      for (size_t j = 0; j <= m; ++j) q.push_back({"HGETALL", rkey('x', level_key(p.root, p.chunks, j))});
       const auto r = put_->run(q);
       check(std::span(r).first(m), ttl_.empty() ? "TOUCH" : "EXPIRE");
       // 2: the missing chunks.
@@ -303,7 +305,7 @@ class RedisTier final : public Tier {
       bytes = chunk_bytes + ef.size();
       // 4: the index; then the entries this one contains go.
       q.clear();
-      const std::string index = rkey('x', level_key(p.chunks, m));
+      const std::string index = rkey('x', level_key(p.root, p.chunks, m));
       if (!r[2 * m].ok()) q.push_back({"DEL", index});  // not a hash (not ours): replaced
       q.push_back({"HSET", index, p.key, index_value(std::span(p.tokens).subspan(m * C))});
       if (!ttl_.empty()) q.push_back({"EXPIRE", index, ttl_});
@@ -315,11 +317,11 @@ class RedisTier final : public Tier {
           const std::string &key = h[f].str, &v = h[f + 1].str;
           if (key == p.key) continue;
           if (!index_value_ok(v)) {  // not ours: cleared
-            q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), key});
+            q.push_back({"HDEL", rkey('x', level_key(p.root, p.chunks, j)), key});
             continue;
           }
           if (index_tokens(v) <= rest.size() && value_prefix(v, rest) == index_tokens(v)) {
-            q.push_back({"HDEL", rkey('x', level_key(p.chunks, j)), key});
+            q.push_back({"HDEL", rkey('x', level_key(p.root, p.chunks, j)), key});
             q.push_back({"DEL", rkey('e', key)});
             ++dropped;
             continue;
@@ -380,7 +382,10 @@ class RedisTier final : public Tier {
   using Clock = std::chrono::steady_clock;
 
   std::string rkey(char kind, const std::string& k) const { return "kvtc:" + ctx_.scheme->compat() + ":" + kind + ":" + k; }
-  const std::string& level_key(const std::vector<std::string>& chunks, size_t j) const { return j == 0 ? ctx_.scheme->salt() : chunks[j - 1]; }
+  // The key of index level j: c_j on the prompt's chain, c_0 being its tenant's root (the salt for tenant "").
+  static const std::string& level_key(const std::string& root, const std::vector<std::string>& chunks, size_t j) {
+    return j == 0 ? root : chunks[j - 1];
+  }
   // An exchange's deadline (ms) that allows for moving `bytes` at
   // redis_min_mib_s: a large fetch on a slow link is not cut short. At most
   // a minute more than `base`, whatever sizes Redis reported.

@@ -57,9 +57,9 @@ struct PromptStore::Impl {
     st.*field += v;
   }
 
-  bool contained(std::span<const int32_t> tokens) const {
+  bool contained(std::span<const int32_t> tokens, const std::string& root) const {
     for (const auto& t : tiers)
-      if (t->holds(tokens)) return true;
+      if (t->holds(tokens, root)) return true;
     return false;
   }
 
@@ -72,7 +72,7 @@ struct PromptStore::Impl {
       KvCapture owned;
       const KvCapture& c = codec->checked_capture(q.tokens, q.blob, q.cap, owned);
       Coded out;
-      out.piece = scheme->piece_of(q.tokens);
+      out.piece = scheme->piece_of(q.tokens, q.root);
       const uint32_t m = uint32_t(out.piece.chunks.size());
       // Chunks held already (RAM) are shared; the rest are coded here.
       out.chunks.resize(m);
@@ -106,7 +106,7 @@ struct PromptStore::Impl {
   }
 
   void enqueue(std::shared_ptr<Pending> q) {
-    if (q->tokens.empty() || contained(q->tokens)) return count(&StoreStats::puts_contained);
+    if (q->tokens.empty() || contained(q->tokens, q->root)) return count(&StoreStats::puts_contained);
     if (!queue->push(std::move(q))) count(&StoreStats::puts_skipped);
   }
 
@@ -157,8 +157,9 @@ struct PromptStore::Impl {
   // prompt to compute: their longest candidate wins when it restores more
   // and beats the slot's own prompt. The winner is fetched and decoded; if
   // its pieces come back shorter than the next best (evicted, damaged),
-  // the next best is used.
-  std::optional<Restored> restore(std::span<const int32_t> current, std::span<const int32_t> tokens) {
+  // the next best is used. Every tier is asked for the chain from `root`
+  // only (the take's tenant): another tenant's prompts are no candidates.
+  std::optional<Restored> restore(std::span<const int32_t> current, std::span<const int32_t> tokens, const std::string& root) {
     if (tokens.empty()) return std::nullopt;
     const auto t0 = std::chrono::steady_clock::now();
     const size_t lcp_cur = common_prefix(current, tokens);
@@ -175,7 +176,7 @@ struct PromptStore::Impl {
       float keep_best = keep_bar, sim_best = sim_bar;
       for (const auto& t : tiers) {
         if (t->remote()) continue;
-        for (const Candidate& c : t->lookup(tokens))
+        for (const Candidate& c : t->lookup(tokens, root))
           if (c.keep >= 0.25f && keep_best < c.keep && sim_best < sim(c.lcp)) {
             keep_best = c.keep;
             sim_best = sim(c.lcp);
@@ -187,7 +188,7 @@ struct PromptStore::Impl {
         const size_t have = choices.empty() ? 0 : choices.back().c.lcp;
         if (!t->remote() || have >= tokens.size()) continue;
         std::optional<Candidate> best;
-        for (const Candidate& c : t->lookup(tokens))
+        for (const Candidate& c : t->lookup(tokens, root))
           if (c.keep >= 0.25f && (!best || c.lcp > best->lcp)) best = c;
         if (best && best->lcp > have && keep_bar < best->keep && sim_bar < sim(best->lcp)) choices.push_back({t.get(), *best});
       }
@@ -196,7 +197,7 @@ struct PromptStore::Impl {
         Tier& t = *choices[k].tier;
         const size_t floor = k ? choices[k - 1].c.lcp : 0;  // the next best restores this much
         try {
-          std::optional<Fetched> f = t.fetch(tokens, choices[k].c, uint32_t(choices[k].c.lcp));
+          std::optional<Fetched> f = t.fetch(tokens, root, choices[k].c, uint32_t(choices[k].c.lcp));
           if (!f) {
             gone = true;
             continue;
@@ -271,12 +272,12 @@ const std::string& PromptStore::fingerprint() const {
   return impl_->scheme->salt();
 }
 
-bool PromptStore::wants(std::span<const int32_t> tokens) const {
-  return !tokens.empty() && !impl_->contained(tokens);
+bool PromptStore::wants(std::span<const int32_t> tokens, std::string_view tenant) const {
+  return !tokens.empty() && !impl_->contained(tokens, impl_->scheme->tenant_root(tenant));
 }
 
-bool PromptStore::wants(std::span<const int32_t> tokens, uint64_t bytes) const {
-  if (!wants(tokens)) return false;
+bool PromptStore::wants(std::span<const int32_t> tokens, uint64_t bytes, std::string_view tenant) const {
+  if (!wants(tokens, tenant)) return false;
   if (impl_->queue->fits(bytes)) return true;
   impl_->count(&StoreStats::puts_skipped);
   impl_->ctx.log("kvtc store: a " + std::to_string(tokens.size()) + "-token put of " + std::to_string(bytes) +
@@ -284,24 +285,26 @@ bool PromptStore::wants(std::span<const int32_t> tokens, uint64_t bytes) const {
   return false;
 }
 
-void PromptStore::put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob) {
+void PromptStore::put_state(std::vector<int32_t> tokens, std::vector<uint8_t> blob, std::string_view tenant) {
   auto q = std::make_shared<Pending>();
   q->tokens = std::move(tokens);
+  q->root = impl_->scheme->tenant_root(tenant);
   q->blob = std::move(blob);
   q->bytes = q->blob.size();
   impl_->enqueue(std::move(q));
 }
 
-void PromptStore::put(std::vector<int32_t> tokens, KvCapture cache) {
+void PromptStore::put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant) {
   auto q = std::make_shared<Pending>();
   q->tokens = std::move(tokens);
+  q->root = impl_->scheme->tenant_root(tenant);
   q->cap = std::move(cache);
   q->bytes = q->cap.f16_bytes();
   impl_->enqueue(std::move(q));
 }
 
-std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> current, std::span<const int32_t> tokens) {
-  std::optional<Impl::Restored> r = impl_->restore(current, tokens);
+std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> current, std::span<const int32_t> tokens, std::string_view tenant) {
+  std::optional<Impl::Restored> r = impl_->restore(current, tokens, impl_->scheme->tenant_root(tenant));
   if (!r) return std::nullopt;
   Match out;
   out.cache = r->raw ? slice(*r->raw, 0, r->n, tokens) : join(r->parts, r->n);
@@ -314,8 +317,8 @@ std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> cur
 }
 
 std::optional<PromptStore::StateMatch> PromptStore::take_state(std::span<const int32_t> current, std::span<const int32_t> tokens,
-                                                               const StateLayout& to) {
-  std::optional<Impl::Restored> r = impl_->restore(current, tokens);
+                                                               const StateLayout& to, std::string_view tenant) {
+  std::optional<Impl::Restored> r = impl_->restore(current, tokens, impl_->scheme->tenant_root(tenant));
   if (!r) return std::nullopt;
   StateMatch out;
   if (r->raw) {

@@ -78,23 +78,26 @@ class Tier {
   // before it hold less than the whole prompt.
   virtual bool remote() const { return false; }
 
-  // Every stored prompt sharing a prefix with `tokens` (lcp > 0), in the
+  // Every stored prompt of the key chain from `root` (the lookup's tenant:
+  // Scheme::tenant_root) sharing a prefix with `tokens` (lcp > 0), in the
   // tier's order (least recently used first for the LRU tiers: a tie goes
-  // to the first). A remote tier that fails returns none.
-  virtual std::vector<Candidate> lookup(std::span<const int32_t> tokens) = 0;
-  // The pieces of candidate `c` covering the first n <= c.lcp tokens of
-  // `tokens`; nullopt when the entry went meanwhile (evicted). A piece that
-  // is missing or an entry that fails its checks shortens the match (and is
-  // dropped and counted by the tier).
-  virtual std::optional<Fetched> fetch(std::span<const int32_t> tokens, const Candidate& c, uint32_t n) = 0;
+  // to the first). Another root's prompts are never candidates, and cost a
+  // lookup no more than comparing their roots (docs/store.md "Tenants"). A
+  // remote tier that fails returns none.
+  virtual std::vector<Candidate> lookup(std::span<const int32_t> tokens, const std::string& root) = 0;
+  // The pieces of candidate `c` (found for `root`) covering the first n <=
+  // c.lcp tokens of `tokens`; nullopt when the entry went meanwhile
+  // (evicted). A piece that is missing or an entry that fails its checks
+  // shortens the match (and is dropped and counted by the tier).
+  virtual std::optional<Fetched> fetch(std::span<const int32_t> tokens, const std::string& root, const Candidate& c, uint32_t n) = 0;
   // Piece i of `f` (chunk i, or the tail when i == chunks in the entry)
   // failed to decode or its checks: drop it and whatever names it, count it
   // (StoreStats::corrupt_dropped) and log `why`. False when it was gone
   // already (an earlier piece's drop took it along).
   virtual bool drop_damaged(const Fetched& f, size_t i, const std::string& why) = 0;
 
-  // Whether it holds all of `tokens`: a put of them adds nothing (local tiers).
-  virtual bool holds(std::span<const int32_t>) const { return false; }
+  // Whether it holds all of `tokens` on the chain from `root`: a put of them adds nothing (local tiers).
+  virtual bool holds(std::span<const int32_t>, const std::string&) const { return false; }
   // The bytes of a chunk it holds in memory, shared by a put instead of
   // coding it again; null when it has none.
   virtual BytesPtr chunk(const std::string&) const { return nullptr; }
@@ -109,20 +112,23 @@ class Tier {
 };
 
 // What the tiers that index their entries in memory (RAM, disk) answer for
-// lookup and holds: `entries` is a list of Piece-derived entries in LRU order.
+// lookup and holds: `entries` is a list of Piece-derived entries in LRU
+// order. Only entries of `root` are compared token by token; another
+// tenant's cost one comparison of 64 hex digits each, whatever its tokens.
 template <class Entries>
-std::vector<Candidate> candidates_in(const Entries& entries, std::span<const int32_t> tokens) {
+std::vector<Candidate> candidates_in(const Entries& entries, std::span<const int32_t> tokens, const std::string& root) {
   std::vector<Candidate> out;
   for (const Piece& e : entries) {
+    if (e.root != root) continue;
     const size_t lcp = common_prefix(e.tokens, tokens);
     if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
   }
   return out;
 }
 template <class Entries>
-bool any_holds(const Entries& entries, std::span<const int32_t> tokens) {
+bool any_holds(const Entries& entries, std::span<const int32_t> tokens, const std::string& root) {
   for (const Piece& e : entries)
-    if (common_prefix(e.tokens, tokens) == tokens.size()) return true;
+    if (e.root == root && common_prefix(e.tokens, tokens) == tokens.size()) return true;
   return false;
 }
 

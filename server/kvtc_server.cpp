@@ -4,14 +4,17 @@
 
 #include <kvtc/kvtc.h>
 #include <kvtc/llama.h>
+#include <openssl/evp.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 
 #include "llama.h"
 #include "server-common.h"
@@ -37,6 +40,47 @@ struct LoopTimes {
 std::mutex g_mu;
 std::weak_ptr<kvtc_prompt_cache::impl> g_live;
 std::string g_disabled;  // why kvtc was disabled while the server ran on (waking from sleep), or ""
+
+// The tenant of each slot's cells: the tenant of the last task that used
+// the slot ("" for a slot no tenant used). Kept here, not in the store,
+// because the slots outlive a store disabled on waking. Loop thread only.
+std::map<int32_t, std::string> g_slot_tenant;
+
+const std::string& slot_tenant(int32_t id_slot) {
+  return g_slot_tenant[id_slot];
+}
+
+// A salt's bytes at most: a client's random salt or a hash of a user id
+// needs 22 (128 bits in base64) to 64 (a SHA-256 in hex); 256 leaves room
+// for readable ones and bounds what every request hashes into its root.
+constexpr size_t kCacheSaltMaxBytes = 256;
+
+std::string sha256_hex(const std::string& s) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  if (EVP_Digest(s.data(), s.size(), md, &n, EVP_sha256(), nullptr) != 1) throw std::runtime_error("kvtc: SHA-256 failed (OpenSSL)");
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned int i = 0; i < n; ++i) out += {hex[md[i] >> 4], hex[md[i] & 15]};
+  return out;
+}
+
+// The API key a request authenticated with, as llama-server's
+// middleware_validate_api_key reads it: the Authorization header (without
+// "Bearer "), or X-Api-Key when there is none; header names in any case.
+std::string api_key_of(const std::map<std::string, std::string>& headers) {
+  auto header = [&](const char* name) {
+    for (const auto& [k, v] : headers)
+      if (k.size() == std::strlen(name) &&
+          std::equal(k.begin(), k.end(), name, [](char a, char b) { return std::tolower(uint8_t(a)) == std::tolower(uint8_t(b)); }))
+        return v;
+    return std::string();
+  };
+  std::string key = header("Authorization");
+  if (key.empty()) key = header("X-Api-Key");
+  if (key.rfind("Bearer ", 0) == 0) key = key.substr(7);
+  return key;
+}
 
 }  // namespace
 
@@ -87,14 +131,16 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-redis-ttl N       seconds a Redis key lives unless a restore or a save uses it again (default: 86400; 0: no expiry)\n"
           "--kvtc-ecsq              entropy-coded pieces (one step rate-controlled to --kvtc-ratio, rANS; docs/format.md version 2)\n"
           "                         instead of the DP allocation with DEFLATE\n"
-          "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n\n");
+          "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n"
+          "--kvtc-tenant-from-api-key  every request is its API key's tenant (with --api-key/--api-key-file): prompts are never\n"
+          "                         shared between keys; a request's cache_salt then separates tenants within a key\n\n");
     }
     if (a.rfind("--kvtc-", 0) != 0) {
       argv[out++] = argv[i];
       continue;
     }
-    if (a == "--kvtc-raw" || a == "--kvtc-ecsq") {  // the flags without a value
-      (a == "--kvtc-raw" ? p.raw : p.ecsq) = true;
+    if (a == "--kvtc-raw" || a == "--kvtc-ecsq" || a == "--kvtc-tenant-from-api-key") {  // the flags without a value
+      (a == "--kvtc-raw" ? p.raw : a == "--kvtc-ecsq" ? p.ecsq : p.tenant_from_api_key) = true;
       continue;
     }
     const size_t eq = a.find('=');
@@ -147,7 +193,7 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else {
         err = a +
               ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
-              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-ecsq, --kvtc-raw)";
+              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-ecsq, --kvtc-raw, --kvtc-tenant-from-api-key)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -164,6 +210,10 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
   }
   if ((!p.redis.empty() || !p.redis_cluster.empty()) && p.calib.empty()) {
     err = "--kvtc-redis needs --kvtc-calib";
+    return false;
+  }
+  if (p.tenant_from_api_key && p.calib.empty()) {
+    err = "--kvtc-tenant-from-api-key needs --kvtc-calib (tenants are kvtc's prompt cache's)";
     return false;
   }
   return true;
@@ -202,14 +252,15 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
     // room for this much raw state (max_pending_bytes: counted and logged
     // when not).
     const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
-    if (!p->store->wants(tokens, size)) return false;
+    const std::string& tenant = slot_tenant(id_slot);  // the cells' own (a slot changing tenants is saved before it changes)
+    if (!p->store->wants(tokens, size, tenant)) return false;
     std::vector<uint8_t> blob(size);
     if (llama_state_seq_get_data_ext(ctx, blob.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) {
       SRV_WRN("kvtc: could not read slot %d's state; not saved\n", id_slot);
       return false;
     }
     const size_t n = tokens.size();
-    p->store->put_state(std::move(tokens), std::move(blob));
+    p->store->put_state(std::move(tokens), std::move(blob), tenant);
     const double ms = ms_since(t0);
     {
       std::lock_guard<std::mutex> g(p->mu);
@@ -236,7 +287,9 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   try {
     kvtc::StateLayout to = p->layout;
     to.seq_id = id_slot;
-    m = p->store->take_state(prompt.tokens.get_text_tokens(), tokens_new.get_text_tokens(), to);
+    // The slot is the new task's tenant's by now (kvtc_server_switch_tenant
+    // emptied it if it was another's): its prompt is that tenant's too.
+    m = p->store->take_state(prompt.tokens.get_text_tokens(), tokens_new.get_text_tokens(), to, slot_tenant(id_slot));
     if (!m) return true;  // nothing better than what the slot holds
     const size_t n = llama_state_seq_set_data_ext(ctx, m->state.data(), m->state.size(), id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
     if (n != m->state.size()) throw kvtc::Error("llama.cpp refused the restored state (" + std::to_string(m->state.size()) + " bytes)");
@@ -272,7 +325,7 @@ void kvtc_prompt_cache::update() {
 
 bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, llama_context* ctx, const std::string& model_path,
                         int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora, bool has_kv_overrides, bool has_control_vectors,
-                        bool resuming) {
+                        bool has_api_keys, bool resuming) {
   const kvtc_server_params& cfg = kvtc_server_config();
   if (cfg.calib.empty()) return true;
   if (resuming) {
@@ -313,6 +366,8 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     return refuse("--override-kv is not supported with --kvtc-calib: it changes the model the store's keys and the calibration name");
   if (has_control_vectors) return refuse("control vectors are not supported with --kvtc-calib yet: they change every layer's keys and values");
   if (llama_model_is_recurrent(model) || llama_model_is_hybrid(model)) return refuse("recurrent and hybrid models keep no KV cache kvtc can code");
+  // Without keys every request would be one tenant (""), silently shared.
+  if (cfg.tenant_from_api_key && !has_api_keys) return refuse("--kvtc-tenant-from-api-key needs --api-key or --api-key-file");
   try {
     auto I = std::make_shared<kvtc_prompt_cache::impl>();
     I->calib_path = cfg.calib;
@@ -468,4 +523,46 @@ std::string kvtc_server_metrics() {
   item("loop_restores_total", "counter", "Restores into a slot", double(t.restores));
   item("shifted_not_saved_total", "counter", "Saves refused because a context shift had moved the slot's cells", double(t.shifted_not_saved));
   return o.str();
+}
+
+std::string kvtc_server_request_tenant(const nlohmann::ordered_json& data, const std::map<std::string, std::string>& headers) {
+  std::string salt;
+  const auto it = data.find("cache_salt");
+  if (it != data.end() && !it->is_null()) {  // null: as if absent (OpenAI clients send unset fields as null)
+    if (!it->is_string()) throw std::invalid_argument(std::string("cache_salt: a string is expected, got ") + it->type_name());
+    salt = it->get<std::string>();
+    if (salt.empty()) throw std::invalid_argument("cache_salt: a non-empty string is expected (leave the field out for no tenant)");
+    if (salt.size() > kCacheSaltMaxBytes)
+      throw std::invalid_argument("cache_salt: at most " + std::to_string(kCacheSaltMaxBytes) + " bytes are expected, got " +
+                                  std::to_string(salt.size()));
+  }
+  std::string tenant = salt;
+  if (kvtc_server_config().tenant_from_api_key) {
+    // The middleware let the request in with this key (kvtc_server_attach
+    // refuses the flag without keys); only its hash is kept.
+    const std::string key = api_key_of(headers);
+    if (!key.empty()) tenant = "api-key:" + sha256_hex(key) + (salt.empty() ? "" : "\n" + salt);
+  }
+  if (tenant.empty()) return tenant;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (!g_live.expired()) return tenant;
+  }
+  throw std::invalid_argument(salt.empty() ? "--kvtc-tenant-from-api-key: kvtc's prompt cache is disabled (see /metrics kvtc:disabled), so "
+                                             "requests cannot be kept apart by API key"
+                                           : "cache_salt: tenants are kvtc's prompt cache's (--kvtc-calib), which this server does not run");
+}
+
+bool kvtc_server_switch_tenant(server_prompt_cache* cache, server_prompt& prompt, llama_context* ctx, int32_t id_slot, const std::string& tenant) {
+  std::string& held = g_slot_tenant[id_slot];
+  if (held == tenant) return false;
+  kvtc_prompt_cache* k = cache ? cache->kvtc.get() : nullptr;
+  if (!prompt.tokens.empty()) {
+    if (k) (void)k->save(prompt, ctx, id_slot);  // under the tenant its cells belong to (held, still)
+    llama_memory_seq_rm(llama_get_memory(ctx), id_slot, -1, -1);
+    prompt.clear();
+    SRV_INF("kvtc: slot %d held another tenant's prompt: saved for that tenant, the slot emptied\n", id_slot);
+  }
+  held = tenant;
+  return k != nullptr;
 }

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,7 @@ struct kvtc_server_params {
   std::string redis;                       // --kvtc-redis redis://HOST:PORT[/DB]: the shared tier on one Redis
   std::vector<std::string> redis_cluster;  // --kvtc-redis-cluster HOST:PORT,...: ... or on a Redis Cluster
   int64_t redis_ttl_s = -1;                // --kvtc-redis-ttl S: every Redis key's time to live (0: none; -1: the store's default, a day)
+  bool tenant_from_api_key = false;        // --kvtc-tenant-from-api-key: every request is its API key's tenant (docs/server.md "Tenants")
 };
 
 // The flags of this process (set by kvtc_server_take_args).
@@ -78,7 +81,8 @@ class kvtc_prompt_cache {
 // quantized cache type). The store's salt names the model file, the
 // calibration, the kvtc flags and the context's RoPE as llama.cpp resolved
 // it (docs/store.md "Keys"). False, with the reason logged, when the
-// server must not start. `resuming`: the server wakes from
+// server must not start (also: --kvtc-tenant-from-api-key without
+// --api-key or --api-key-file, `has_api_keys`). `resuming`: the server wakes from
 // --sleep-idle-seconds with the store it had (cache->kvtc, kept by the
 // patch) and a new context: the store is kept (no calibration reload, no
 // model hash, no disk rescan) and bound to the new context; whatever fails
@@ -86,7 +90,36 @@ class kvtc_prompt_cache {
 // never refused.
 bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, llama_context* ctx, const std::string& model_path,
                         int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora, bool has_kv_overrides, bool has_control_vectors,
-                        bool resuming);
+                        bool has_api_keys, bool resuming);
 
 // Prometheus lines (kvtc:*) of the attached store, "" when none; any thread.
 std::string kvtc_server_metrics();
+
+// Tenants (docs/server.md "Tenants"): a tenant's prompts are stored on a key
+// chain of their own (docs/store.md "Tenants"), and no slot reuses one
+// tenant's KV for another.
+//
+// The tenant of a completion request (handle_completions_impl, an HTTP
+// thread): "" (none: the server as without tenants) unless the request has
+// `cache_salt` (vLLM's field: a non-empty string of at most 256 bytes; its
+// bytes are the tenant), or --kvtc-tenant-from-api-key is given: then
+// "api-key:" + the SHA-256 of the API key the request authenticated with
+// (never the key itself), with "\n" + cache_salt appended when it has one,
+// so keys never share prompts whatever salts they send. Throws
+// std::invalid_argument naming the field and what is expected (the
+// client's 400): cache_salt not a string, empty or too long, or a tenant
+// while kvtc does not run (its isolation would not be there).
+std::string kvtc_server_request_tenant(const nlohmann::ordered_json& data, const std::map<std::string, std::string>& headers);
+
+// A task of `tenant` was given slot `id_slot` (get_available_slot: the
+// least recently used, a similarity pick or id_slot), whose cells and
+// `prompt` are those of the slot's last task. When that was another
+// tenant's, the prompt is saved for its own tenant and the slot emptied
+// (its cells and tokens), so that llama-server's prefix reuse cannot give
+// this task another tenant's KV; the slot is this tenant's from now on.
+// True then, when the store is attached: the caller restores the task's
+// tenant's own best prompt (prompt_load). The child tasks of n_cmpl > 1
+// skip get_available_slot but need nothing: they run on copies of their
+// parent's cells (the same tenant's), and upstream empties a child's slot
+// when it ends (server_slot::release). Loop thread only.
+bool kvtc_server_switch_tenant(server_prompt_cache* cache, server_prompt& prompt, llama_context* ctx, int32_t id_slot, const std::string& tenant);

@@ -302,6 +302,47 @@ class KvtcServer(unittest.TestCase):
         self.assertEqual(m['kvtc:hits_total{tier="ram"}'], 1, m)
         self.assertNotIn("kvtc:disabled", str(m))
 
+    # ---- tenants ----------------------------------------------------------------
+    def test_tenants_never_reuse_each_others_prompts(self):
+        # One slot, two API keys, --kvtc-tenant-from-api-key (docs/server.md
+        # "Tenants"). Key 2 sends key 1's exact conversation: llama-server
+        # would pick the slot by similarity and reuse all of key 1's cells;
+        # here the slot is saved for key 1 and emptied, so key 2's prompt is
+        # computed from nothing (cache_n 0) and its reply is the recompute's
+        # (key 1's first turn was one too: equal, every logprob). Key 1's
+        # next turn is then restored from the store; the same turn with a
+        # cache_salt is another tenant again (recomputed).
+        s = self.start("tenants", self.kvtc("--api-key", "k-one,k-two", "--kvtc-tenant-from-api-key"))
+
+        def chat(key, messages, **extra):
+            body = {"messages": messages, "max_tokens": 8, "temperature": 0, "seed": 1, **LOGPROBS, **extra}
+            r = requests.post(s.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer " + key}, timeout=600)
+            self.assertEqual(r.status_code, 200, r.text[:500])
+            j = r.json()
+            return j["choices"][0]["message"]["content"], j.get("timings", {}), j
+
+        a = conversation(self.docs[0][:1200])
+        a1, t_a1, j_a1 = chat("k-one", a)
+        b1, t_b1, j_b1 = chat("k-two", a)
+        self.assertEqual(t_b1.get("cache_n", 0), 0, t_b1)
+        self.assertEqual(t_b1["prompt_n"], t_a1["prompt_n"])
+        self.assertEqual(b1, a1)
+        self.assertEqual(j_b1["choices"][0]["logprobs"], j_a1["choices"][0]["logprobs"])
+        a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Shorter."}]
+        _, t_a2, _ = chat("k-one", a2_msgs)
+        self.assertGreaterEqual(t_a2.get("cache_n", 0), t_a1["prompt_n"], t_a2)
+        _, t_s2, _ = chat("k-one", a2_msgs, cache_salt="another tenant of key one")
+        self.assertEqual(t_s2.get("cache_n", 0), 0, t_s2)
+        log = s.log()
+        self.assertIn("held another tenant's prompt", log)
+        self.assertNotIn("k-one", log)  # only the key's hash is used, and never logged
+        # A bad cache_salt is the client's error, named.
+        for bad, why in ((7, "a string is expected, got number"), ("", "a non-empty string"), ("x" * 257, "at most 256 bytes")):
+            r = requests.post(s.url + "/completion", json={"prompt": "Hi", "n_predict": 1, "cache_salt": bad},
+                              headers={"Authorization": "Bearer k-one"}, timeout=60)
+            self.assertEqual(r.status_code, 400, r.text[:300])
+            self.assertIn("cache_salt: " + why, r.text)
+
     # ---- faults and bad input --------------------------------------------------
     def test_a_calibration_for_another_model_is_refused(self):
         s = self.start("othermodel", ["--kvtc-calib", GOLDEN_CAL, "--cache-ram", "64"], ok=False)
@@ -475,6 +516,18 @@ class KvtcServer(unittest.TestCase):
         r = requests.post(s.url + "/completion", json={"prompt": "The capital of France is", "n_predict": 4, "temperature": 0}, timeout=120)
         self.assertEqual(r.status_code, 200)
         self.assertIn("content", r.json())
+        # cache_salt alone (no API keys) is a tenant: the slot's prompt of
+        # tenant "" above is not reused for it (upstream reuses all but one
+        # token); the request without one after it gets tenant ""'s own
+        # prompt back, from the store (saved when the slot changed tenants).
+        for salt, reused in (("tenant x", False), (None, True)):
+            body = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0, **({"cache_salt": salt} if salt else {})}
+            r = requests.post(s.url + "/completion", json=body, timeout=120)
+            self.assertEqual(r.status_code, 200, r.text[:300])
+            self.assertEqual(r.json()["timings"].get("cache_n", 0) > 0, reused, (salt, r.json()["timings"]))
+        r = requests.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "cache_salt": ["x"]}, timeout=60)
+        self.assertEqual(r.status_code, 400, r.text[:300])
+        self.assertIn("cache_salt: a string is expected, got array", r.text)
         self.assertEqual(requests.get(s.url + "/health", timeout=10).json().get("status"), "ok")
         self.assertIsInstance(requests.get(s.url + "/slots", timeout=10).json(), list)
         text = requests.get(s.url + "/metrics", timeout=10).text

@@ -33,6 +33,15 @@ What differs from LlamaRAMCache, and why:
   file, or the same one run with other RoPE settings, never shares a state
   (docs/store.md "Keys"). Both are read from `llm`, which is why it must be
   given; a calibration of another model file is refused.
+- cache_salt (kvtc-server's and vLLM's request field, here per cache):
+  the cache's tenant. Its states are stored on a key chain of their own
+  (docs/store.md "Tenants"): a KvtcCache with another salt, or none, never
+  restores them, even through a shared disk directory or Redis, and a
+  kvtc-server request with the same cache_salt does. llama-cpp-python's
+  cache interface has no per-request field, hence one cache per tenant.
+  The Llama's own context is not the cache's: it keeps its last prompt and
+  reuses its prefix for the next call whatever cache is set, so a Llama
+  shared between tenants needs llm.reset() between them.
 
 Thread safety: as llama-cpp-python's caches, one Llama at a time; the store
 underneath is thread-safe.
@@ -174,6 +183,8 @@ class KvtcCache(BaseLlamaCache):
     disk_dir, disk_capacity_bytes: a disk tier (0: no limit); redis_url: a
       shared tier (redis://host:port/db).
     threads: coding threads (0: all).
+    cache_salt: the tenant of every state this cache stores and restores
+      (str or bytes, 1 to 256 bytes as kvtc-server's field; None: none).
     """
 
     def __init__(
@@ -192,8 +203,16 @@ class KvtcCache(BaseLlamaCache):
         chunk_tokens: int = 256,
         threads: int = 0,
         async_puts: bool = True,
+        cache_salt: Optional[Union[str, bytes]] = None,
     ):
         super().__init__(capacity_bytes)
+        if cache_salt is not None:
+            if not isinstance(cache_salt, (str, bytes)):
+                raise Error(f"KvtcCache: cache_salt: a str or bytes is expected, got {type(cache_salt).__name__}")
+            n = len(cache_salt.encode() if isinstance(cache_salt, str) else cache_salt)
+            if not 1 <= n <= 256:  # kvtc-server's bounds for the same field
+                raise Error(f"KvtcCache: cache_salt: 1 to 256 bytes are expected, got {n}")
+        self._tenant = cache_salt
         if not isinstance(calibration, Calibration):
             calibration = Calibration.load(os.fspath(calibration))
         self.calibration = calibration
@@ -273,7 +292,7 @@ class KvtcCache(BaseLlamaCache):
         # The state holds the cache of its first n_tokens ids (positions
         # 0..n-1); the key may carry one more token, sampled but not decoded.
         tokens = np.ascontiguousarray(value.input_ids[:n], dtype=np.int32)
-        self._store.put_state(tokens, blob)
+        self._store.put_state(tokens, blob, tenant=self._tenant)
         self._found = None
         self._forward_messages()
 
@@ -294,7 +313,8 @@ class KvtcCache(BaseLlamaCache):
     def _take(self, key: Sequence[int]) -> Optional["llama_cpp.llama.LlamaState"]:
         if not self._ready():
             return None  # nothing to write a state for yet (no Llama bound, nothing stored)
-        m = self._store.take(np.zeros(0, dtype=np.int32), np.asarray(key, dtype=np.int32), v_trans=self._v_trans, arch=self._arch)
+        m = self._store.take(np.zeros(0, dtype=np.int32), np.asarray(key, dtype=np.int32), v_trans=self._v_trans, arch=self._arch,
+                             tenant=self._tenant)
         self._forward_messages()
         if m is None:
             return None

@@ -535,6 +535,18 @@ nb::dict inspect_dict(nb::handle data) {
 
 // ---- the prompt store -------------------------------------------------------------
 
+// A tenant (docs/store.md "Tenants"): a str (its UTF-8 bytes), bytes or
+// None (none: ""). kvtc-server's cache_salt is the same bytes.
+std::string tenant_of(nb::handle h) {
+  if (h.is_none()) return {};
+  if (nb::isinstance<nb::str>(h)) return nb::cast<std::string>(h);
+  if (nb::isinstance<nb::bytes>(h)) {
+    nb::bytes b = nb::borrow<nb::bytes>(h);
+    return std::string(b.c_str(), b.size());
+  }
+  throw nb::type_error((std::string("tenant: expected str, bytes or None, got ") + nb::type_name(h.type()).c_str()).c_str());
+}
+
 class PyStore {
  public:
   PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
@@ -589,14 +601,15 @@ class PyStore {
     store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), geom, o);
   }
 
-  bool wants(nb::handle tokens) const {
+  bool wants(nb::handle tokens, nb::handle tenant) const {
     const std::vector<int32_t> t = int_vector(tokens, "tokens");
-    return store().wants(t);
+    return store().wants(t, tenant_of(tenant));
   }
 
   // A sequence or context state of `tokens` (positions 0..n-1).
-  void put_state(nb::handle tokens, nb::handle blob) {
+  void put_state(nb::handle tokens, nb::handle blob, nb::handle tenant) {
     std::vector<int32_t> t = int_vector(tokens, "tokens");
+    const std::string who = tenant_of(tenant);
     std::vector<uint8_t> b;
     {
       const Bytes in(blob, "put_state");
@@ -609,19 +622,20 @@ class PyStore {
       }
     }
     nb::gil_scoped_release unlocked;
-    store().put_state(std::move(t), std::move(b));
+    store().put_state(std::move(t), std::move(b), who);
   }
 
   // The best stored prompt for `tokens` when the context holds `current`,
   // as a state for a context of the given layout: a context state when
   // `arch` is given, else a sequence state of sequence seq_id.
   std::optional<nb::dict> take(nb::handle current, nb::handle tokens, uint32_t v_trans, std::vector<uint32_t> streams, int32_t seq_id,
-                               const std::string& arch) {
+                               const std::string& arch, nb::handle tenant) {
     const std::vector<int32_t> cur = int_vector(current, "current"), tok = int_vector(tokens, "tokens");
+    const std::string who = tenant_of(tenant);
     std::optional<kvtc::PromptStore::StateMatch> m;
     {
       nb::gil_scoped_release unlocked;
-      m = store().take_state(cur, tok, kvtc::StateLayout{streams, v_trans, seq_id});
+      m = store().take_state(cur, tok, kvtc::StateLayout{streams, v_trans, seq_id}, who);
       if (m && !arch.empty()) m->state = kvtc::context_state_join(arch, m->state, "take");
     }
     if (!m) return std::nullopt;
@@ -821,12 +835,13 @@ NB_MODULE(_kvtc, m) {
            "caches come from (default: the calibration's model; another is refused). kv_settings: the context's RoPE as\n"
            "llama.cpp resolved it ({'rope_freq_base', 'rope_freq_scale', 'n_ctx_orig_yarn', 'yarn_ext_factor',\n"
            "'yarn_attn_factor', 'yarn_beta_fast', 'yarn_beta_slow'}), part of the store's keys; None: unset.")
-      .def("wants", &PyStore::wants, "tokens"_a, "Whether storing `tokens` would add anything.")
-      .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a,
-           "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.")
+      .def("wants", &PyStore::wants, "tokens"_a, nb::kw_only(), "tenant"_a = nb::none(), "Whether storing `tokens` for `tenant` would add anything.")
+      .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a, nb::kw_only(), "tenant"_a = nb::none(),
+           "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.\n"
+           "tenant (str, bytes or None): whose prompt it is (docs/store.md \"Tenants\"): another tenant's take never finds it.")
       .def("take", &PyStore::take, "current"_a, "tokens"_a, nb::kw_only(), "v_trans"_a = 0u, "streams"_a = std::vector<uint32_t>{}, "seq_id"_a = 0,
-           "arch"_a = "",
-           "The best stored prompt for `tokens` when the context holds `current` (llama-server's rules), or None:\n"
+           "arch"_a = "", "tenant"_a = nb::none(),
+           "The best stored prompt of `tenant` for `tokens` when the context holds `current` (llama-server's rules), or None:\n"
            "{'tokens', 'state', 'common_prefix', 'tier'}; 'state' is a context state of `arch` when given, else a sequence state.")
       .def("flush", &PyStore::flush, "Waits until the disk tier's start-up scan is done and every queued put is stored.")
       .def("stats", &PyStore::stats)

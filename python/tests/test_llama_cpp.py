@@ -158,6 +158,18 @@ def test_states_survive_a_restart_on_disk(smol_calibration, work):
         assert llm2.tokenize(p1.encode()) in cache2
         ask(llm2, p1 + " Paul.\nQuestion: To whom?\nAnswer:", n=4)
         assert cache2.stats()["hits_disk"] >= 1
+    # Another tenant (cache_salt, docs/store.md "Tenants") over the same
+    # directory finds none of it, and keeps what it stores for itself.
+    with KvtcCache(smol_calibration, llm2, disk_dir=disk, cache_salt="tenant b") as cache3:
+        llm2.set_cache(cache3)
+        cache3.flush()
+        assert cache3.stats()["disk_entries"] >= 1  # the untenanted state is there, and not this tenant's
+        assert llm2.tokenize(p1.encode()) not in cache3
+        ask(llm2, p1, n=1)
+        cache3.flush()
+        assert llm2.tokenize(p1.encode()) in cache3
+    with pytest.raises(kvtc.Error, match="cache_salt: a str or bytes is expected, got int"):
+        KvtcCache(smol_calibration, llm2, cache_salt=7)
 
 
 def test_states_in_and_out_of_the_binding(smol_calibration):

@@ -31,6 +31,13 @@ struct LoopTimes {
   uint64_t shifted_not_saved = 0;  // saves refused: the slot's cache was shifted (context shift)
   double save_ms = 0, save_max_ms = 0;
   double restore_ms = 0, restore_max_ms = 0;
+  // Every load, hit or miss: the lookup (and a Redis round trip when the
+  // local tiers hold less than the prompt) holds the loop even when it finds
+  // nothing, so a slow or frozen Redis shows here (issue 28: 5.8 s before
+  // the per-exchange deadlines; bounded by 2 x redis_lookup_timeout_ms +
+  // the fetch's bytes + decoding now, docs/server.md "Time").
+  uint64_t lookups = 0;
+  double lookup_ms = 0, lookup_max_ms = 0;
 };
 
 // The attached store, for /metrics (HTTP threads) as well as the loop.
@@ -232,6 +239,17 @@ void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* c
 
 bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_new, llama_context* ctx, int32_t id_slot) {
   const auto t0 = Clock::now();
+  struct Held {  // the loop's time in this call, whatever it returns
+    impl& p;
+    Clock::time_point t0;
+    ~Held() {
+      const double ms = ms_since(t0);
+      std::lock_guard<std::mutex> g(p.mu);
+      ++p.times.lookups;
+      p.times.lookup_ms += ms;
+      p.times.lookup_max_ms = std::max(p.times.lookup_max_ms, ms);
+    }
+  } held{*p, t0};
   std::optional<kvtc::PromptStore::StateMatch> m;
   try {
     kvtc::StateLayout to = p->layout;
@@ -464,6 +482,10 @@ std::string kvtc_server_metrics() {
   item("loop_save_seconds_max", "gauge", "Longest a save held the server loop", t.save_max_ms / 1e3);
   item("loop_restore_seconds_total", "counter", "Time restores held the server loop (decode + state load)", t.restore_ms / 1e3);
   item("loop_restore_seconds_max", "gauge", "Longest a restore held the server loop", t.restore_max_ms / 1e3);
+  item("loop_lookup_seconds_total", "counter", "Time every lookup held the server loop, hits and misses (store, Redis, decode, state load)",
+       t.lookup_ms / 1e3);
+  item("loop_lookup_seconds_max", "gauge", "Longest a lookup held the server loop, hit or miss", t.lookup_max_ms / 1e3);
+  item("loop_lookups_total", "counter", "Lookups (a slot taking a new prompt)", double(t.lookups));
   item("loop_saves_total", "counter", "Saves that held the loop", double(t.saves));
   item("loop_restores_total", "counter", "Restores into a slot", double(t.restores));
   item("shifted_not_saved_total", "counter", "Saves refused because a context shift had moved the slot's cells", double(t.shifted_not_saved));

@@ -1,5 +1,7 @@
 #include "store/keys.h"
 
+#include <openssl/crypto.h>
+
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -8,6 +10,7 @@
 #include "format/container.h"
 #include "kvtc/error.h"
 #include "kvtc/store.h"
+#include "store/seal.h"
 
 namespace kvtc::store {
 namespace {
@@ -23,28 +26,31 @@ void put64(Bytes& o, uint64_t v) {
   for (int i = 0; i < 8; ++i) o.push_back(uint8_t(v >> (8 * i)));
 }
 
-// One link of the key chain: SHA-256 over a domain byte ('c' chunk, 'e'
-// entry), the parent's 64 hex digits and the tokens as little-endian int32.
-std::string link(char domain, const std::string& parent, std::span<const int32_t> tokens) {
-  Bytes b;
-  b.reserve(1 + parent.size() + tokens.size() * 4);
-  b.push_back(uint8_t(domain));
-  b.insert(b.end(), parent.begin(), parent.end());
-  for (int32_t t : tokens) put32(b, uint32_t(t));
-  return sha256_bytes(b);
+std::string hex_of(std::span<const uint8_t> b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (uint8_t x : b) {
+    s.push_back(d[x >> 4]);
+    s.push_back(d[x & 15]);
+  }
+  return s;
 }
 
 nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
-  return {{"scheme", kStoreScheme},
-          {"salt", salt},
-          {"model_sha256", f.model_sha256},
-          {"calibration_id", f.calibration_id},
-          {"container_version", f.container_version},
-          {"chunk_tokens", f.chunk_tokens},
-          {"ratio", f.ratio},
-          {"sink", f.sink},
-          {"window", f.window},
-          {"kv_settings", f.kv_settings}};
+  nlohmann::json j = {{"scheme", kStoreScheme},
+                      {"salt", salt},
+                      {"model_sha256", f.model_sha256},
+                      {"calibration_id", f.calibration_id},
+                      {"container_version", f.container_version},
+                      {"chunk_tokens", f.chunk_tokens},
+                      {"ratio", f.ratio},
+                      {"sink", f.sink},
+                      {"window", f.window},
+                      {"kv_settings", f.kv_settings}};
+  // Only a protected store names its protection: the JSON of the others
+  // (store.json, entry headers) stays byte for byte what it was.
+  if (!f.protection.empty()) j["protection"] = f.protection;
+  return j;
 }
 
 }  // namespace
@@ -71,19 +77,43 @@ size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   return i;
 }
 
-Scheme::Scheme(const SchemeFields& f) : f_(f) {
-  const std::string text = std::string(kStoreScheme) + "\nmodel_sha256=" + f.model_sha256 + "\ncalibration_id=" + f.calibration_id +
-                           "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
-                           "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
-                           "\nkv_settings=" + f.kv_settings + "\n";
+Scheme::Scheme(const SchemeFields& f, std::vector<uint8_t> chain_key) : f_(f), chain_key_(std::move(chain_key)) {
+  require(f.protection.empty() == chain_key_.empty(), "kvtc store: a protected scheme needs its chain key, and only it");
+  std::string text = std::string(kStoreScheme) + "\nmodel_sha256=" + f.model_sha256 + "\ncalibration_id=" + f.calibration_id +
+                     "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
+                     "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
+                     "\nkv_settings=" + f.kv_settings + "\n";
+  // Another secret or mode names another store: another directory and
+  // Redis namespace. Without one the text is version 2's, unchanged.
+  if (!f.protection.empty()) text += "protection=" + f.protection + "\n";
   salt_ = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
   compat_ = salt_.substr(0, 16);
+  root_ = chain_key_.empty() ? salt_ : hex_of(hmac_sha256(chain_key_, std::span(reinterpret_cast<const uint8_t*>(salt_.data()), salt_.size())));
+}
+
+Scheme::~Scheme() {
+  if (!chain_key_.empty()) OPENSSL_cleanse(chain_key_.data(), chain_key_.size());
+}
+
+// One link of the key chain: over a domain byte ('c' chunk, 'e' entry),
+// the parent's 64 hex digits and the tokens as little-endian int32,
+// SHA-256, or HMAC-SHA256 under the chain key when there is a secret. Keyed
+// links, not only a keyed root: every key is a public name (a file, a Redis
+// key, x:<c_0> included), and from a name anyone could compute the next
+// link of a guessed continuation if links were plain hashes.
+std::string Scheme::link(char domain, const std::string& parent, std::span<const int32_t> tokens) const {
+  Bytes b;
+  b.reserve(1 + parent.size() + tokens.size() * 4);
+  b.push_back(uint8_t(domain));
+  b.insert(b.end(), parent.begin(), parent.end());
+  for (int32_t t : tokens) put32(b, uint32_t(t));
+  return chain_key_.empty() ? sha256_bytes(b) : hex_of(hmac_sha256(chain_key_, b));
 }
 
 std::vector<std::string> Scheme::chunk_keys(std::span<const int32_t> tokens, uint32_t m) const {
   std::vector<std::string> keys;
   keys.reserve(m);
-  std::string h = salt_;
+  std::string h = root_;
   const uint32_t C = f_.chunk_tokens;
   for (uint32_t i = 0; i < m; ++i) keys.push_back(h = link('c', h, tokens.subspan(size_t(i) * C, C)));
   return keys;
@@ -91,7 +121,7 @@ std::vector<std::string> Scheme::chunk_keys(std::span<const int32_t> tokens, uin
 
 std::string Scheme::entry_key(std::span<const int32_t> tokens, const std::vector<std::string>& chunks) const {
   const size_t m = chunks.size();
-  return link('e', m ? chunks.back() : salt_, tokens.subspan(m * f_.chunk_tokens));
+  return link('e', m ? chunks.back() : root_, tokens.subspan(m * f_.chunk_tokens));
 }
 
 uint32_t Scheme::full_chunks(size_t n) const {

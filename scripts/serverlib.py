@@ -217,3 +217,79 @@ class RedisCluster:
     def stop(self):
         for n in self.nodes:
             n.stop()
+
+
+class TrickleProxy:
+    """A TCP proxy on a loopback port in front of `port` (a Redis), for
+    fault tests: mode "pass" forwards bytes as they come; "trickle" passes
+    what the server sends back one byte every `delay` seconds (a link or a
+    server that answers, but too slowly: a per-call socket timeout never
+    fires on it, only a deadline for the whole exchange does). What the
+    client sends always goes through at once. Threads, one pair per
+    connection; stop() closes everything."""
+
+    def __init__(self, port, delay=0.05):
+        import threading
+
+        self.upstream = port
+        self.delay = delay
+        self.mode = "pass"
+        self._threading = threading
+        self._socks = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._srv = socket.socket()
+        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(64)
+        self.port = self._srv.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self):
+        while not self._stopped:
+            try:
+                c, _ = self._srv.accept()
+                u = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+                u.settimeout(None)
+            except OSError:
+                if self._stopped:
+                    return
+                continue
+            with self._lock:
+                self._socks += [c, u]
+            self._threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
+            self._threading.Thread(target=self._pump, args=(u, c, True), daemon=True).start()
+
+    def _pump(self, src, dst, back):
+        try:
+            while True:
+                b = src.recv(65536)
+                if not b:
+                    break
+                if back and self.mode == "trickle":
+                    for i in range(len(b)):
+                        time.sleep(self.delay)
+                        dst.sendall(b[i:i + 1])
+                else:
+                    dst.sendall(b)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stop(self):
+        self._stopped = True
+        self._srv.close()
+        with self._lock:
+            for s in self._socks:
+                try:
+                    s.close()
+                except OSError:
+                    pass

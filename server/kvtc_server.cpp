@@ -5,6 +5,7 @@
 #include <kvtc/kvtc.h>
 #include <kvtc/llama.h>
 #include <openssl/evp.h>
+#include <string.h>  // explicit_bzero
 
 #include <algorithm>
 #include <cctype>
@@ -34,6 +35,13 @@ struct LoopTimes {
   uint64_t shifted_not_saved = 0;  // saves refused: the slot's cache was shifted (context shift)
   double save_ms = 0, save_max_ms = 0;
   double restore_ms = 0, restore_max_ms = 0;
+  // Every load, hit or miss: the lookup (and a Redis round trip when the
+  // local tiers hold less than the prompt) holds the loop even when it finds
+  // nothing, so a slow or frozen Redis shows here (issue 28: 5.8 s before
+  // the per-exchange deadlines; bounded by 2 x redis_lookup_timeout_ms +
+  // the fetch's bytes + decoding now, docs/server.md "Time").
+  uint64_t lookups = 0;
+  double lookup_ms = 0, lookup_max_ms = 0;
 };
 
 // The attached store, for /metrics (HTTP threads) as well as the loop.
@@ -129,6 +137,14 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "                         every replica with the same model, calibration and flags resumes any conversation\n"
           "--kvtc-redis-cluster L   ... or on a Redis Cluster: L = host:port,host:port,... (any of its masters)\n"
           "--kvtc-redis-ttl N       seconds a Redis key lives unless a restore or a save uses it again (default: 86400; 0: no expiry)\n"
+          "--kvtc-redis-user U      Redis AUTH user name (ACLs), for --kvtc-redis and --kvtc-redis-cluster\n"
+          "--kvtc-redis-password-file F\n"
+          "                         Redis AUTH password: the first line of F (kept off the command line), for --kvtc-redis and\n"
+          "                         --kvtc-redis-cluster (every node)\n"
+          "--kvtc-secret-file F     a secret shared by every replica (F's bytes, at least 32: openssl rand 32 > F; chmod 600):\n"
+          "                         every value on disk and in Redis is authenticated (HMAC-SHA256) and bound to its key; one\n"
+          "                         written without the secret is dropped, never served; keys cannot be computed without it\n"
+          "--kvtc-encrypt           ... and encrypted at rest (AES-256-GCM): disk and Redis hold no readable tokens or KV\n"
           "--kvtc-ecsq              entropy-coded pieces (one step rate-controlled to --kvtc-ratio, rANS; docs/format.md version 2)\n"
           "                         instead of the DP allocation with DEFLATE\n"
           "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n"
@@ -139,8 +155,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       argv[out++] = argv[i];
       continue;
     }
-    if (a == "--kvtc-raw" || a == "--kvtc-ecsq" || a == "--kvtc-tenant-from-api-key") {  // the flags without a value
-      (a == "--kvtc-raw" ? p.raw : a == "--kvtc-ecsq" ? p.ecsq : p.tenant_from_api_key) = true;
+    if (a == "--kvtc-raw" || a == "--kvtc-ecsq" || a == "--kvtc-encrypt" || a == "--kvtc-tenant-from-api-key") {  // the flags without a value
+      (a == "--kvtc-raw" ? p.raw : a == "--kvtc-ecsq" ? p.ecsq : a == "--kvtc-encrypt" ? p.encrypt : p.tenant_from_api_key) = true;
       continue;
     }
     const size_t eq = a.find('=');
@@ -187,13 +203,35 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-threads") {
         p.threads = std::stoi(val, &used);
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
+      } else if (a == "--kvtc-secret-file" || a == "--kvtc-redis-password-file") {
+        // Read now: a missing, empty or short file stops the start before
+        // the model loads, with an error naming it.
+        std::string warning;
+        try {
+          if (a == "--kvtc-secret-file") {
+            p.secret_file = val;
+            p.secret = kvtc::read_store_secret(val, &warning);
+          } else {
+            p.redis_password_file = val;
+            p.redis_password = kvtc::read_password_file(val, &warning);
+          }
+        } catch (const std::exception& e) {
+          err = a + ": " + e.what();
+          return false;
+        }
+        if (!warning.empty()) p.warnings.push_back(a + " " + warning);
+        used = val.size();
+      } else if (a == "--kvtc-redis-user") {
+        p.redis_user = val;
+        used = val.size();
       } else if (a == "--kvtc-redis-ttl") {
         p.redis_ttl_s = std::stoll(val, &used);
         if (p.redis_ttl_s < 0) throw std::out_of_range("");
       } else {
         err = a +
               ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
-              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-ecsq, --kvtc-raw, --kvtc-tenant-from-api-key)";
+              "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-redis-user, --kvtc-redis-password-file, --kvtc-secret-file, "
+              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-tenant-from-api-key)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -214,6 +252,22 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
   }
   if (p.tenant_from_api_key && p.calib.empty()) {
     err = "--kvtc-tenant-from-api-key needs --kvtc-calib (tenants are kvtc's prompt cache's)";
+    return false;
+  }
+  if (p.encrypt && p.secret.empty()) {
+    err = "--kvtc-encrypt needs --kvtc-secret-file (the keys are derived from it)";
+    return false;
+  }
+  if (!p.secret.empty() && p.calib.empty()) {
+    err = "--kvtc-secret-file needs --kvtc-calib";
+    return false;
+  }
+  if ((!p.redis_password.empty() || !p.redis_user.empty()) && p.redis.empty() && p.redis_cluster.empty()) {
+    err = "--kvtc-redis-password-file and --kvtc-redis-user need --kvtc-redis or --kvtc-redis-cluster";
+    return false;
+  }
+  if (!p.redis_user.empty() && p.redis_password.empty()) {
+    err = "--kvtc-redis-user needs --kvtc-redis-password-file";
     return false;
   }
   return true;
@@ -283,6 +337,17 @@ void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* c
 
 bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_new, llama_context* ctx, int32_t id_slot) {
   const auto t0 = Clock::now();
+  struct Held {  // the loop's time in this call, whatever it returns
+    impl& p;
+    Clock::time_point t0;
+    ~Held() {
+      const double ms = ms_since(t0);
+      std::lock_guard<std::mutex> g(p.mu);
+      ++p.times.lookups;
+      p.times.lookup_ms += ms;
+      p.times.lookup_max_ms = std::max(p.times.lookup_max_ms, ms);
+    }
+  } held{*p, t0};
   std::optional<kvtc::PromptStore::StateMatch> m;
   try {
     kvtc::StateLayout to = p->layout;
@@ -382,6 +447,10 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.disk_bytes = uint64_t(cfg.disk_mib) << 20;
     o.redis_url = cfg.redis;
     o.redis_cluster = cfg.redis_cluster;
+    o.redis_user = cfg.redis_user;
+    o.redis_password = cfg.redis_password;
+    o.secret = cfg.secret;
+    o.encrypt = cfg.encrypt;
     if (cfg.redis_ttl_s >= 0) o.redis_ttl_s = cfg.redis_ttl_s;
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
@@ -399,12 +468,23 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     const uint64_t context_full = uint64_t(llama_n_ctx_seq(ctx)) * per_token;
     o.max_pending_bytes = cfg.pending_mib > 0 ? uint64_t(cfg.pending_mib) << 20 : std::max({uint64_t(1) << 30, o.ram_bytes, 2 * context_full});
     o.log = [](const std::string& s) { SRV_WRN("%s\n", s.c_str()); };
+    for (const std::string& w : cfg.warnings) SRV_WRN("kvtc: %s\n", w.c_str());
     try {
       I->store = std::make_unique<kvtc::PromptStore>(cal, geom, o);
     } catch (const kvtc::Error& e) {
       const std::string w = e.what();
       throw kvtc::Error(w.rfind("redis", 0) == 0 ? w : cfg.calib + ": " + w);  // a bad --kvtc-redis names itself
     }
+    // The store keeps only the keys derived from the secret; no other copy
+    // of it or of the Redis password (its client keeps its own) stays here.
+    auto wipe = [](auto& v) {
+      if (!v.empty()) explicit_bzero(v.data(), v.size());
+      v.clear();
+    };
+    wipe(o.secret);
+    wipe(kvtc_server_config().secret);
+    wipe(o.redis_password);
+    wipe(kvtc_server_config().redis_password);
     // The context's state layout (V transposed or not, streams per block),
     // which restores are written for; also refuses a quantized cache. The
     // slots have not started yet, so sequence 0 is free for the probe.
@@ -420,6 +500,17 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
         s.disk_enabled ? (" (" + std::to_string(s.disk_scan_pending) + " entry files found: prompts read back in the background)").c_str()
                        : s.disk_error.c_str());
     SRV_INF("kvtc: the store's keys name the context's settings: %s\n", o.kv_settings.text().c_str());
+    // What protects the values outside the process (never the secret: its
+    // key id names it, so replicas that print the same id share a store).
+    const std::string& prot = I->store->protection();
+    if (!prot.empty())
+      SRV_INF("kvtc: secret %s (key id %s): every value on disk and in Redis is %s and bound to its key; foreign values are dropped\n",
+              cfg.secret_file.c_str(), prot.substr(prot.find("key=") + 4).c_str(),
+              o.encrypt ? "encrypted and authenticated (AES-256-GCM)" : "authenticated (HMAC-SHA256), not encrypted");
+    else if (!cfg.disk.empty() || s.redis_enabled)
+      SRV_INF("%s\n",
+              "kvtc: no --kvtc-secret-file: values on disk and in Redis are neither authenticated nor encrypted (whoever can write there "
+              "can plant KV this server serves; docs/server.md)");
     if (s.redis_enabled)
       SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(),
               s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
@@ -513,12 +604,19 @@ std::string kvtc_server_metrics() {
   item("misses_total", "counter", "Lookups that found nothing better than the slot's prompt", double(s.misses));
   item("tokens_restored_total", "counter", "Prompt tokens restored instead of recomputed", double(s.tokens_restored));
   item("dropped_damaged_total", "counter", "Stored prompts or files refused by their checksum or content, dropped", double(s.corrupt_dropped));
+  item("dropped_foreign_total", "counter",
+       "Values on disk or in Redis that did not open with --kvtc-secret-file (written without it, with another, or moved), dropped unread",
+       double(s.foreign_dropped));
   item("restore_failures_total", "counter", "Restores that failed (the prompt was recomputed)", double(t.restore_failures));
   item("compress_seconds_total", "counter", "Worker time compressing saves", s.save_ms / 1e3);
   item("loop_save_seconds_total", "counter", "Time saves held the server loop (state copy)", t.save_ms / 1e3);
   item("loop_save_seconds_max", "gauge", "Longest a save held the server loop", t.save_max_ms / 1e3);
   item("loop_restore_seconds_total", "counter", "Time restores held the server loop (decode + state load)", t.restore_ms / 1e3);
   item("loop_restore_seconds_max", "gauge", "Longest a restore held the server loop", t.restore_max_ms / 1e3);
+  item("loop_lookup_seconds_total", "counter", "Time every lookup held the server loop, hits and misses (store, Redis, decode, state load)",
+       t.lookup_ms / 1e3);
+  item("loop_lookup_seconds_max", "gauge", "Longest a lookup held the server loop, hit or miss", t.lookup_max_ms / 1e3);
+  item("loop_lookups_total", "counter", "Lookups (a slot taking a new prompt)", double(t.lookups));
   item("loop_saves_total", "counter", "Saves that held the loop", double(t.saves));
   item("loop_restores_total", "counter", "Restores into a slot", double(t.restores));
   item("shifted_not_saved_total", "counter", "Saves refused because a context shift had moved the slot's cells", double(t.shifted_not_saved));

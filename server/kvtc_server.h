@@ -35,6 +35,16 @@ struct kvtc_server_params {
   std::string redis;                       // --kvtc-redis redis://HOST:PORT[/DB]: the shared tier on one Redis
   std::vector<std::string> redis_cluster;  // --kvtc-redis-cluster HOST:PORT,...: ... or on a Redis Cluster
   int64_t redis_ttl_s = -1;                // --kvtc-redis-ttl S: every Redis key's time to live (0: none; -1: the store's default, a day)
+  // --kvtc-secret-file F: read when the flags are taken (a bad file stops
+  // the start before the model loads); the bytes are handed to the store
+  // and wiped here once it is built.
+  std::string secret_file;
+  std::vector<uint8_t> secret;
+  bool encrypt = false;               // --kvtc-encrypt: AES-256-GCM at rest (needs the secret)
+  std::string redis_user;             // --kvtc-redis-user U: AUTH's user name (ACLs), one server or a cluster
+  std::string redis_password_file;    // --kvtc-redis-password-file F: AUTH's password, one server or a cluster
+  std::string redis_password;         // its first line
+  std::vector<std::string> warnings;  // about the files above (readable by others): logged at attach
   bool tenant_from_api_key = false;        // --kvtc-tenant-from-api-key: every request is its API key's tenant (docs/server.md "Tenants")
 };
 

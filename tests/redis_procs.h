@@ -106,8 +106,11 @@ inline int run_wait(const std::vector<std::string>& args) {
 // One redis-server on 127.0.0.1, without persistence, in its own directory.
 class RedisServer {
  public:
-  RedisServer(const std::filesystem::path& dir, std::vector<std::string> extra = {}, int port = 0)
-      : dir_(dir), extra_(std::move(extra)), port_(port ? port : free_port()) {
+  // password: requirepass and masterauth (a cluster's nodes authenticate to
+  // each other with it); url() and cmd() then AUTH with it.
+  RedisServer(const std::filesystem::path& dir, std::vector<std::string> extra = {}, int port = 0, std::string password = "")
+      : dir_(dir), extra_(std::move(extra)), port_(port ? port : free_port()), password_(std::move(password)) {
+    if (!password_.empty()) extra_.insert(extra_.end(), {"--requirepass", password_, "--masterauth", password_});
     start();
   }
   ~RedisServer() {
@@ -149,7 +152,8 @@ class RedisServer {
   void freeze() { ::kill(pid_, SIGSTOP); }
   void thaw() { ::kill(pid_, SIGCONT); }
   int port() const { return port_; }
-  std::string url() const { return "redis://127.0.0.1:" + std::to_string(port_); }
+  std::string url() const { return "redis://" + (password_.empty() ? "" : ":" + password_ + "@") + "127.0.0.1:" + std::to_string(port_); }
+  const std::string& password() const { return password_; }
   std::string hostport() const { return "127.0.0.1:" + std::to_string(port_); }
   // A direct connection (admin commands; in a cluster, this node only).
   detail::RedisReply cmd(const detail::RedisCommand& c) const {
@@ -164,6 +168,7 @@ class RedisServer {
   std::filesystem::path dir_;
   std::vector<std::string> extra_;
   int port_;
+  std::string password_;
   pid_t pid_ = -1;
 };
 
@@ -175,15 +180,16 @@ class RedisCluster {
     std::error_code ec;
     std::filesystem::remove_all(dir_, ec);
   }
-  explicit RedisCluster(const std::filesystem::path& dir, const std::vector<std::string>& extra = {}) : dir_(dir) {
+  explicit RedisCluster(const std::filesystem::path& dir, const std::vector<std::string>& extra = {}, const std::string& password = "") : dir_(dir) {
     std::filesystem::create_directories(dir);
     for (int i = 0; i < 3; ++i) {
       const int port = free_cluster_port();
       std::vector<std::string> args{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"};
       args.insert(args.end(), extra.begin(), extra.end());
-      nodes.push_back(std::make_unique<RedisServer>(dir / ("node" + std::to_string(i)), args, port));
+      nodes.push_back(std::make_unique<RedisServer>(dir / ("node" + std::to_string(i)), args, port, password));
     }
     std::vector<std::string> a = {"redis-cli", "--cluster", "create"};
+    if (!password.empty()) a.insert(a.end(), {"-a", password, "--no-auth-warning"});
     for (auto& n : nodes) a.push_back(n->hostport());
     a.insert(a.end(), {"--cluster-replicas", "0", "--cluster-yes"});
     // redis-cli prints its plan; keep the test's output readable.

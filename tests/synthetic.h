@@ -18,6 +18,7 @@
 #include "core/util.h"
 #include "kvtc/internal/lab_support.h"  // set_feature_rows
 #include "kvtc/kvtc.h"
+#include "store/seal.h"  // hkdf_sha256, hmac_sha256: the chain of a store with a secret
 
 namespace kvtc {
 
@@ -197,28 +198,57 @@ inline ::testing::AssertionResult matches_prefix(const KvCapture& got, const KvC
   return ::testing::AssertionSuccess();
 }
 
-// The root of a tenant's key chain in store `s` (docs/store.md "Tenants"):
-// SHA-256('t' ‖ salt ‖ tenant bytes), computed here from the spec.
-inline std::string tenant_root(const PromptStore& s, const std::string& tenant) {
-  const std::string salt = s.fingerprint();
-  std::vector<uint8_t> b = {uint8_t('t')};
-  b.insert(b.end(), salt.begin(), salt.end());
-  b.insert(b.end(), tenant.begin(), tenant.end());
-  return sha256_bytes(b);
+// The store's key chain (docs/store.md "Keys", "Secrets"), computed here
+// from the spec, not by the store. Without a secret c_0 is the salt and a
+// link SHA-256('c' or 'e' | parent's hex | tokens, int32 LE); with one,
+// c_0 = HMAC-SHA256(K_chain, salt) and each link an HMAC-SHA256 under
+// K_chain = HKDF-SHA256(secret, "kvtc-store-secret/1", "kvtc key chain").
+inline std::string hex_of(std::span<const uint8_t> b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (uint8_t x : b) s += {d[x >> 4], d[x & 15]};
+  return s;
 }
-
-// The chain key c_{i+1} of the chunks of `tokens` in store `s`
-// (docs/store.md "Keys"), computed here from the spec, not by the store;
-// on the chain from `root` (a tenant's, tenant_root) when given.
-inline std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C, const std::string& root = "") {
-  std::string h = root.empty() ? s.fingerprint() : root;
-  for (size_t j = 0; j <= i; ++j) {
-    std::vector<uint8_t> b = {uint8_t('c')};
-    b.insert(b.end(), h.begin(), h.end());
-    for (size_t t = j * C; t < (j + 1) * C; ++t)
-      for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(tokens[t]) >> (8 * k)));
-    h = sha256_bytes(b);
-  }
+inline std::vector<uint8_t> chain_secret_key(std::span<const uint8_t> secret) {
+  const std::string salt = "kvtc-store-secret/1", label = "kvtc key chain";
+  return store::hkdf_sha256(secret, std::span(reinterpret_cast<const uint8_t*>(salt.data()), salt.size()),
+                            std::span(reinterpret_cast<const uint8_t*>(label.data()), label.size()), 32);
+}
+inline std::string chain_hash(std::span<const uint8_t> secret, std::span<const uint8_t> b) {
+  return secret.empty() ? sha256_bytes(b) : hex_of(store::hmac_sha256(chain_secret_key(secret), b));
+}
+inline std::string chain_root(const PromptStore& s, std::span<const uint8_t> secret = {}) {
+  const std::string& salt = s.fingerprint();
+  return secret.empty() ? salt : chain_hash(secret, std::span(reinterpret_cast<const uint8_t*>(salt.data()), salt.size()));
+}
+inline std::string chain_link(char domain, const std::string& parent, std::span<const int32_t> tokens, std::span<const uint8_t> secret = {}) {
+  std::vector<uint8_t> b = {uint8_t(domain)};
+  b.insert(b.end(), parent.begin(), parent.end());
+  for (int32_t t : tokens)
+    for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(t) >> (8 * k)));
+  return chain_hash(secret, b);
+}
+// The root of a tenant's key chain in store `s` (docs/store.md "Tenants"):
+// over 't' | c_0's hex | the tenant's bytes, hashed as a link is.
+inline std::string tenant_root(const PromptStore& s, const std::string& tenant, std::span<const uint8_t> secret = {}) {
+  const std::string r = chain_root(s, secret);
+  std::vector<uint8_t> b = {uint8_t('t')};
+  b.insert(b.end(), r.begin(), r.end());
+  b.insert(b.end(), tenant.begin(), tenant.end());
+  return chain_hash(secret, b);
+}
+// The chain key c_{i+1} of the chunks of `tokens` on the chain from `root`
+// (chain_root, or a tenant's: tenant_root).
+inline std::string chain_key_from(const std::string& root, const std::vector<int32_t>& tokens, size_t i, uint32_t C,
+                                  std::span<const uint8_t> secret = {}) {
+  std::string h = root;
+  for (size_t j = 0; j <= i; ++j) h = chain_link('c', h, std::span(tokens).subspan(j * C, C), secret);
+  return h;
+}
+// The chain key c_{i+1} of the chunks of `tokens` in store `s`.
+inline std::string chain_key(const PromptStore& s, const std::vector<int32_t>& tokens, size_t i, uint32_t C, std::span<const uint8_t> secret = {}) {
+  std::string h = chain_root(s, secret);
+  for (size_t j = 0; j <= i; ++j) h = chain_link('c', h, std::span(tokens).subspan(j * C, C), secret);
   return h;
 }
 

@@ -3,10 +3,11 @@
 real SmolLM2 model, real documents from the evaluation corpus, a real HTTP
 client (requests). Covered: a second turn restored from the compressed RAM
 tier (scored against a recompute), and from raw pieces (exact); the disk
-tier across a restart; shared prefixes stored once; damaged and unwritable
-disk tiers; bad calibrations refused at start; a client leaving
-mid-stream; two slots with concurrent clients; the upstream endpoints
-(/completion, /slots, /health, /metrics, streaming)."""
+tier across a restart, and encrypted with a secret; shared prefixes stored
+once; damaged and unwritable disk tiers; bad calibrations and secret files
+refused at start; a client leaving mid-stream; two slots with concurrent
+clients; the upstream endpoints (/completion, /slots, /health, /metrics,
+streaming)."""
 import glob
 import json
 import os
@@ -194,6 +195,40 @@ class KvtcServer(unittest.TestCase):
         agree, mean, d = drift(j_a2, j_ref)
         print(f"second turn after a restart, from disk: {agree} of 8 tokens agree, mean |logprob difference| {mean:.3f} {d}")
         self.assertLess(mean, 0.28, (a2, ref, agree, d))
+
+    def test_a_secret_seals_the_disk_tier(self):
+        # Refused before the model loads: a short secret file (named), and
+        # --kvtc-encrypt without a secret.
+        short = os.path.join(self.tmp, "short-secret")
+        with open(short, "wb") as f:
+            f.write(b"x" * 31)
+        s = self.start("secret-short", self.kvtc("--kvtc-secret-file", short), ok=False)
+        self.assertNotEqual(s.wait_exit(), 0)
+        self.assertIn(short + ": the secret file holds 31 bytes, expected at least 32", s.log())
+        s = self.start("secret-none", self.kvtc("--kvtc-encrypt"), ok=False)
+        self.assertNotEqual(s.wait_exit(), 0)
+        self.assertIn("--kvtc-encrypt needs --kvtc-secret-file", s.log())
+        # Encrypted at rest on disk: a conversation restored after a restart.
+        secret = os.path.join(self.tmp, "secret")
+        with open(secret, "wb") as f:
+            f.write(os.urandom(32))
+        os.chmod(secret, 0o600)
+        flags = self.kvtc("--kvtc-disk", os.path.join(self.tmp, "store-secret"), "--kvtc-secret-file", secret, "--kvtc-encrypt")
+        s = self.start("secret-1", flags)
+        self.assertRegex(s.log(), r"kvtc: secret \S+ \(key id [0-9a-f]{16}\): every value on disk and in Redis is encrypted and authenticated")
+        self.assertNotIn("readable by", s.log())
+        a = conversation(self.docs[2])
+        a1, t_a1, _ = s.chat(a)
+        s.chat([{"role": "user", "content": "Say hello."}], max_tokens=4)  # takes the only slot: A is saved
+        self.assertEqual(s.wait_saved()["kvtc:saves_total"], 1)
+        self.assertEqual(s.stop(), 0)
+        s2 = self.start("secret-2", flags)
+        self.assertEqual(s2.wait_scanned()["kvtc:disk_prompts"], 1)
+        _, t_a2, _ = s2.chat(a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}])
+        self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
+        m = s2.metrics()
+        self.assertEqual(m['kvtc:hits_total{tier="disk"}'], 1)
+        self.assertEqual(m["kvtc:dropped_foreign_total"], 0)
 
     def test_shared_prefixes_are_stored_once(self):
         s = self.start("dedup", self.kvtc())

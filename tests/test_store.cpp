@@ -6,6 +6,7 @@
 // share its cache exactly, as the chunk keys assume.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -17,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -88,13 +90,9 @@ std::vector<fs::path> files_in(const fs::path& dir, const std::string& ext) {
 
 // The entry key of a prompt with m full chunks of C tokens (docs/store.md
 // "Keys"): names its file, entries/<key>.kvse.
-std::string entry_key(const PromptStore& s, const std::vector<int32_t>& t, size_t m, uint32_t C) {
-  const std::string h = m ? chain_key(s, t, m - 1, C) : s.fingerprint();
-  std::vector<uint8_t> b = {uint8_t('e')};
-  b.insert(b.end(), h.begin(), h.end());
-  for (size_t i = m * C; i < t.size(); ++i)
-    for (int k = 0; k < 4; ++k) b.push_back(uint8_t(uint32_t(t[i]) >> (8 * k)));
-  return sha256_bytes(b);
+std::string entry_key(const PromptStore& s, const std::vector<int32_t>& t, size_t m, uint32_t C, std::span<const uint8_t> secret = {}) {
+  const std::string h = m ? chain_key(s, t, m - 1, C, secret) : chain_root(s, secret);
+  return chain_link('e', h, std::span(t).subspan(m * C), secret);
 }
 
 uint64_t bytes_in(const fs::path& dir) {
@@ -508,8 +506,8 @@ TEST(Store, TenantsNeverShareAPromptInAnyTier) {
     // Keys and files follow the spec: A's chain starts at SHA-256('t' ‖
     // salt ‖ "tenant-a"); the entry names that root in its header.
     const fs::path root = dir.path / s.fingerprint().substr(0, 16);
-    EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key(s, p, 3, 64, tenant_root(s, A)) + ".kvtc")));
-    EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key(s, p, 3, 64, tenant_root(s, B)) + ".kvtc")));
+    EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key_from(tenant_root(s, A), p, 3, 64) + ".kvtc")));
+    EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key_from(tenant_root(s, B), p, 3, 64) + ".kvtc")));
     EXPECT_FALSE(fs::exists(root / "chunks" / (chain_key(s, p, 0, 64) + ".kvtc")));  // tenant "": nothing stored
     for (const auto& f : files_in(root, ".kvse")) {
       std::ifstream in(f, std::ios::binary);
@@ -1075,4 +1073,345 @@ TEST(Store, ThePendingBudgetIsAskedBeforeCopying) {
   // A prompt held already is not wanted, whatever its size.
   c.put(p, prompt_capture(p));
   EXPECT_FALSE(c.wants(p, 1));
+}
+
+// ---- secrets (docs/store.md "Secrets") ---------------------------------------
+
+namespace {
+
+std::vector<uint8_t> secret_of(uint8_t first, size_t n = 32) {
+  std::vector<uint8_t> s(n);
+  std::iota(s.begin(), s.end(), first);
+  return s;
+}
+StoreOptions with_secret(StoreOptions o, const std::vector<uint8_t>& secret, bool encrypt) {
+  o.secret = secret;
+  o.encrypt = encrypt;
+  return o;
+}
+std::vector<uint8_t> from_hex(const std::string& h) {
+  std::vector<uint8_t> b;
+  for (size_t i = 0; i + 1 < h.size(); i += 2) b.push_back(uint8_t(std::stoi(h.substr(i, 2), nullptr, 16)));
+  return b;
+}
+std::span<const uint8_t> bytes_of(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+// Whether `b` holds any run of 8 consecutive tokens of `t` as int32 LE (a
+// prompt's tokens as an entry file or an index value keeps them).
+bool holds_tokens(const std::vector<uint8_t>& b, const std::vector<int32_t>& t) {
+  for (size_t i = 0; i + 8 <= t.size(); ++i) {
+    std::vector<uint8_t> run;
+    for (size_t j = i; j < i + 8; ++j)
+      for (int k = 0; k < 4; ++k) run.push_back(uint8_t(uint32_t(t[j]) >> (8 * k)));
+    if (std::search(b.begin(), b.end(), run.begin(), run.end()) != b.end()) return true;
+  }
+  return false;
+}
+void copy_over(const fs::path& from, const fs::path& to) {
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+}
+
+}  // namespace
+
+// The formats as docs/store.md writes them, checked against values computed
+// apart from this code: HKDF against RFC 5869's test case 1, the derived
+// keys and a sealed value against Python's hmac/hashlib (the snippet in
+// docs/store.md "Secrets" computes them), the AES-256-GCM layout by
+// decrypting with OpenSSL from the documented offsets.
+TEST(Store, SecretsFormatsAreTheDocumentedOnes) {
+  using namespace kvtc::store;
+  EXPECT_EQ(hex_of(hkdf_sha256(std::vector<uint8_t>(22, 0x0b), secret_of(0, 13), secret_of(0xf0, 10), 42)),
+            "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865");
+  const std::vector<uint8_t> secret = secret_of(0);  // bytes 0..31
+  const Sealer auth(secret, false), enc(secret, true), off({}, false);
+  EXPECT_EQ(auth.key_id(), "cfea644b06e04649");
+  EXPECT_EQ(auth.protection(), "hmac-sha256;key=cfea644b06e04649");
+  EXPECT_EQ(enc.protection(), "aes-256-gcm;key=cfea644b06e04649");
+  EXPECT_EQ(hex_of(auth.chain_key()), "980da781067fd9aad067cb9837250442e16c2db9985f635e9695c5b0de028299");
+  EXPECT_FALSE(off.on());
+  // HMAC mode: plain | HMAC-SHA256(K_auth, "kvtc-seal/1" | kind | u16 LE key length | key | trailer | plain) | trailer.
+  const std::string plain = "hello, kvtc", key(64, 'k');
+  const std::vector<uint8_t> sealed = auth.seal(kSealChunk, key, bytes_of(plain));
+  EXPECT_EQ(hex_of(sealed), "68656c6c6f2c206b767463eecc4a801a4a526f50c4979c100b3ab861f8b3d00892cac420f754a9c4dca7c04b56534c01010000");
+  EXPECT_EQ(auth.opened(kSealChunk, key, sealed, "v"), std::vector<uint8_t>(plain.begin(), plain.end()));
+  // AES-256-GCM: nonce (12) | ciphertext | tag (16) | trailer, the AAD the
+  // HMAC mode's data without the plain bytes, K_enc derived with "kvtc encryption".
+  const std::vector<uint8_t> c1 = enc.seal(kSealEntry, key, bytes_of(plain)), c2 = enc.seal(kSealEntry, key, bytes_of(plain));
+  ASSERT_EQ(c1.size(), plain.size() + 12 + 16 + 8);
+  EXPECT_NE(std::vector<uint8_t>(c1.begin(), c1.begin() + 12), std::vector<uint8_t>(c2.begin(), c2.begin() + 12));  // a new nonce each time
+  EXPECT_EQ(hex_of(std::span(c1).last(8)), "4b56534c01020000");
+  {
+    const std::vector<uint8_t> k_enc = from_hex("3917454920a8e4bc36e46a6a48fb694be2682e59a529a424facac3411fbabec8");
+    const std::string domain = "kvtc-seal/1e";  // the domain tag, then the kind
+    std::vector<uint8_t> aad(domain.begin(), domain.end());
+    aad.insert(aad.end(), {64, 0});
+    aad.insert(aad.end(), key.begin(), key.end());
+    aad.insert(aad.end(), c1.end() - 8, c1.end());
+    EVP_CIPHER_CTX* x = EVP_CIPHER_CTX_new();
+    std::vector<uint8_t> out(plain.size());
+    int len = 0;
+    ASSERT_EQ(EVP_DecryptInit_ex(x, EVP_aes_256_gcm(), nullptr, k_enc.data(), c1.data()), 1);
+    ASSERT_EQ(EVP_DecryptUpdate(x, nullptr, &len, aad.data(), int(aad.size())), 1);
+    ASSERT_EQ(EVP_DecryptUpdate(x, out.data(), &len, c1.data() + 12, int(plain.size())), 1);
+    std::vector<uint8_t> tag(c1.end() - 24, c1.end() - 8);
+    ASSERT_EQ(EVP_CIPHER_CTX_ctrl(x, EVP_CTRL_GCM_SET_TAG, 16, tag.data()), 1);
+    EXPECT_EQ(EVP_DecryptFinal_ex(x, out.data(), &len), 1);
+    EVP_CIPHER_CTX_free(x);
+    EXPECT_EQ(std::string(out.begin(), out.end()), plain);
+  }
+  // What does not open: another kind, another key, another secret or mode,
+  // a flipped bit, a missing trailer, plain bytes.
+  const Sealer other(secret_of(1), false);
+  auto foreign = [](const Sealer& s, char kind, const std::string& k, std::vector<uint8_t> v) {
+    try {
+      s.open(kind, k, v, "value");
+    } catch (const ForeignValue& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(foreign(auth, kSealEntry, key, sealed).find("tag mismatch"), std::string::npos);
+  EXPECT_NE(foreign(auth, kSealChunk, std::string(64, 'j'), sealed), "");
+  EXPECT_NE(foreign(other, kSealChunk, key, sealed), "");
+  EXPECT_NE(foreign(enc, kSealChunk, key, sealed).find("mode 1, expected 2"), std::string::npos);
+  EXPECT_NE(foreign(enc, kSealEntry, std::string(64, 'j'), c1), "");
+  std::vector<uint8_t> flipped = c1;
+  flipped[14] ^= 1;
+  EXPECT_NE(foreign(enc, kSealEntry, key, flipped), "");
+  EXPECT_NE(foreign(auth, kSealChunk, key, std::vector<uint8_t>(sealed.begin(), sealed.end() - 8)).find("not sealed"), std::string::npos);
+  EXPECT_NE(foreign(auth, kSealChunk, key, std::vector<uint8_t>(plain.begin(), plain.end())).find("not sealed"), std::string::npos);
+  EXPECT_EQ(foreign(auth, kSealChunk, key, sealed), "");
+}
+
+// Without a secret the salt is version 2's text, unchanged; a secret adds
+// its protection line (another store per secret and mode) and keys the
+// chain, whose keys are the documented HMACs.
+TEST(Store, ASecretNamesItsOwnStoreAndKeysItsChain) {
+  TempDir dir("secret-salt");
+  StoreOptions o = small();
+  o.disk_dir = dir.path.string();
+  const std::string text = "kvtc-store/2\nmodel_sha256=synthetic-lowrank\ncalibration_id=" + cal().id +
+                           "\ncontainer_version=1\nchunk_tokens=64\nratio=8\nsink=4\nwindow=32\nkv_settings=\n";
+  const std::vector<uint8_t> a = secret_of(0), b = secret_of(1);
+  PromptStore plain(cal(), lowrank_geometry(), o);
+  EXPECT_EQ(plain.fingerprint(), sha256_bytes(bytes_of(text)));
+  EXPECT_EQ(plain.protection(), "");
+  PromptStore sa(cal(), lowrank_geometry(), with_secret(o, a, false));
+  EXPECT_EQ(sa.fingerprint(), sha256_bytes(bytes_of(text + "protection=hmac-sha256;key=cfea644b06e04649\n")));
+  PromptStore se(cal(), lowrank_geometry(), with_secret(o, a, true));
+  EXPECT_EQ(se.fingerprint(), sha256_bytes(bytes_of(text + "protection=aes-256-gcm;key=cfea644b06e04649\n")));
+  PromptStore sb(cal(), lowrank_geometry(), with_secret(o, b, false));
+  EXPECT_EQ(std::set<std::string>({plain.fingerprint(), sa.fingerprint(), se.fingerprint(), sb.fingerprint()}).size(), 4u);
+  // The chain: a prompt of 2 chunks and a tail names its files by the keyed chain.
+  const auto p = seq(1000, 200);
+  sa.put(p, prompt_capture(p));
+  const fs::path root = dir.path / sa.fingerprint().substr(0, 16);
+  EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key(sa, p, 1, 64, a) + ".kvtc")));
+  EXPECT_TRUE(fs::exists(root / "entries" / (entry_key(sa, p, 2, 64, a) + ".kvse")));
+  EXPECT_FALSE(fs::exists(root / "chunks" / (chain_key(sa, p, 1, 64) + ".kvtc")));  // the unkeyed chain names nothing
+  // A tenant's root is keyed as the links are (docs/store.md "Tenants"):
+  // HMAC-SHA256(K_chain, 't' | c_0 | tenant); its chain names its files.
+  sa.put(p, prompt_capture(p), "tenant-a");
+  EXPECT_TRUE(fs::exists(root / "chunks" / (chain_key_from(tenant_root(sa, "tenant-a", a), p, 1, 64, a) + ".kvtc")));
+  EXPECT_FALSE(fs::exists(root / "chunks" / (chain_key_from(tenant_root(sa, "tenant-a"), p, 1, 64, a) + ".kvtc")));  // an unkeyed tenant root
+  std::ifstream js(root / "store.json");
+  EXPECT_NE(std::string(std::istreambuf_iterator<char>(js), {}).find("\"protection\": \"hmac-sha256;key=cfea644b06e04649\""), std::string::npos);
+  // Refused: a short secret, encrypt without one.
+  EXPECT_NE(error_of([&] { PromptStore(cal(), lowrank_geometry(), with_secret(o, secret_of(0, 31), false)); }).find("31 bytes, expected at least 32"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { PromptStore(cal(), lowrank_geometry(), with_secret(o, {}, true)); }).find("encrypt needs a secret"), std::string::npos);
+  // The secret file: refused when short or empty, naming the file; a warning when others can read it.
+  const fs::path f = dir.path / "secret";
+  { std::ofstream(f, std::ios::binary) << std::string(31, 'x'); }
+  EXPECT_NE(error_of([&] { (void)read_store_secret(f.string()); }).find(f.string() + ": the secret file holds 31 bytes, expected at least 32"),
+            std::string::npos);
+  { std::ofstream(f, std::ios::binary) << std::string(32, 'x'); }
+  fs::permissions(f, fs::perms::owner_read | fs::perms::owner_write);
+  std::string warning = "?";
+  EXPECT_EQ(read_store_secret(f.string(), &warning).size(), 32u);
+  EXPECT_EQ(warning, "");
+  fs::permissions(f, fs::perms::others_read, fs::perm_options::add);
+  (void)read_store_secret(f.string(), &warning);
+  EXPECT_NE(warning.find("readable by others"), std::string::npos) << warning;
+  EXPECT_NE(error_of([&] { (void)read_store_secret((dir.path / "none").string()); }).find("none"), std::string::npos);
+}
+
+// A store with a secret restores what it wrote, after a restart (RAM
+// empty: from disk), exactly what a store without one restores: sealing
+// changes the files, not the pieces.
+TEST(Store, ASealedDiskTierRestoresWhatItWrote) {
+  const auto p = seq(1000, 300), q = cat(seq(1000, 200), seq(4000, 90));
+  std::vector<std::optional<PromptStore::Match>> got;
+  for (int mode = 0; mode < 3; ++mode) {  // none, hmac, aes
+    TempDir dir("sealed-restart-" + std::to_string(mode));
+    StoreOptions o = small();
+    o.disk_dir = dir.path.string();
+    if (mode) o = with_secret(o, secret_of(7), mode == 2);
+    {
+      PromptStore s(cal(), lowrank_geometry(), o);
+      s.put(p, prompt_capture(p));
+      s.put(q, prompt_capture(q));
+      EXPECT_EQ(s.stats().disk_bytes, bytes_in(dir.path));
+    }
+    PromptStore s(cal(), lowrank_geometry(), o);
+    s.flush();
+    EXPECT_EQ(s.stats().disk_entries, 2u);
+    got.push_back(s.take({}, cat(p, seq(5, 10))));
+    ASSERT_TRUE(got.back());
+    EXPECT_STREQ(got.back()->tier, "disk");
+    auto m = s.take({}, q);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->common_prefix, q.size());
+    EXPECT_EQ(s.stats().foreign_dropped + s.stats().corrupt_dropped, 0u);
+  }
+  expect_prefix_of(got[0]->cache, whole_roundtrip(p, small()), 300);
+  for (int mode = 1; mode < 3; ++mode) {
+    EXPECT_EQ(got[mode]->tokens, got[0]->tokens);
+    EXPECT_EQ(got[mode]->cache.blocks[0].k, got[0]->cache.blocks[0].k);
+    EXPECT_EQ(got[mode]->cache.blocks[0].v, got[0]->cache.blocks[0].v);
+  }
+}
+
+// Files written without the secret, with another, or moved to another
+// name are never served: a miss (or the pieces before them), deleted,
+// counted as foreign; never decoded (corrupt_dropped stays 0: a valid
+// unsealed container of the same tokens would decode fine).
+TEST(Store, ForeignDiskFilesAreNeverServed) {
+  TempDir du("foreign-plain"), dp("foreign-sealed"), d2("foreign-other");
+  StoreOptions o = small();
+  // One chunk (64 tokens) and a tail each: the chunk file is the only one.
+  const auto p = seq(1000, 100), q = seq(5000, 110);
+  const std::vector<uint8_t> a = secret_of(3);
+  StoreOptions ou = o, op = with_secret(o, a, false), o2 = with_secret(o, secret_of(4), false);
+  ou.disk_dir = du.path.string();
+  op.disk_dir = dp.path.string();
+  o2.disk_dir = d2.path.string();
+  std::vector<std::string> logs;
+  op.log = [&](const std::string& l) { logs.push_back(l); };
+  for (auto* x : {&ou, &o2}) {
+    PromptStore s(cal(), lowrank_geometry(), *x);
+    s.put(p, prompt_capture(p));
+  }
+  const fs::path u_entry = files_in(du.path, ".kvse").at(0), u_chunk = files_in(du.path, ".kvtc").at(0);
+  const fs::path other_entry = files_in(d2.path, ".kvse").at(0);
+  auto put = [&](const std::vector<std::vector<int32_t>>& ps) {
+    PromptStore s(cal(), lowrank_geometry(), op);
+    s.flush();
+    for (const auto& x : ps) s.put(x, prompt_capture(x));
+  };
+  // A new process on the sealed directory (RAM empty): what it serves, and its figures.
+  auto reopen = [&] {
+    auto s = std::make_unique<PromptStore>(cal(), lowrank_geometry(), op);
+    s->flush();
+    return s;
+  };
+  // The sealed store's file names, from the spec (a store without a disk tier has the same salt).
+  StoreOptions ok = op;
+  ok.disk_dir.clear();
+  const PromptStore keyer(cal(), lowrank_geometry(), ok);
+  const fs::path root = dp.path / keyer.fingerprint().substr(0, 16);
+  const fs::path pe = root / "entries" / (entry_key(keyer, p, 1, 64, a) + ".kvse");
+  const fs::path pc = root / "chunks" / (chain_key(keyer, p, 0, 64, a) + ".kvtc");
+
+  // 1. The unsealed entry and chunk at the sealed names: dropped by the scan.
+  put({p});
+  ASSERT_TRUE(fs::exists(pe) && fs::exists(pc));
+  copy_over(u_entry, pe);
+  copy_over(u_chunk, pc);
+  {
+    auto s = reopen();
+    EXPECT_FALSE(s->take({}, p));
+    const StoreStats st = s->stats();
+    EXPECT_EQ(st.foreign_dropped, 1u);
+    EXPECT_EQ(st.tiers[2].foreign_dropped, 1u);
+    EXPECT_EQ(st.corrupt_dropped, 0u);
+    EXPECT_EQ(st.disk_entries, 0u);
+    EXPECT_FALSE(fs::exists(pe));
+    EXPECT_FALSE(fs::exists(pc));  // named by no entry: swept
+  }
+  bool named = false;
+  for (const auto& l : logs) named = named || (l.find(pe.string()) != std::string::npos && l.find("not sealed") != std::string::npos);
+  EXPECT_TRUE(named) << "the log names the file and why";
+  // 2. A valid unsealed container (the same tokens' chunk) at a sealed chunk's name.
+  put({p});
+  copy_over(u_chunk, pc);
+  {
+    auto s = reopen();
+    EXPECT_EQ(s->stats().disk_entries, 1u);  // the entry is sealed: it opens
+    EXPECT_FALSE(s->take({}, p));            // its chunk does not
+    EXPECT_EQ(s->stats().foreign_dropped, 1u);
+    EXPECT_EQ(s->stats().corrupt_dropped, 0u);
+    EXPECT_EQ(s->stats().disk_entries, 0u);
+    EXPECT_FALSE(fs::exists(pc));
+    EXPECT_FALSE(fs::exists(pe));
+  }
+  // 3. Another secret's entry of the same prompt at this one's name.
+  put({p});
+  copy_over(other_entry, pe);
+  {
+    auto s = reopen();
+    EXPECT_FALSE(s->take({}, p));
+    EXPECT_EQ(s->stats().foreign_dropped, 1u);
+  }
+  // 4. Sealed with this secret, moved to another key: q's entry file over
+  // p's, then q's chunk file over p's.
+  put({p, q});
+  const fs::path qe = root / "entries" / (entry_key(keyer, q, 1, 64, a) + ".kvse");
+  const fs::path qc = root / "chunks" / (chain_key(keyer, q, 0, 64, a) + ".kvtc");
+  copy_over(qe, pe);
+  {
+    auto s = reopen();
+    EXPECT_EQ(s->stats().foreign_dropped, 1u);
+    EXPECT_FALSE(s->take({}, p));
+    auto m = s->take({}, q);
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->tokens, q);
+  }
+  put({p});
+  copy_over(qc, pc);
+  {
+    auto s = reopen();
+    EXPECT_EQ(s->stats().disk_entries, 2u);
+    EXPECT_FALSE(s->take({}, p));
+    EXPECT_EQ(s->stats().foreign_dropped, 1u);
+    EXPECT_EQ(s->stats().corrupt_dropped, 0u);
+    EXPECT_TRUE(s->take({}, q));
+  }
+}
+
+// With encrypt, no file holds the prompt's tokens (an entry file without
+// it does: the control), and the same prompt put by two stores gives two
+// ciphertexts (a nonce per value), where authentication alone gives the
+// same bytes.
+TEST(Store, EncryptedFilesHoldNoTokensAndNeverRepeat) {
+  const auto p = seq(70000, 300);
+  std::vector<std::map<std::string, std::vector<uint8_t>>> files;  // by name, per store
+  for (int i = 0; i < 4; ++i) {                                    // 0, 1: authenticated; 2, 3: encrypted
+    TempDir dir("no-tokens-" + std::to_string(i));
+    StoreOptions o = with_secret(small(), secret_of(9), i >= 2);
+    o.disk_dir = dir.path.string();
+    {
+      PromptStore s(cal(), lowrank_geometry(), o);
+      s.put(p, prompt_capture(p));
+    }
+    files.emplace_back();
+    for (const char* ext : {".kvtc", ".kvse"})
+      for (const auto& f : files_in(dir.path, ext)) files.back()[f.filename().string()] = read_file(f.string());
+    ASSERT_EQ(files.back().size(), 4u + 1u);
+  }
+  bool control = false;
+  for (const auto& [name, b] : files[0]) control = control || holds_tokens(b, p);
+  EXPECT_TRUE(control) << "the check finds the tokens in an authenticated-only store's files";
+  for (const auto& [name, b] : files[2]) EXPECT_FALSE(holds_tokens(b, p)) << name;
+  for (const auto& [name, b] : files[0]) {
+    ASSERT_TRUE(files[1].count(name)) << name;  // the same secret and mode: the same keys
+    EXPECT_EQ(files[1].at(name), b) << name;    // HMAC: deterministic
+  }
+  for (const auto& [name, b] : files[2]) {
+    ASSERT_TRUE(files[3].count(name)) << name;
+    EXPECT_NE(files[3].at(name), b) << name;
+    EXPECT_NE(std::vector<uint8_t>(files[3].at(name).begin(), files[3].at(name).begin() + 12), std::vector<uint8_t>(b.begin(), b.begin() + 12))
+        << name << ": a nonce repeated";
+  }
 }

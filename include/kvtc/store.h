@@ -129,6 +129,26 @@ struct StoreOptions {
   // day: a conversation resumed the next day still restores; one idle for
   // longer is recomputed (one prefill).
   int64_t redis_ttl_s = 86400;
+  // Secrets (docs/store.md "Secrets"). `secret`: the bytes of a secret
+  // file (read_store_secret below; at least 32 bytes), shared by every
+  // process that shares the store; empty: none, and the store is exactly as
+  // without this option (same salt, keys and bytes). With it, every value
+  // kept outside the process (disk files, Redis values, the Redis index's
+  // tokens included) is authenticated with HMAC-SHA256 and bound to its
+  // key: a value written without the secret, with another, or copied under
+  // another key is foreign, dropped (deleted) and never decoded
+  // (StoreStats::foreign_dropped); the key chain is keyed too, so nobody
+  // without the secret can compute a prompt's keys; another secret or mode
+  // is another store (another directory and Redis namespace). `encrypt`
+  // (needs a secret): AES-256-GCM instead, so a reader of the disk or Redis
+  // learns key names, value sizes and timing, not tokens or K/V. The RAM
+  // tier and the queue of puts are in the process and stay plain.
+  std::vector<uint8_t> secret;
+  bool encrypt = false;
+  // Redis AUTH for one server and for a Cluster (every node): AUTH
+  // [user] password on each new connection. A redis:// URL may carry them
+  // instead (one server only); giving both is refused.
+  std::string redis_user, redis_password;
   // Where the store says what happened (a disk tier disabled, a corrupt
   // file dropped, a put skipped); called from the store's threads.
   std::function<void(const std::string&)> log;
@@ -145,6 +165,7 @@ struct TierStats {
   uint64_t bytes = 0;            // bytes it holds (the queue: raw state bytes)
   uint64_t hits = 0;             // takes it served
   uint64_t corrupt_dropped = 0;  // pieces or entries it refused by checksum or content, and dropped
+  uint64_t foreign_dropped = 0;  // values that did not open with the store's secret (docs/store.md "Secrets"), dropped unread
   uint64_t io_errors = 0;        // reads the system refused (the files kept)
   uint64_t missing = 0;          // files its index named that were gone
   uint64_t scan_pending = 0;     // files found at start not verified yet
@@ -164,6 +185,10 @@ struct StoreStats {
   uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, hits_redis = 0, misses = 0;
   uint64_t tokens_restored = 0;
   uint64_t corrupt_dropped = 0;  // files or entries refused by checksum or content, dropped
+  // Values that did not open with the store's secret (written without it,
+  // with another, under another key, or changed since), dropped unread;
+  // 0 without a secret.
+  uint64_t foreign_dropped = 0;
   // The disk tier's I/O (docs/store.md "Disk"): only a file whose bytes fail
   // their checks is deleted (corrupt_dropped).
   uint64_t disk_io_errors = 0;     // reads the system refused (EACCES, EMFILE, EIO, ENOMEM ...): a miss, the files kept
@@ -263,6 +288,10 @@ class PromptStore {
   // SHA-256 (hex) of the scheme, model, calibration and settings: the root
   // of every key; its first 16 digits name the store's directory.
   const std::string& fingerprint() const;
+  // What protects the values kept outside the process: "hmac-sha256;key=<key
+  // id>", "aes-256-gcm;key=<key id>" (16 hex digits naming the secret, not
+  // revealing it: replicas that print the same id share a store), or "".
+  const std::string& protection() const;
   StoreStats stats() const;
 
   struct Impl;
@@ -270,5 +299,16 @@ class PromptStore {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// A store secret file (StoreOptions::secret; kvtc-server's
+// --kvtc-secret-file): all its bytes, a trailing newline included. Error
+// naming the file when it cannot be read, is empty or shorter than 32
+// bytes. `warning`, when given, receives a line when the file can be read
+// by its group or others (else "").
+std::vector<uint8_t> read_store_secret(const std::string& path, std::string* warning = nullptr);
+// A password file (kvtc-server's --kvtc-redis-password-file): its first
+// line, without the newline. Error naming the file when it cannot be read
+// or the line is empty; `warning` as above.
+std::string read_password_file(const std::string& path, std::string* warning = nullptr);
 
 }  // namespace kvtc

@@ -182,6 +182,12 @@ class KvtcCache(BaseLlamaCache):
       whole cache, docs/method.md). raw=True: store f16, uncompressed.
     disk_dir, disk_capacity_bytes: a disk tier (0: no limit); redis_url: a
       shared tier (redis://host:port/db).
+    secret_file: a file of at least 32 bytes (openssl rand 32 > F; chmod
+      600) shared by every process of the store: every value on disk and in
+      Redis is authenticated and bound to its key, one written without the
+      secret is dropped, never restored, and the keys cannot be computed
+      without it; encrypt=True (needs secret_file) encrypts them at rest too
+      (AES-256-GCM). docs/store.md "Secrets".
     threads: coding threads (0: all).
     cache_salt: the tenant of every state this cache stores and restores
       (str or bytes, 1 to 256 bytes as kvtc-server's field; None: none).
@@ -198,6 +204,8 @@ class KvtcCache(BaseLlamaCache):
         disk_dir: Optional[Union[str, os.PathLike]] = None,
         disk_capacity_bytes: int = 0,
         redis_url: Optional[str] = None,
+        secret_file: Optional[Union[str, os.PathLike]] = None,
+        encrypt: bool = False,
         sink: int = 4,
         window: int = 128,
         chunk_tokens: int = 256,
@@ -234,6 +242,8 @@ class KvtcCache(BaseLlamaCache):
             async_puts=async_puts,
             threads=threads,
             redis_url=redis_url or "",
+            secret_file=os.fspath(secret_file) if secret_file is not None else "",
+            encrypt=encrypt,
         )
         # The context a restored state is written for: V layout (1: no flash
         # attention), architecture name, n_ctx (input_ids' length), n_vocab.

@@ -551,7 +551,8 @@ class PyStore {
  public:
   PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
           const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
-          const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings)
+          const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings, const std::string& secret_file,
+          bool encrypt)
       : cal_(cal), log_(std::make_shared<Log>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
     kvtc::StoreOptions o;
@@ -589,6 +590,11 @@ class PyStore {
     o.restore_threads = restore_threads;
     o.redis_url = redis_url;
     o.precision = kvtc::parse_precision(precision);
+    // The secret file's bytes (docs/store.md "Secrets"): Error naming the
+    // file when it is missing, empty or shorter than 32 bytes.
+    std::string warning;
+    if (!secret_file.empty()) o.secret = kvtc::read_store_secret(secret_file, &warning);
+    o.encrypt = encrypt;
     // The store's threads log without the GIL: lines wait here for Python
     // (messages()); at most 1,000, the oldest dropped.
     std::shared_ptr<Log> log = log_;
@@ -597,8 +603,11 @@ class PyStore {
       log->lines.push_back(line);
       if (log->lines.size() > 1000) log->lines.pop_front();
     };
+    if (!warning.empty()) o.log("kvtc store: secret_file " + warning);
     nb::gil_scoped_release unlocked;
     store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), geom, o);
+    // The store keeps only the keys derived from it.
+    if (!o.secret.empty()) explicit_bzero(o.secret.data(), o.secret.size());
   }
 
   bool wants(nb::handle tokens, nb::handle tenant) const {
@@ -679,6 +688,7 @@ class PyStore {
     KVTC_STAT(misses);
     KVTC_STAT(tokens_restored);
     KVTC_STAT(corrupt_dropped);
+    KVTC_STAT(foreign_dropped);
     KVTC_STAT(disk_io_errors);
     KVTC_STAT(disk_missing);
     KVTC_STAT(disk_scan_pending);
@@ -700,6 +710,9 @@ class PyStore {
 
   const std::string& fingerprint() const {
     return store().fingerprint();
+  }
+  const std::string& protection() const {
+    return store().protection();
   }
   void close() {
     nb::gil_scoped_release unlocked;
@@ -825,16 +838,20 @@ NB_MODULE(_kvtc, m) {
                       "Compressed prompt caches in RAM, on disk and in Redis, keyed by token chunks (docs/store.md): what\n"
                       "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
       .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
-                    const std::string&, const std::string&, bool, const std::string&, nb::handle>(),
+                    const std::string&, const std::string&, bool, const std::string&, nb::handle, const std::string&, bool>(),
            "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
            "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
            "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = false, "model_sha256"_a = "", "kv_settings"_a = nb::none(),
+           "secret_file"_a = "", "encrypt"_a = false,
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
            "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded=True: pieces in the entropy-coded mode\n"
            "(container version 2) instead of the DP allocation with DEFLATE. model_sha256: the SHA-256 of the model file the\n"
            "caches come from (default: the calibration's model; another is refused). kv_settings: the context's RoPE as\n"
            "llama.cpp resolved it ({'rope_freq_base', 'rope_freq_scale', 'n_ctx_orig_yarn', 'yarn_ext_factor',\n"
-           "'yarn_attn_factor', 'yarn_beta_fast', 'yarn_beta_slow'}), part of the store's keys; None: unset.")
+           "'yarn_attn_factor', 'yarn_beta_fast', 'yarn_beta_slow'}), part of the store's keys; None: unset.\n"
+           "secret_file: a file of at least 32 bytes shared by every process of the store (openssl rand 32 > F): every value on\n"
+           "disk and in Redis is authenticated and bound to its key, and one written without it is dropped, never served;\n"
+           "encrypt=True (needs secret_file): encrypted at rest too (AES-256-GCM). docs/store.md \"Secrets\".")
       .def("wants", &PyStore::wants, "tokens"_a, nb::kw_only(), "tenant"_a = nb::none(), "Whether storing `tokens` for `tenant` would add anything.")
       .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a, nb::kw_only(), "tenant"_a = nb::none(),
            "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.\n"
@@ -847,5 +864,7 @@ NB_MODULE(_kvtc, m) {
       .def("stats", &PyStore::stats)
       .def("messages", &PyStore::messages, "What the store logged since the last call (a disk tier disabled, a corrupt file dropped, ...).")
       .def_prop_ro("fingerprint", &PyStore::fingerprint)
+      .def_prop_ro("protection", &PyStore::protection,
+                   "'hmac-sha256;key=<key id>', 'aes-256-gcm;key=<key id>' (the id names the secret, not revealing it) or ''.")
       .def("close", &PyStore::close, "Finishes queued puts and releases the store.");
 }

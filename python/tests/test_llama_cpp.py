@@ -142,25 +142,42 @@ def test_compressed_cache_answers_the_follow_up_within_budget(smol_calibration, 
 
 
 def test_states_survive_a_restart_on_disk(smol_calibration, work):
+    # With a secret and encrypt (docs/store.md "Secrets"): KvtcCache passes
+    # them to the store, whose files are then sealed; the same secret reads
+    # them back, a cache without it is another store.
     disk = work / "kvtc-disk"
+    secret = work / "kvtc-secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
     p1 = first_turn()
     llm = make_llm()
-    with KvtcCache(smol_calibration, llm, disk_dir=disk) as cache:
+    with KvtcCache(smol_calibration, llm, disk_dir=disk, secret_file=secret, encrypt=True) as cache:
+        assert cache._store.protection.startswith("aes-256-gcm;key=")
         llm.set_cache(cache)
         ask(llm, p1, n=4)
         cache.flush()
         assert cache.stats()["disk_entries"] >= 1
     # A new process would do this: a new Llama, a new cache over the same directory.
     llm2 = make_llm()
-    with KvtcCache(smol_calibration, llm2, disk_dir=disk) as cache2:
+    with KvtcCache(smol_calibration, llm2, disk_dir=disk, secret_file=secret, encrypt=True) as cache2:
         llm2.set_cache(cache2)
         cache2.flush()  # the disk tier is read back in the background
         assert llm2.tokenize(p1.encode()) in cache2
         ask(llm2, p1 + " Paul.\nQuestion: To whom?\nAnswer:", n=4)
         assert cache2.stats()["hits_disk"] >= 1
-    # Another tenant (cache_salt, docs/store.md "Tenants") over the same
-    # directory finds none of it, and keeps what it stores for itself.
-    with KvtcCache(smol_calibration, llm2, disk_dir=disk, cache_salt="tenant b") as cache3:
+        assert cache2.stats()["foreign_dropped"] == 0
+    with KvtcCache(smol_calibration, llm2, disk_dir=disk) as plain:
+        plain.flush()
+        assert llm2.tokenize(p1.encode()) not in plain
+    short = work / "short-secret"
+    short.write_bytes(b"x" * 31)
+    with pytest.raises(kvtc.Error, match="short-secret: the secret file holds 31 bytes, expected at least 32"):
+        KvtcCache(smol_calibration, llm2, secret_file=short)
+    with pytest.raises(kvtc.Error, match="encrypt needs a secret"):
+        KvtcCache(smol_calibration, llm2, encrypt=True)
+    # Another tenant (cache_salt, docs/store.md "Tenants") of the same store
+    # (directory and secret) finds none of it, and keeps what it stores for itself.
+    with KvtcCache(smol_calibration, llm2, disk_dir=disk, secret_file=secret, encrypt=True, cache_salt="tenant b") as cache3:
         llm2.set_cache(cache3)
         cache3.flush()
         assert cache3.stats()["disk_entries"] >= 1  # the untenanted state is there, and not this tenant's

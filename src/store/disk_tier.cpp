@@ -16,6 +16,11 @@
 // the chunks before it until the next put through that chunk rewrites it.
 // A write that fails disables the tier for the rest of the run.
 //
+// With a secret (store/seal.h) every file is sealed for its kind and key
+// (the key its name gives): one that does not open — written without the
+// secret, with another, or moved from another name — is foreign, deleted
+// like a damaged one (foreign_dropped) and never decoded.
+//
 // Start-up: the constructor takes the directory's lock and lists the entry
 // files; a background thread verifies them (checksum, salt, keys), newest
 // first, and indexes each as it is verified, so the store serves at once
@@ -95,9 +100,13 @@ class DiskTier final : public Tier {
       // The entry file holds the tail; it is read even when the match ends
       // in the chunks, as its checks vouch for the index's chunk keys.
       auto tail = std::make_shared<Bytes>();
-      const Piece got = ctx_.scheme->parse_entry(read_file(ep), ep, tail.get());
+      const Piece got = ctx_.scheme->parse_entry(ctx_.seal->opened(kSealEntry, f.piece.key, read_file(ep), ep), ep, tail.get());
       require(got.key == f.piece.key && got.root == f.piece.root, ep + ": not the entry (key, tenant root) its name and the index say");
       f.tail = std::move(tail);
+    } catch (const ForeignValue& x) {
+      if (!indexed(f.piece.key)) return std::nullopt;
+      drop(f.piece.key, std::string("kvtc store: dropped a foreign disk entry (recomputing instead): ") + x.what(), /*foreign=*/true);
+      return f;
     } catch (const IoError& x) {
       if (!indexed(f.piece.key)) return std::nullopt;  // evicted while we read
       if (x.code() == ENOENT)
@@ -121,8 +130,14 @@ class DiskTier final : public Tier {
       std::string failed;
       int code = kNoErrno;
       try {
-        f.chunks.push_back(std::make_shared<const Bytes>(read_file(cp)));
+        f.chunks.push_back(std::make_shared<const Bytes>(ctx_.seal->opened(kSealChunk, f.piece.chunks[i], read_file(cp), cp)));
         continue;
+      } catch (const ForeignValue& x) {
+        // Like a damaged chunk: the file goes, and every entry naming it.
+        if (!indexed(f.piece.key)) return std::nullopt;
+        (void)drop_piece(f.piece, i, x.what(), /*foreign=*/true);
+        n = i * C;
+        break;
       } catch (const IoError& x) {
         failed = x.what();
         code = x.code();
@@ -144,25 +159,7 @@ class DiskTier final : public Tier {
     return f;
   }
 
-  bool drop_damaged(const Fetched& f, size_t i, const std::string& why) override {
-    const bool is_tail = i == f.piece.chunks.size();
-    std::lock_guard<std::mutex> g(mu_);
-    bool dropped = false;
-    for (auto it = lru_.begin(); it != lru_.end();) {
-      const bool hit = is_tail ? it->key == f.piece.key : std::find(it->chunks.begin(), it->chunks.end(), f.piece.chunks[i]) != it->chunks.end();
-      it = hit ? erase(it) : std::next(it);
-      dropped = dropped || hit;
-    }
-    if (!is_tail) {
-      std::error_code ec;
-      fs::remove(chunk_path(f.piece.chunks[i]), ec);
-    }
-    if (dropped) {
-      ++corrupt_;
-      ctx_.log("kvtc store: dropped a damaged disk " + std::string(is_tail ? "entry" : "chunk") + " (recomputing instead): " + why);
-    }
-    return dropped;
-  }
+  bool drop_damaged(const Fetched& f, size_t i, const std::string& why) override { return drop_piece(f.piece, i, why, /*foreign=*/false); }
 
   // An entry lacking a chunk the tokens need does not hold them: a put of
   // them must go ahead, to rewrite that chunk.
@@ -179,7 +176,11 @@ class DiskTier final : public Tier {
   void put(const Coded& c) override {
     const Piece& p = c.piece;
     const Bytes ef_own = c.entry_file ? Bytes() : ctx_.scheme->entry_file(p, *c.tail);
-    const Bytes& ef = c.entry_file ? *c.entry_file : ef_own;
+    const Bytes& ef_plain = c.entry_file ? *c.entry_file : ef_own;
+    const Sealer& seal = *ctx_.seal;
+    const Bytes ef_sealed = seal.on() ? seal.seal(kSealEntry, p.key, ef_plain) : Bytes();
+    const Bytes& ef = seal.on() ? ef_sealed : ef_plain;
+    const uint64_t ovh = seal.overhead();  // a chunk file's bytes: its container's and the seal's
     std::vector<size_t> fresh;
     const uint64_t budget = ctx_.opt.disk_bytes;
     auto missing = [&] {  // under mu_: the chunks to write, and the bytes the entry needs
@@ -189,7 +190,7 @@ class DiskTier final : public Tier {
         auto it = chunks_.find(p.chunks[i]);
         if (it == chunks_.end() || it->second.missing) {
           fresh.push_back(i);
-          need += c.chunks[i]->size();
+          need += c.chunks[i]->size() + ovh;
         }
       }
       return need;
@@ -220,7 +221,11 @@ class DiskTier final : public Tier {
     size_t written = 0;
     try {
       for (size_t i : fresh) {
-        write_file_atomic(chunk_path(p.chunks[i]).string(), *c.chunks[i], /*sync_dir=*/false);
+        const std::string cp = chunk_path(p.chunks[i]).string();
+        if (seal.on())
+          write_file_atomic(cp, seal.seal(kSealChunk, p.chunks[i], *c.chunks[i]), /*sync_dir=*/false);
+        else
+          write_file_atomic(cp, *c.chunks[i], /*sync_dir=*/false);
         ++written;
       }
       // One fsync of chunks/ for them all, before the entry that names them.
@@ -238,7 +243,7 @@ class DiskTier final : public Tier {
           ch.missing = false;
           --missing_now_;
         }
-        if (!ch.bytes) bytes_ += ch.bytes = c.chunks[fresh[j]]->size();
+        if (!ch.bytes) bytes_ += ch.bytes = c.chunks[fresh[j]]->size() + ovh;
       } else if (!ch.missing) {  // never written: for whoever else names it (the scan), it is missing
         ch.missing = true;
         ++missing_now_;
@@ -278,6 +283,7 @@ class DiskTier final : public Tier {
     s.disk_scan_pending = scan_pending_;
     s.disk_scan_ms = scan_done_ ? scan_ms_ : ms_since(scan_t0_);
     s.corrupt_dropped += corrupt_;
+    s.foreign_dropped += foreign_;
     TierStats t;
     t.name = name();
     t.enabled = on_;
@@ -286,6 +292,7 @@ class DiskTier final : public Tier {
     t.chunks = s.disk_chunks;
     t.bytes = bytes_;
     t.corrupt_dropped = corrupt_;
+    t.foreign_dropped = foreign_;
     t.io_errors = io_errors_;
     t.missing = missing_total_;
     t.scan_pending = scan_pending_;
@@ -326,13 +333,36 @@ class DiskTier final : public Tier {
     return e.tokens.size();
   }
 
-  void drop(const std::string& key, const std::string& why) {
+  void drop(const std::string& key, const std::string& why, bool foreign = false) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = find(key);
     if (it == lru_.end()) return;
     erase(it);
-    ++corrupt_;
+    ++(foreign ? foreign_ : corrupt_);
     ctx_.log(why);
+  }
+  // Piece i of entry `e` (chunk i, or the tail when i is its number of
+  // chunks) failed its checks (damaged) or did not open (foreign): the
+  // entries naming it go, and a chunk's file.
+  bool drop_piece(const Piece& e, size_t i, const std::string& why, bool foreign) {
+    const bool is_tail = i == e.chunks.size();
+    std::lock_guard<std::mutex> g(mu_);
+    bool dropped = false;
+    for (auto it = lru_.begin(); it != lru_.end();) {
+      const bool hit = is_tail ? it->key == e.key : std::find(it->chunks.begin(), it->chunks.end(), e.chunks[i]) != it->chunks.end();
+      it = hit ? erase(it) : std::next(it);
+      dropped = dropped || hit;
+    }
+    if (!is_tail) {
+      std::error_code ec;
+      fs::remove(chunk_path(e.chunks[i]), ec);
+    }
+    if (dropped) {
+      ++(foreign ? foreign_ : corrupt_);
+      ctx_.log("kvtc store: dropped a " + std::string(foreign ? "foreign" : "damaged") + " disk " + (is_tail ? "entry" : "chunk") +
+               " (recomputing instead): " + why);
+    }
+    return dropped;
   }
 
   // An I/O failure (not the bytes' fault): counted, and logged the first
@@ -477,12 +507,12 @@ class DiskTier final : public Tier {
   void scan() {
     const std::vector<Listed>& files = listed_;
     if (ctx_.opt.worker_nice > 0) (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), ctx_.opt.worker_nice);
-    uint64_t read = 0, damaged = 0, unreadable = 0, over = 0;
+    uint64_t read = 0, damaged = 0, foreign = 0, unreadable = 0, over = 0;
     for (const Listed& l : files) {
       if (stop_scan_) break;
       const std::string path = l.path.string(), name = l.path.filename().string();
       const std::string key = name.size() > 5 ? name.substr(0, name.size() - 5) : name;
-      enum { kOk, kDamaged, kUnreadable, kGone, kUnread } got = kOk;
+      enum { kOk, kDamaged, kForeign, kUnreadable, kGone, kUnread } got = kOk;
       {
         std::lock_guard<std::mutex> g(mu_);
         if (scan_full_) got = kUnread;
@@ -492,10 +522,15 @@ class DiskTier final : public Tier {
       int code = kNoErrno;
       if (got == kOk) {
         try {
-          const Bytes f = read_file(path);
+          Bytes f = read_file(path);
+          e.file_bytes = f.size();
+          // Sealed for the key its name gives: a sealed entry renamed does not open.
+          ctx_.seal->open(kSealEntry, key, f, path);
           static_cast<Piece&>(e) = ctx_.scheme->parse_entry(f, path, nullptr);
           require(name == e.key + ".kvse", path + ": the file name is not the entry's key");
-          e.file_bytes = f.size();
+        } catch (const ForeignValue& x) {
+          got = kForeign;
+          why = x.what();
         } catch (const IoError& x) {
           got = x.code() == ENOENT ? kGone : kUnreadable;
           why = x.what();
@@ -526,6 +561,13 @@ class DiskTier final : public Tier {
           ++damaged;
           ++corrupt_;
           ctx_.log("kvtc store: dropped " + path + ": " + why);
+          fs::remove(l.path, ec);
+          continue;
+        case kForeign:  // as a damaged file: deleted, never decoded
+          if (put_again) continue;
+          ++foreign;
+          ++foreign_;
+          ctx_.log("kvtc store: dropped " + why);
           fs::remove(l.path, ec);
           continue;
         case kOk:
@@ -562,8 +604,8 @@ class DiskTier final : public Tier {
       scan_ms_ = ms_since(scan_t0_);
       if (found)
         ctx_.log("kvtc store: disk tier: " + std::to_string(read) + " prompts read back in " + std::to_string(int64_t(scan_ms_)) + " ms (" +
-                 std::to_string(damaged) + " damaged and dropped, " + std::to_string(unreadable) + " unreadable and kept, " + std::to_string(over) +
-                 " past the budget and dropped)");
+                 std::to_string(damaged) + " damaged and dropped, " + (foreign ? std::to_string(foreign) + " foreign and dropped, " : "") +
+                 std::to_string(unreadable) + " unreadable and kept, " + std::to_string(over) + " past the budget and dropped)");
     }
     scan_pending_ = 0;
     scan_done_ = true;
@@ -642,7 +684,7 @@ class DiskTier final : public Tier {
   uint64_t bytes_ = 0;
   bool on_ = false;
   std::string error_;
-  uint64_t corrupt_ = 0, io_errors_ = 0;
+  uint64_t corrupt_ = 0, foreign_ = 0, io_errors_ = 0;
   uint64_t missing_total_ = 0;  // files the index named found gone
   uint64_t missing_now_ = 0;    // chunks marked missing now
   std::set<int> io_logged_;     // errno values logged once

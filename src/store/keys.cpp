@@ -1,5 +1,7 @@
 #include "store/keys.h"
 
+#include <openssl/crypto.h>
+
 #include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -8,6 +10,7 @@
 #include "format/container.h"
 #include "kvtc/error.h"
 #include "kvtc/store.h"
+#include "store/seal.h"
 
 namespace kvtc::store {
 namespace {
@@ -23,29 +26,30 @@ void put64(Bytes& o, uint64_t v) {
   for (int i = 0; i < 8; ++i) o.push_back(uint8_t(v >> (8 * i)));
 }
 
-// One link of the key chain: SHA-256 over a domain byte ('c' chunk, 'e'
-// entry), the parent's 64 hex digits and the tokens as little-endian int32.
-std::string link(char domain, const std::string& parent, std::span<const int32_t> tokens) {
-  Bytes b;
-  b.reserve(1 + parent.size() + tokens.size() * 4);
-  b.push_back(uint8_t(domain));
-  b.insert(b.end(), parent.begin(), parent.end());
-  for (int32_t t : tokens) put32(b, uint32_t(t));
-  return sha256_bytes(b);
+std::string hex_of(std::span<const uint8_t> b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (uint8_t x : b) {
+    s.push_back(d[x >> 4]);
+    s.push_back(d[x & 15]);
+  }
+  return s;
 }
 
-// A tenant's root: SHA-256 over the domain byte 't', the root it is derived
-// from (64 ASCII hex digits) and the tenant's bytes as given. 't' is no
-// link's domain, so a tenant root is never a chunk or entry key; the fixed
-// 64-digit root before the tenant's bytes makes (root, tenant) -> digest
-// one-to-one whatever bytes the tenant holds.
-std::string derive_tenant_root(const std::string& root, std::string_view tenant) {
+// A tenant's root: over the domain byte 't', the root it is derived from
+// (64 ASCII hex digits) and the tenant's bytes as given, SHA-256, or
+// HMAC-SHA256 under the chain key when there is a secret (as the links:
+// nobody without it can then test a guessed tenant against the public
+// names x:<root_T>). 't' is no link's domain, so a tenant root is never a
+// chunk or entry key; the fixed 64-digit root before the tenant's bytes
+// makes (root, tenant) -> digest one-to-one whatever bytes the tenant holds.
+std::string derive_tenant_root(const std::vector<uint8_t>& chain_key, const std::string& root, std::string_view tenant) {
   Bytes b;
   b.reserve(1 + root.size() + tenant.size());
   b.push_back(uint8_t('t'));
   b.insert(b.end(), root.begin(), root.end());
   b.insert(b.end(), tenant.begin(), tenant.end());
-  return sha256_bytes(b);
+  return chain_key.empty() ? sha256_bytes(b) : hex_of(hmac_sha256(chain_key, b));
 }
 
 bool is_hex64(const std::string& s) {
@@ -53,16 +57,20 @@ bool is_hex64(const std::string& s) {
 }
 
 nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
-  return {{"scheme", kStoreScheme},
-          {"salt", salt},
-          {"model_sha256", f.model_sha256},
-          {"calibration_id", f.calibration_id},
-          {"container_version", f.container_version},
-          {"chunk_tokens", f.chunk_tokens},
-          {"ratio", f.ratio},
-          {"sink", f.sink},
-          {"window", f.window},
-          {"kv_settings", f.kv_settings}};
+  nlohmann::json j = {{"scheme", kStoreScheme},
+                      {"salt", salt},
+                      {"model_sha256", f.model_sha256},
+                      {"calibration_id", f.calibration_id},
+                      {"container_version", f.container_version},
+                      {"chunk_tokens", f.chunk_tokens},
+                      {"ratio", f.ratio},
+                      {"sink", f.sink},
+                      {"window", f.window},
+                      {"kv_settings", f.kv_settings}};
+  // Only a protected store names its protection: the JSON of the others
+  // (store.json, entry headers) stays byte for byte what it was.
+  if (!f.protection.empty()) j["protection"] = f.protection;
+  return j;
 }
 
 }  // namespace
@@ -89,17 +97,41 @@ size_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   return i;
 }
 
-Scheme::Scheme(const SchemeFields& f) : f_(f) {
-  const std::string text = std::string(kStoreScheme) + "\nmodel_sha256=" + f.model_sha256 + "\ncalibration_id=" + f.calibration_id +
-                           "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
-                           "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
-                           "\nkv_settings=" + f.kv_settings + "\n";
+Scheme::Scheme(const SchemeFields& f, std::vector<uint8_t> chain_key) : f_(f), chain_key_(std::move(chain_key)) {
+  require(f.protection.empty() == chain_key_.empty(), "kvtc store: a protected scheme needs its chain key, and only it");
+  std::string text = std::string(kStoreScheme) + "\nmodel_sha256=" + f.model_sha256 + "\ncalibration_id=" + f.calibration_id +
+                     "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
+                     "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
+                     "\nkv_settings=" + f.kv_settings + "\n";
+  // Another secret or mode names another store: another directory and
+  // Redis namespace. Without one the text is version 2's, unchanged.
+  if (!f.protection.empty()) text += "protection=" + f.protection + "\n";
   salt_ = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
   compat_ = salt_.substr(0, 16);
+  root_ = chain_key_.empty() ? salt_ : hex_of(hmac_sha256(chain_key_, std::span(reinterpret_cast<const uint8_t*>(salt_.data()), salt_.size())));
+}
+
+Scheme::~Scheme() {
+  if (!chain_key_.empty()) OPENSSL_cleanse(chain_key_.data(), chain_key_.size());
+}
+
+// One link of the key chain: over a domain byte ('c' chunk, 'e' entry),
+// the parent's 64 hex digits and the tokens as little-endian int32,
+// SHA-256, or HMAC-SHA256 under the chain key when there is a secret. Keyed
+// links, not only a keyed root: every key is a public name (a file, a Redis
+// key, x:<c_0> included), and from a name anyone could compute the next
+// link of a guessed continuation if links were plain hashes.
+std::string Scheme::link(char domain, const std::string& parent, std::span<const int32_t> tokens) const {
+  Bytes b;
+  b.reserve(1 + parent.size() + tokens.size() * 4);
+  b.push_back(uint8_t(domain));
+  b.insert(b.end(), parent.begin(), parent.end());
+  for (int32_t t : tokens) put32(b, uint32_t(t));
+  return chain_key_.empty() ? sha256_bytes(b) : hex_of(hmac_sha256(chain_key_, b));
 }
 
 std::string Scheme::tenant_root(std::string_view tenant) const {
-  return tenant.empty() ? salt_ : derive_tenant_root(salt_, tenant);
+  return tenant.empty() ? root_ : derive_tenant_root(chain_key_, root_, tenant);
 }
 
 std::vector<std::string> Scheme::chunk_keys(std::span<const int32_t> tokens, uint32_t m, const std::string& root) const {
@@ -136,7 +168,7 @@ std::string Scheme::fingerprint_json(int indent) const {
 Bytes Scheme::entry_file(const Piece& e, std::span<const uint8_t> tail) const {
   require(is_hex64(e.root), "kvtc store: an entry without its chain's root");
   nlohmann::json j = fingerprint(f_, salt_);
-  if (e.root != salt_) j["tenant_root"] = e.root;  // tenant "": no field, the file as without tenants
+  if (e.root != root_) j["tenant_root"] = e.root;  // tenant "": no field, the file as without tenants
   j["format"] = "kvtc-store-entry";
   j["version"] = kEntryVersion;
   j["key"] = e.key;
@@ -169,10 +201,10 @@ Piece Scheme::parse_entry(std::span<const uint8_t> f, const std::string& origin,
   try {
     const auto j = nlohmann::json::parse(f.begin() + kEntryHeaderBytes, f.begin() + kEntryHeaderBytes + jl);
     require(j.at("salt") == salt_, "salt: written by another model, calibration or setting");
-    e.root = salt_;
+    e.root = root_;
     if (j.contains("tenant_root")) {  // written only for a tenant other than ""
       e.root = j.at("tenant_root").get<std::string>();
-      require(is_hex64(e.root) && e.root != salt_, "tenant_root: 64 lower-case hex digits other than the salt expected");
+      require(is_hex64(e.root) && e.root != root_, "tenant_root: 64 lower-case hex digits other than the store's root expected");
     }
     e.key = j.at("key").get<std::string>();
     const uint64_t n = j.at("n_tokens").get<uint64_t>();

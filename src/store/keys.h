@@ -46,7 +46,7 @@ struct Piece {
   std::string key;
   std::vector<int32_t> tokens;
   std::vector<std::string> chunks;  // keys of chunks 1..m
-  std::string root;                 // c_0: the salt (tenant ""), or a tenant's root
+  std::string root;                 // c_0: Scheme::root() (tenant ""), or a tenant's root
 };
 
 // What names a store's pieces: the salt's fields (docs/store.md "Salt").
@@ -57,21 +57,34 @@ struct SchemeFields {
   std::string ratio;  // ratio_key(ratio), "-ecsq" appended when entropy-coded, or "raw"
   uint32_t sink = 4, window = 128;
   std::string kv_settings;  // KvSettings::text(): the context's RoPE as llama.cpp resolved it
+  // With a secret (store/seal.h): "hmac-sha256;key=<key id>" or
+  // "aes-256-gcm;key=<key id>", the salt's last line; "" without one (the
+  // salt is then exactly version 2's).
+  std::string protection;
 };
 
 class Scheme {
  public:
-  explicit Scheme(const SchemeFields& f);
+  // chain_key: the key chain's key when the store has a secret (its links
+  // are then HMAC-SHA256 under it, the root HMAC(chain_key, salt)); empty:
+  // SHA-256 links from the salt.
+  explicit Scheme(const SchemeFields& f, std::vector<uint8_t> chain_key = {});
+  ~Scheme();  // wipes the chain key
+  Scheme(const Scheme&) = delete;
+  Scheme& operator=(const Scheme&) = delete;
 
-  const std::string& salt() const { return salt_; }      // 64 hex digits: the chain's root
+  const std::string& salt() const { return salt_; }      // 64 hex digits: the store's public fingerprint
   const std::string& compat() const { return compat_; }  // its first 16: the store's directory and Redis namespace
+  // The chain's root, c_0 (64 hex digits): the salt, or with a secret
+  // HMAC-SHA256(chain key, salt), which nobody without the secret can compute.
+  const std::string& root() const { return root_; }
   uint32_t chunk_tokens() const { return f_.chunk_tokens; }
   const SchemeFields& fields() const { return f_; }
 
-  // The root of `tenant`'s key chain (docs/store.md "Tenants"): the salt
+  // The root of `tenant`'s key chain (docs/store.md "Tenants"): root()
   // itself for "" (every key and file exactly as without tenants), else
-  // derived from it and the tenant's bytes, so that two tenants' chains
-  // never share a key.
+  // derived from it and the tenant's bytes (keyed as the links when there
+  // is a secret), so that two tenants' chains never share a key.
   std::string tenant_root(std::string_view tenant) const;
   // c_1..c_m of `tokens` (at least m * chunk_tokens of them) on the chain from `root`.
   std::vector<std::string> chunk_keys(std::span<const int32_t> tokens, uint32_t m, const std::string& root) const;
@@ -95,8 +108,10 @@ class Scheme {
   Piece parse_entry(std::span<const uint8_t> f, const std::string& origin, Bytes* tail) const;
 
  private:
+  std::string link(char domain, const std::string& parent, std::span<const int32_t> tokens) const;
   SchemeFields f_;
-  std::string salt_, compat_;
+  std::vector<uint8_t> chain_key_;
+  std::string salt_, compat_, root_;
 };
 
 }  // namespace kvtc::store

@@ -721,13 +721,29 @@ Redis::Redis(const RedisOptions& opt) : impl_(std::make_unique<Impl>()) {
   I.opt = opt;
   require(opt.url.empty() != opt.cluster.empty(), "redis: give either a redis:// URL or cluster seeds");
   require(opt.connect_timeout_ms > 0 && opt.timeout_ms > 0 && opt.retry_ms >= 0, "redis: timeouts must be positive");
+  require(!opt.password.empty() || opt.user.empty(), "redis: a user without a password");
+  I.user = opt.user;
+  I.password = opt.password;
   if (!opt.url.empty()) {
     const std::string& u = opt.url;
-    const std::string what = "redis URL '" + u + "'";
+    // Messages name the URL without its password.
+    const size_t at_sign = u.rfind('@'), scheme_end = u.find("://");
+    const std::string shown = at_sign != std::string::npos && scheme_end != std::string::npos && scheme_end < at_sign
+                                  ? u.substr(0, scheme_end + 3) + "***@" + u.substr(at_sign + 1)
+                                  : u;
+    const std::string what = "redis URL '" + shown + "'";
+    // Debian 12's libhiredis 0.14.1 is built without TLS (no hiredis_ssl),
+    // and the client here speaks plain TCP.
+    require(u.rfind("rediss://", 0) != 0,
+            what +
+                ": TLS (rediss://) is not supported by this build (Debian 12's hiredis 0.14 has no TLS); reach Redis "
+                "over a private network, or through a TLS tunnel (stunnel or spiped on loopback) and give its local end as "
+                "redis://127.0.0.1:PORT");
     require(u.rfind("redis://", 0) == 0, what + ": expected redis://[[user]:password@]host[:port][/db]");
     std::string rest = u.substr(8);
     const size_t at = rest.rfind('@');
     if (at != std::string::npos) {
+      require(opt.password.empty(), what + ": carries a password, and one is given apart (redis_password): give one of them");
       const std::string cred = rest.substr(0, at);
       rest = rest.substr(at + 1);
       const size_t c = cred.find(':');

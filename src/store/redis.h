@@ -59,6 +59,10 @@ struct RedisOptions {
   std::string url;
   // host:port seeds of a Redis Cluster (any subset of its masters), or empty.
   std::vector<std::string> cluster;
+  // AUTH [user] password on every new connection, to the one server or to
+  // every cluster node; the URL's credentials are the same for one server
+  // (giving both is refused).
+  std::string user, password;
   int connect_timeout_ms = 500;  // resolving and connecting, within the deadline
   int timeout_ms = 2000;         // the deadline of one run(): the whole exchange
   int retry_ms = 1000;           // after a failure, calls fail fast this long

@@ -10,7 +10,10 @@
 // longer). Every key expires after redis_ttl_s, renewed by the hits and
 // puts that use it. A Redis that is down or slow, a missing or damaged
 // value: a miss or a shorter match, never an error (counted, logged once
-// per outage).
+// per outage). With a secret (store/seal.h) every value — chunk, entry and
+// each index field's value, which holds tokens — is sealed for its kind and
+// key; one that does not open is foreign: deleted (DEL, HDEL), counted
+// (foreign_dropped), never decoded.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -83,6 +86,8 @@ class RedisTier final : public Tier {
     detail::RedisOptions ro;
     ro.url = o.redis_url;
     ro.cluster = o.redis_cluster;
+    ro.user = o.redis_user;
+    ro.password = o.redis_password;
     ro.connect_timeout_ms = o.redis_connect_timeout_ms;
     ro.retry_ms = o.redis_retry_ms;
     ro.timeout_ms = o.redis_lookup_timeout_ms;
@@ -137,11 +142,18 @@ class RedisTier final : public Tier {
       while (run < K && (!r[run].ok() || r[run].integer > 0)) upto.push_back(upto.back() + uint64_t(std::max(0LL, r[run++].integer)));
       const double ms = ms_since(t0);
       out.push_back({run * C, 1.0f, "", run, ms, upto[run]});
+      std::vector<RedisCommand> foreign;  // index fields whose values do not open: HDEL
       for (size_t j = 0; j <= run; ++j) {
         const auto& h = r[K + j].elements;
         const auto rest = tokens.subspan(j * C);
+        const std::string& lk = level_key(root, keys, j);
         for (size_t f = 0; f + 1 < h.size(); f += 2) {
-          const std::string& v = h[f + 1].str;
+          std::string plain;
+          if (!open_index(lk, h[f].str, h[f + 1].str, plain)) {
+            foreign.push_back({"HDEL", rkey('x', lk), h[f].str});
+            continue;
+          }
+          const std::string& v = ctx_.seal->on() ? plain : h[f + 1].str;
           if (!index_value_ok(v)) continue;
           const size_t lcp = j * C + value_prefix(v, rest), whole = j * C + index_tokens(v);
           // The entry: its tokens as int32 and its tail, raw at most.
@@ -150,6 +162,9 @@ class RedisTier final : public Tier {
         }
       }
       account(t0, true, "");
+      // Deleted at once (one more exchange, only when there are some): the
+      // next lookup must not pay for them again.
+      if (!foreign.empty()) finish(foreign, 0, 0, 0, 0, true, "", /*lookup=*/false, foreign.size());
     } catch (const std::exception& x) {
       account(t0, false, x.what());
       out.clear();
@@ -165,8 +180,8 @@ class RedisTier final : public Tier {
     const std::vector<std::string> keys = ctx_.scheme->chunk_keys(tokens, uint32_t(c.level), root);
     Fetched f;
     f.ms = c.ms;
-    std::vector<RedisCommand> drop;  // damaged or dangling values
-    uint64_t missing = 0, corrupt = 0;
+    std::vector<RedisCommand> drop;  // damaged, foreign or dangling values
+    uint64_t missing = 0, corrupt = 0, foreign = 0;
     try {
       const bool want_tail = !c.entry.empty() && n > c.level * C;
       const size_t need = std::min<size_t>((n + C - 1) / C, c.level);
@@ -202,10 +217,23 @@ class RedisTier final : public Tier {
       }
       size_t have = 0;  // leading chunks fetched
       while (have < need && r[have].type == RedisReply::Type::kString) ++have;
-      if (have < need) {
-        ++missing;  // evicted: a shorter match
-        n = std::min<uint32_t>(n, uint32_t(have * C));
+      if (have < need) ++missing;  // evicted: a shorter match
+      // Opened (with a secret): a foreign chunk ends the match before it.
+      std::vector<BytesPtr> got;
+      for (size_t i = 0; i < have; ++i) {
+        Bytes b(r[i].str.begin(), r[i].str.end());
+        try {
+          ctx_.seal->open(kSealChunk, keys[i], b, "redis " + names[i]);
+        } catch (const ForeignValue& x) {
+          ++foreign;
+          ctx_.log(std::string("kvtc store: dropped a foreign Redis chunk (recomputing instead): ") + x.what());
+          drop.push_back({"DEL", names[i]});
+          have = i;
+          break;
+        }
+        got.push_back(std::make_shared<const Bytes>(std::move(b)));
       }
+      if (have < need) n = std::min<uint32_t>(n, uint32_t(have * C));
       f.piece.tokens.assign(tokens.begin(), tokens.end());
       f.piece.root = root;
       f.piece.chunks.assign(keys.begin(), keys.begin() + std::ptrdiff_t(have));
@@ -219,10 +247,18 @@ class RedisTier final : public Tier {
         } else {
           try {
             auto tb = std::make_shared<Bytes>();
-            Piece p = ctx_.scheme->parse_entry(std::span(reinterpret_cast<const uint8_t*>(e.str.data()), e.str.size()), where, tb.get());
+            Bytes eb(e.str.begin(), e.str.end());
+            ctx_.seal->open(kSealEntry, c.entry, eb, where);
+            Piece p = ctx_.scheme->parse_entry(eb, where, tb.get());
             require(p.chunks.size() == c.level && p.key == c.entry && p.root == root, where + ": not the entry its index names");
             f.piece = std::move(p);
             f.tail = std::move(tb);
+          } catch (const ForeignValue& x) {
+            ++foreign;
+            ctx_.log(std::string("kvtc store: dropped a foreign Redis entry (recomputing instead): ") + x.what());
+            drop.push_back({"HDEL", rkey('x', level_key(root, keys, c.level)), c.entry});
+            drop.push_back({"DEL", rkey('e', c.entry)});
+            n = uint32_t(c.level * C);
           } catch (const std::exception& x) {
             ++corrupt;
             ctx_.log(std::string("kvtc store: dropped a damaged Redis entry: ") + x.what());
@@ -233,13 +269,13 @@ class RedisTier final : public Tier {
         }
       }
       if (!f.tail) n = std::min<uint32_t>(n, uint32_t(f.piece.chunks.size() * C));
-      for (size_t i = 0; i < have; ++i) f.chunks.push_back(std::make_shared<const Bytes>(r[i].str.begin(), r[i].str.end()));
+      f.chunks = std::move(got);
       f.n = n;
       f.whole = f.tail && have == c.level;
-      finish(drop, missing, corrupt, f.bytes, ms_since(t0), true, "");
+      finish(drop, missing, corrupt, f.bytes, ms_since(t0), true, "", true, foreign);
       return f;
     } catch (const std::exception& x) {  // down, late or failing: nothing restored, and no second lookup
-      finish(drop, missing, corrupt, f.bytes, ms_since(t0), false, x.what());
+      finish(drop, missing, corrupt, f.bytes, ms_since(t0), false, x.what(), true, foreign);
       return Fetched{};
     }
   }
@@ -268,11 +304,14 @@ class RedisTier final : public Tier {
     const auto t0 = Clock::now();
     const uint32_t C = ctx_.scheme->chunk_tokens();
     const size_t m = p.chunks.size(), n = p.tokens.size();
-    uint64_t chunks = 0, bytes = 0, dropped = 0;
+    uint64_t chunks = 0, bytes = 0, dropped = 0, foreign = 0;
     if (!check_config()) return;  // Redis is not answering (counted, logged)
     try {
+      const Sealer& seal = *ctx_.seal;
       const Bytes ef_own = c.entry_file ? Bytes() : ctx_.scheme->entry_file(p, *c.tail);
-      const Bytes& ef = c.entry_file ? *c.entry_file : ef_own;
+      const Bytes& ef_plain = c.entry_file ? *c.entry_file : ef_own;
+      const Bytes ef_sealed = seal.on() ? seal.seal(kSealEntry, p.key, ef_plain) : Bytes();
+      const Bytes& ef = seal.on() ? ef_sealed : ef_plain;
       const int base = ctx_.opt.redis_timeout_ms;
       // SET with the TTL, when there is one.
       auto set = [&](std::string key, const Bytes& v) {
@@ -295,8 +334,9 @@ class RedisTier final : public Tier {
       uint64_t chunk_bytes = 0;
       for (size_t i = 0; i < m; ++i)
         if (r[i].integer == 0) {
-          q.push_back(set(rkey('c', p.chunks[i]), *c.chunks[i]));
-          chunk_bytes += c.chunks[i]->size();
+          q.push_back(seal.on() ? set(rkey('c', p.chunks[i]), seal.seal(kSealChunk, p.chunks[i], *c.chunks[i]))
+                                : set(rkey('c', p.chunks[i]), *c.chunks[i]));
+          chunk_bytes += q.back()[2].size();
           ++chunks;
         }
       check(put_->run(q, deadline_ms(base, chunk_bytes)), "SET chunk");
@@ -307,15 +347,30 @@ class RedisTier final : public Tier {
       q.clear();
       const std::string index = rkey('x', level_key(p.root, p.chunks, m));
       if (!r[2 * m].ok()) q.push_back({"DEL", index});  // not a hash (not ours): replaced
-      q.push_back({"HSET", index, p.key, index_value(std::span(p.tokens).subspan(m * C))});
+      const std::string iv = index_value(std::span(p.tokens).subspan(m * C));
+      if (seal.on()) {
+        const Bytes sv =
+            seal.seal(kSealIndex, index_seal_key(level_key(p.root, p.chunks, m), p.key), std::span(reinterpret_cast<const uint8_t*>(iv.data()), iv.size()));
+        q.push_back({"HSET", index, p.key, std::string(sv.begin(), sv.end())});
+      } else {
+        q.push_back({"HSET", index, p.key, iv});
+      }
       if (!ttl_.empty()) q.push_back({"EXPIRE", index, ttl_});
       for (size_t j = 0; j <= m; ++j) {
         const auto& h = r[m + j].elements;
         const auto rest = std::span(p.tokens).subspan(j * C);
         std::vector<std::pair<uint64_t, std::string>> kept;  // (time, key) of the fields that stay
+        const std::string& lk = level_key(p.root, p.chunks, j);
         for (size_t f = 0; f + 1 < h.size(); f += 2) {
-          const std::string &key = h[f].str, &v = h[f + 1].str;
+          const std::string& key = h[f].str;
           if (key == p.key) continue;
+          std::string plain;
+          if (!open_index(lk, key, h[f + 1].str, plain)) {  // foreign: cleared
+            q.push_back({"HDEL", rkey('x', lk), key});
+            ++foreign;
+            continue;
+          }
+          const std::string& v = seal.on() ? plain : h[f + 1].str;
           if (!index_value_ok(v)) {  // not ours: cleared
             q.push_back({"HDEL", rkey('x', level_key(p.root, p.chunks, j)), key});
             continue;
@@ -339,6 +394,7 @@ class RedisTier final : public Tier {
       check(put_->run(q), "HSET index");
       std::lock_guard<std::mutex> g(mu_);
       fine();
+      foreign_ += foreign;
       chunks_written_ += chunks;
       ++entries_written_;
       entries_dropped_ += dropped;
@@ -370,11 +426,13 @@ class RedisTier final : public Tier {
     s.redis_lookup_ms = lookup_ms_;
     s.redis_write_ms = write_ms_;
     s.corrupt_dropped += corrupt_;
+    s.foreign_dropped += foreign_;
     TierStats t;
     t.name = name();
     t.up = up_;
     t.error = error_;
     t.corrupt_dropped = corrupt_;
+    t.foreign_dropped = foreign_;
     s.tiers.push_back(std::move(t));
   }
 
@@ -382,9 +440,28 @@ class RedisTier final : public Tier {
   using Clock = std::chrono::steady_clock;
 
   std::string rkey(char kind, const std::string& k) const { return "kvtc:" + ctx_.scheme->compat() + ":" + kind + ":" + k; }
-  // The key of index level j: c_j on the prompt's chain, c_0 being its tenant's root (the salt for tenant "").
+  // The key of index level j: c_j on the prompt's chain, c_0 being its
+  // tenant's root (Scheme::root() for tenant "": the salt without a secret).
   static const std::string& level_key(const std::string& root, const std::vector<std::string>& chunks, size_t j) {
     return j == 0 ? root : chunks[j - 1];
+  }
+  // What an index value is sealed for: its hash's level and its field, so
+  // a value copied to another field or level does not open.
+  static std::string index_seal_key(const std::string& level, const std::string& field) { return level + "/" + field; }
+  // The plain bytes of index field `field`'s value `v` at level `lk` into
+  // `out` (with a secret; without one `v` is the plain value and `out` is
+  // left empty); false, logged, when it is foreign.
+  bool open_index(const std::string& lk, const std::string& field, const std::string& v, std::string& out) const {
+    if (!ctx_.seal->on()) return true;
+    Bytes b(v.begin(), v.end());
+    try {
+      ctx_.seal->open(kSealIndex, index_seal_key(lk, field), b, "redis " + rkey('x', lk) + " field " + field.substr(0, 16));
+    } catch (const ForeignValue& x) {
+      ctx_.log(std::string("kvtc store: dropped a foreign Redis index field: ") + x.what());
+      return false;
+    }
+    out.assign(b.begin(), b.end());
+    return true;
   }
   // An exchange's deadline (ms) that allows for moving `bytes` at
   // redis_min_mib_s: a large fetch on a slow link is not cut short. At most
@@ -465,7 +542,7 @@ class RedisTier final : public Tier {
   }
   // Sends the drops (best effort) and adds a fetch's figures. Under take_mu_.
   void finish(const std::vector<RedisCommand>& drop, uint64_t missing, uint64_t corrupt, uint64_t read, double ms, bool ok, const std::string& err,
-              bool lookup = true) {
+              bool lookup = true, uint64_t foreign = 0) {
     if (!drop.empty()) {
       try {
         (void)take_->run(drop);
@@ -475,6 +552,7 @@ class RedisTier final : public Tier {
     std::lock_guard<std::mutex> g(mu_);
     missing_ += missing;
     corrupt_ += corrupt;
+    foreign_ += foreign;
     bytes_read_ += read;
     if (lookup) lookup_ms_ += ms;
     if (ok)
@@ -492,7 +570,7 @@ class RedisTier final : public Tier {
   mutable std::mutex mu_;        // the figures below
   bool up_ = false;
   std::string error_, where_, config_warning_;
-  uint64_t lookups_ = 0, errors_ = 0, missing_ = 0, corrupt_ = 0;
+  uint64_t lookups_ = 0, errors_ = 0, missing_ = 0, corrupt_ = 0, foreign_ = 0;
   uint64_t chunks_written_ = 0, entries_written_ = 0, entries_dropped_ = 0, bytes_written_ = 0, bytes_read_ = 0;
   double lookup_ms_ = 0, write_ms_ = 0;
 };

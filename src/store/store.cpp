@@ -10,8 +10,12 @@
 // bytes), so a take decodes while the worker codes the next put.
 #include "kvtc/store.h"
 
+#include <openssl/crypto.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <mutex>
 
@@ -20,6 +24,7 @@
 #include "format/container.h"
 #include "format/plan.h"
 #include "kvtc/error.h"
+#include "kvtc/files.h"
 #include "store/keys.h"
 #include "store/pieces.h"
 #include "store/queue.h"
@@ -30,6 +35,7 @@ namespace kvtc {
 using namespace kvtc::store;
 
 struct PromptStore::Impl {
+  std::unique_ptr<Sealer> sealer;
   std::unique_ptr<Scheme> scheme;
   std::unique_ptr<PieceCodec> codec;
   TierContext ctx;
@@ -250,11 +256,18 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   f.sink = opt.sink;
   f.window = opt.window;
   f.kv_settings = opt.kv_settings.text();
-  I.scheme = std::make_unique<Scheme>(f);
-  I.codec = std::make_unique<PieceCodec>(cal, g, opt, alloc, opt.chunk_tokens);
+  I.sealer = std::make_unique<Sealer>(opt.secret, opt.encrypt);  // Error: a secret too short, encrypt without one
+  f.protection = I.sealer->protection();
+  I.scheme = std::make_unique<Scheme>(f, I.sealer->chain_key());
+  // The secret itself is not kept: the sealer and the scheme hold the keys
+  // derived from it.
+  StoreOptions o = opt;
+  o.secret.clear();
+  I.codec = std::make_unique<PieceCodec>(cal, g, o, alloc, o.chunk_tokens);
   I.ctx.scheme = I.scheme.get();
   I.ctx.codec = I.codec.get();
-  I.ctx.opt = opt;
+  I.ctx.seal = I.sealer.get();
+  I.ctx.opt = o;
   // The tiers, in lookup order. A new tier: its file, and one line here.
   I.tiers.push_back(make_ram_tier(I.ctx));
   auto queue = std::make_unique<PutQueue>(I.ctx, [this](const Pending& q) { impl_->code(q); });
@@ -270,6 +283,10 @@ PromptStore::~PromptStore() {
 
 const std::string& PromptStore::fingerprint() const {
   return impl_->scheme->salt();
+}
+
+const std::string& PromptStore::protection() const {
+  return impl_->sealer->protection();
 }
 
 bool PromptStore::wants(std::span<const int32_t> tokens, std::string_view tenant) const {
@@ -356,6 +373,42 @@ StoreStats PromptStore::stats() const {
   s.hits_pending = impl_->hits["pending"];
   s.hits_disk = impl_->hits["disk"];
   s.hits_redis = impl_->hits["redis"];
+  return s;
+}
+
+namespace {
+
+// A line when `path` can be read by its group or others: a secret that any
+// local user can read protects nothing from them.
+std::string readable_by_others(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !(st.st_mode & (S_IRGRP | S_IROTH))) return "";
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+  return path + ": readable by " + ((st.st_mode & S_IROTH) ? "others" : "its group") + " (mode " + mode + "); chmod 600 it";
+}
+
+}  // namespace
+
+std::vector<uint8_t> read_store_secret(const std::string& path, std::string* warning) {
+  std::vector<uint8_t> b = read_file(path);  // IoError naming the file
+  if (b.size() < Sealer::kMinSecretBytes) {
+    OPENSSL_cleanse(b.data(), b.size());
+    throw Error(path + ": the secret file holds " + std::to_string(b.size()) + " bytes, expected at least " +
+                std::to_string(Sealer::kMinSecretBytes) + " (e.g. openssl rand 32 > " + path + ")");
+  }
+  if (warning) *warning = readable_by_others(path);
+  return b;
+}
+
+std::string read_password_file(const std::string& path, std::string* warning) {
+  std::vector<uint8_t> b = read_file(path);
+  std::string s(b.begin(), b.end());
+  OPENSSL_cleanse(b.data(), b.size());
+  s.resize(std::min(s.find('\n'), s.size()));
+  if (!s.empty() && s.back() == '\r') s.pop_back();
+  require(!s.empty(), path + ": the password file's first line is empty, expected the password");
+  if (warning) *warning = readable_by_others(path);
   return s;
 }
 

@@ -25,6 +25,7 @@
 #include "kvtc/store.h"
 #include "store/keys.h"
 #include "store/pieces.h"
+#include "store/seal.h"
 
 namespace kvtc::store {
 
@@ -64,7 +65,10 @@ struct Coded {
 struct TierContext {
   const Scheme* scheme = nullptr;
   const PieceCodec* codec = nullptr;
-  StoreOptions opt;
+  // Seals what a tier keeps outside the process (disk, Redis) and opens it
+  // again (store/seal.h); off without a secret. Never null.
+  const Sealer* seal = nullptr;
+  StoreOptions opt;  // without the secret (the sealer holds the keys derived from it)
   void log(const std::string& s) const {
     if (opt.log) opt.log(s);
   }

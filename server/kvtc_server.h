@@ -45,7 +45,7 @@ struct kvtc_server_params {
   std::string redis_password_file;    // --kvtc-redis-password-file F: AUTH's password, one server or a cluster
   std::string redis_password;         // its first line
   std::vector<std::string> warnings;  // about the files above (readable by others): logged at attach
-  bool tenant_from_api_key = false;        // --kvtc-tenant-from-api-key: every request is its API key's tenant (docs/server.md "Tenants")
+  bool tenant_from_api_key = false;   // --kvtc-tenant-from-api-key: every request is its API key's tenant (docs/server.md "Tenants")
 };
 
 // The flags of this process (set by kvtc_server_take_args).

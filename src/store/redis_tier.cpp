@@ -349,8 +349,8 @@ class RedisTier final : public Tier {
       if (!r[2 * m].ok()) q.push_back({"DEL", index});  // not a hash (not ours): replaced
       const std::string iv = index_value(std::span(p.tokens).subspan(m * C));
       if (seal.on()) {
-        const Bytes sv =
-            seal.seal(kSealIndex, index_seal_key(level_key(p.root, p.chunks, m), p.key), std::span(reinterpret_cast<const uint8_t*>(iv.data()), iv.size()));
+        const Bytes sv = seal.seal(kSealIndex, index_seal_key(level_key(p.root, p.chunks, m), p.key),
+                                   std::span(reinterpret_cast<const uint8_t*>(iv.data()), iv.size()));
         q.push_back({"HSET", index, p.key, std::string(sv.begin(), sv.end())});
       } else {
         q.push_back({"HSET", index, p.key, iv});

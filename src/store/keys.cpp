@@ -26,16 +26,6 @@ void put64(Bytes& o, uint64_t v) {
   for (int i = 0; i < 8; ++i) o.push_back(uint8_t(v >> (8 * i)));
 }
 
-std::string hex_of(std::span<const uint8_t> b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (uint8_t x : b) {
-    s.push_back(d[x >> 4]);
-    s.push_back(d[x & 15]);
-  }
-  return s;
-}
-
 // A tenant's root: over the domain byte 't', the root it is derived from
 // (64 ASCII hex digits) and the tenant's bytes as given, SHA-256, or
 // HMAC-SHA256 under the chain key when there is a secret (as the links:
@@ -49,7 +39,7 @@ std::string derive_tenant_root(const std::vector<uint8_t>& chain_key, const std:
   b.push_back(uint8_t('t'));
   b.insert(b.end(), root.begin(), root.end());
   b.insert(b.end(), tenant.begin(), tenant.end());
-  return chain_key.empty() ? sha256_bytes(b) : hex_of(hmac_sha256(chain_key, b));
+  return chain_key.empty() ? sha256_bytes(b) : hex(hmac_sha256(chain_key, b));
 }
 
 bool is_hex64(const std::string& s) {
@@ -108,7 +98,7 @@ Scheme::Scheme(const SchemeFields& f, std::vector<uint8_t> chain_key) : f_(f), c
   if (!f.protection.empty()) text += "protection=" + f.protection + "\n";
   salt_ = sha256_bytes(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
   compat_ = salt_.substr(0, 16);
-  root_ = chain_key_.empty() ? salt_ : hex_of(hmac_sha256(chain_key_, std::span(reinterpret_cast<const uint8_t*>(salt_.data()), salt_.size())));
+  root_ = chain_key_.empty() ? salt_ : hex(hmac_sha256(chain_key_, std::span(reinterpret_cast<const uint8_t*>(salt_.data()), salt_.size())));
 }
 
 Scheme::~Scheme() {
@@ -127,7 +117,7 @@ std::string Scheme::link(char domain, const std::string& parent, std::span<const
   b.push_back(uint8_t(domain));
   b.insert(b.end(), parent.begin(), parent.end());
   for (int32_t t : tokens) put32(b, uint32_t(t));
-  return chain_key_.empty() ? sha256_bytes(b) : hex_of(hmac_sha256(chain_key_, b));
+  return chain_key_.empty() ? sha256_bytes(b) : hex(hmac_sha256(chain_key_, b));
 }
 
 std::string Scheme::tenant_root(std::string_view tenant) const {

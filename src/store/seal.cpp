@@ -35,16 +35,6 @@ std::span<const uint8_t> str_bytes(const char* s) {
   return {reinterpret_cast<const uint8_t*>(s), std::strlen(s)};
 }
 
-std::string hex(std::span<const uint8_t> b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (uint8_t x : b) {
-    s.push_back(d[x >> 4]);
-    s.push_back(d[x & 15]);
-  }
-  return s;
-}
-
 // Incremental HMAC-SHA256 (OpenSSL 3's EVP_MAC): the MAC input is the
 // authenticated data and then the value, without concatenating them.
 class Hmac {
@@ -214,6 +204,16 @@ void Sealer::open(char kind, const std::string& key, std::vector<uint8_t>& v, co
     throw foreign("AES-256-GCM tag mismatch: another secret, another key, or changed bytes");
   }
   v = std::move(out);
+}
+
+std::string hex(std::span<const uint8_t> b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (uint8_t x : b) {
+    s.push_back(d[x >> 4]);
+    s.push_back(d[x & 15]);
+  }
+  return s;
 }
 
 }  // namespace kvtc::store

@@ -37,6 +37,8 @@ struct ForeignValue : Error {
 // bytes (n <= 8160).
 std::vector<uint8_t> hkdf_sha256(std::span<const uint8_t> ikm, std::span<const uint8_t> salt, std::span<const uint8_t> info, size_t n);
 std::vector<uint8_t> hmac_sha256(std::span<const uint8_t> key, std::span<const uint8_t> data);
+// Lower-case hex of `b` (keys, key ids).
+std::string hex(std::span<const uint8_t> b);
 
 // The kinds of sealed values (one byte of the authenticated data).
 constexpr char kSealChunk = 'c';  // a chunk container (disk chunks/<key>.kvtc, Redis c:<key>)

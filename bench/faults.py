@@ -31,7 +31,6 @@ import resource
 import shutil
 import signal
 import sys
-import threading
 import time
 
 import requests
@@ -397,36 +396,9 @@ class Bench:
         return rows
 
     def stream_with_prompts(self, row, s, phase):
-        body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}], "max_tokens": 80,
-                "temperature": 0, "stream": True, "ignore_eos": True}
-        arrivals, errs = [], []
-
-        def stream():
-            try:
-                with requests.post(s.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as q:
-                    q.raise_for_status()
-                    for line in q.iter_lines():
-                        if line.startswith(b"data: ") and b'"content"' in line:
-                            arrivals.append(time.monotonic())
-            except Exception as e:  # noqa: BLE001 - counted
-                errs.append(repr(e))
-
-        t = threading.Thread(target=stream)
-        t.start()
-        while not arrivals and t.is_alive():
-            time.sleep(0.01)
-        i = 0
-        while t.is_alive():
-            word = ("Rivers", "Clouds", "Mountains", "Lanterns", "Violins", "Orchards")[i % 6]
-            try:
-                q = requests.post(s.url + "/completion", json={"prompt": f"{word} {phase} {i} are", "n_predict": 2, "temperature": 0}, timeout=60)
-                if q.status_code != 200:
-                    row.errors += 1
-            except requests.RequestException:
-                row.errors += 1
-            i += 1
-        t.join()
-        row.errors += len(errs)
+        """The largest gap between a stream's tokens while the other slot takes new prompts; failures counted."""
+        arrivals, errors, statuses = s.stream_while_prompting(phase)
+        row.errors += len(errors) + sum(st != 200 for st in statuses)
         return max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
 
 

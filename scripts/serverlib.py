@@ -118,6 +118,45 @@ class Server:
                 raise TimeoutError("disk entries still being verified")
             time.sleep(0.2)
 
+    def stream_while_prompting(self, tag, max_tokens=80):
+        """Streams a greedy reply of max_tokens tokens (ignore_eos) while
+        sending, one after another until it ends, short /completion prompts
+        that share no first token with the one before (llama-server then
+        gives each the other slot by LRU and asks its prompt cache: with a
+        Redis tier, a lookup that reaches Redis). Needs --parallel 2.
+        Returns (arrival times of the streamed tokens, the stream's errors,
+        each prompt's HTTP status or None when the request failed)."""
+        import threading
+
+        body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        arrivals, errors, statuses = [], [], []
+
+        def stream():
+            try:
+                with requests.post(self.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as q:
+                    q.raise_for_status()
+                    for line in q.iter_lines():
+                        if line.startswith(b"data: ") and b'"content"' in line:
+                            arrivals.append(time.monotonic())
+            except Exception as e:  # noqa: BLE001 - returned
+                errors.append(repr(e))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not arrivals and t.is_alive():
+            time.sleep(0.01)
+        while t.is_alive():
+            word = ("Rivers", "Clouds", "Mountains", "Lanterns", "Violins", "Orchards")[len(statuses) % 6]
+            try:
+                q = requests.post(self.url + "/completion",
+                                  json={"prompt": f"{word} {tag} {len(statuses)} are", "n_predict": 2, "temperature": 0}, timeout=60)
+                statuses.append(q.status_code)
+            except requests.RequestException:
+                statuses.append(None)
+        t.join()
+        return arrivals, errors, statuses
+
     def rss_kib(self):
         with open(f"/proc/{self.proc.pid}/status") as f:
             return int(re.search(r"VmRSS:\s+(\d+)", f.read())[1])

@@ -203,11 +203,16 @@ inline ::testing::AssertionResult matches_prefix(const KvCapture& got, const KvC
 // link SHA-256('c' or 'e' | parent's hex | tokens, int32 LE); with one,
 // c_0 = HMAC-SHA256(K_chain, salt) and each link an HMAC-SHA256 under
 // K_chain = HKDF-SHA256(secret, "kvtc-store-secret/1", "kvtc key chain").
-inline std::string hex_of(std::span<const uint8_t> b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (uint8_t x : b) s += {d[x >> 4], d[x & 15]};
+// A store's secret for the tests: n bytes counting up from `first`.
+inline std::vector<uint8_t> secret_of(uint8_t first, size_t n = 32) {
+  std::vector<uint8_t> s(n);
+  for (size_t i = 0; i < n; ++i) s[i] = uint8_t(first + i);
   return s;
+}
+inline StoreOptions with_secret(StoreOptions o, const std::vector<uint8_t>& secret, bool encrypt) {
+  o.secret = secret;
+  o.encrypt = encrypt;
+  return o;
 }
 inline std::vector<uint8_t> chain_secret_key(std::span<const uint8_t> secret) {
   const std::string salt = "kvtc-store-secret/1", label = "kvtc key chain";
@@ -215,7 +220,7 @@ inline std::vector<uint8_t> chain_secret_key(std::span<const uint8_t> secret) {
                             std::span(reinterpret_cast<const uint8_t*>(label.data()), label.size()), 32);
 }
 inline std::string chain_hash(std::span<const uint8_t> secret, std::span<const uint8_t> b) {
-  return secret.empty() ? sha256_bytes(b) : hex_of(store::hmac_sha256(chain_secret_key(secret), b));
+  return secret.empty() ? sha256_bytes(b) : store::hex(store::hmac_sha256(chain_secret_key(secret), b));
 }
 inline std::string chain_root(const PromptStore& s, std::span<const uint8_t> secret = {}) {
   const std::string& salt = s.fingerprint();

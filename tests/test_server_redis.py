@@ -11,11 +11,8 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import unittest
-
-import requests
 
 from kvtc_testlib import SMOL, small_calibration
 from test_server import LOGPROBS, conversation, docs, drift
@@ -130,8 +127,6 @@ class KvtcServerRedis(unittest.TestCase):
         px = TrickleProxy(r.port, delay=0.05)
         self.addCleanup(px.stop)
         s = self.replica("frozen", "--kvtc-redis", px.url, parallel=2)
-        stream_body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}], "max_tokens": 80,
-                       "temperature": 0, "stream": True, "ignore_eos": True}
         gaps = {}
         for phase in ("healthy", "frozen", "trickle"):
             if phase == "frozen":
@@ -139,37 +134,13 @@ class KvtcServerRedis(unittest.TestCase):
             if phase == "trickle":
                 r.proc.send_signal(signal.SIGCONT)
                 px.mode = "trickle"
-            arrivals, errors = [], []
-
-            def stream():
-                try:
-                    with requests.post(s.url + "/v1/chat/completions", json=stream_body, stream=True, timeout=120) as q:
-                        q.raise_for_status()
-                        for line in q.iter_lines():
-                            if line.startswith(b"data: ") and b'"content"' in line:
-                                arrivals.append(time.monotonic())
-                except Exception as e:  # noqa: BLE001 - reported below
-                    errors.append(repr(e))
-
-            t = threading.Thread(target=stream)
-            t.start()
-            while not arrivals and t.is_alive():
-                time.sleep(0.01)
-            answered = 0
-            while t.is_alive():
-                # New prompts on the other slot while the stream runs, each
-                # sharing no first token with the slot's last (llama-server
-                # then picks the slot by LRU and asks the prompt cache: a
-                # lookup that reaches Redis).
-                word = ("Rivers", "Clouds", "Mountains", "Lanterns", "Violins", "Orchards")[answered % 6]
-                q = requests.post(s.url + "/completion", json={"prompt": f"{word} {phase} {answered} are", "n_predict": 2, "temperature": 0},
-                                  timeout=60)
-                self.assertEqual(q.status_code, 200, q.text)
-                answered += 1
-            t.join()
+            # A stream on one slot while the other takes new prompts, each a
+            # lookup that reaches Redis (serverlib.Server.stream_while_prompting).
+            arrivals, errors, statuses = s.stream_while_prompting(phase)
             self.assertEqual(errors, [], phase)
+            self.assertEqual(statuses, [200] * len(statuses), phase)
             self.assertGreaterEqual(len(arrivals), 70, phase)  # every token came (80 asked; a chunk may carry two)
-            self.assertGreaterEqual(answered, 2, phase)
+            self.assertGreaterEqual(len(statuses), 2, phase)
             gaps[phase] = max(b - a for a, b in zip(arrivals, arrivals[1:]))
         m = s.metrics()
         print(f"largest gap between streamed tokens: {gaps}; longest lookup on the loop {m['kvtc:loop_lookup_seconds_max']:.3f} s "

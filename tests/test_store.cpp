@@ -1079,16 +1079,6 @@ TEST(Store, ThePendingBudgetIsAskedBeforeCopying) {
 
 namespace {
 
-std::vector<uint8_t> secret_of(uint8_t first, size_t n = 32) {
-  std::vector<uint8_t> s(n);
-  std::iota(s.begin(), s.end(), first);
-  return s;
-}
-StoreOptions with_secret(StoreOptions o, const std::vector<uint8_t>& secret, bool encrypt) {
-  o.secret = secret;
-  o.encrypt = encrypt;
-  return o;
-}
 std::vector<uint8_t> from_hex(const std::string& h) {
   std::vector<uint8_t> b;
   for (size_t i = 0; i + 1 < h.size(); i += 2) b.push_back(uint8_t(std::stoi(h.substr(i, 2), nullptr, 16)));
@@ -1121,26 +1111,26 @@ void copy_over(const fs::path& from, const fs::path& to) {
 // decrypting with OpenSSL from the documented offsets.
 TEST(Store, SecretsFormatsAreTheDocumentedOnes) {
   using namespace kvtc::store;
-  EXPECT_EQ(hex_of(hkdf_sha256(std::vector<uint8_t>(22, 0x0b), secret_of(0, 13), secret_of(0xf0, 10), 42)),
+  EXPECT_EQ(store::hex(hkdf_sha256(std::vector<uint8_t>(22, 0x0b), secret_of(0, 13), secret_of(0xf0, 10), 42)),
             "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865");
   const std::vector<uint8_t> secret = secret_of(0);  // bytes 0..31
   const Sealer auth(secret, false), enc(secret, true), off({}, false);
   EXPECT_EQ(auth.key_id(), "cfea644b06e04649");
   EXPECT_EQ(auth.protection(), "hmac-sha256;key=cfea644b06e04649");
   EXPECT_EQ(enc.protection(), "aes-256-gcm;key=cfea644b06e04649");
-  EXPECT_EQ(hex_of(auth.chain_key()), "980da781067fd9aad067cb9837250442e16c2db9985f635e9695c5b0de028299");
+  EXPECT_EQ(store::hex(auth.chain_key()), "980da781067fd9aad067cb9837250442e16c2db9985f635e9695c5b0de028299");
   EXPECT_FALSE(off.on());
   // HMAC mode: plain | HMAC-SHA256(K_auth, "kvtc-seal/1" | kind | u16 LE key length | key | trailer | plain) | trailer.
   const std::string plain = "hello, kvtc", key(64, 'k');
   const std::vector<uint8_t> sealed = auth.seal(kSealChunk, key, bytes_of(plain));
-  EXPECT_EQ(hex_of(sealed), "68656c6c6f2c206b767463eecc4a801a4a526f50c4979c100b3ab861f8b3d00892cac420f754a9c4dca7c04b56534c01010000");
+  EXPECT_EQ(store::hex(sealed), "68656c6c6f2c206b767463eecc4a801a4a526f50c4979c100b3ab861f8b3d00892cac420f754a9c4dca7c04b56534c01010000");
   EXPECT_EQ(auth.opened(kSealChunk, key, sealed, "v"), std::vector<uint8_t>(plain.begin(), plain.end()));
   // AES-256-GCM: nonce (12) | ciphertext | tag (16) | trailer, the AAD the
   // HMAC mode's data without the plain bytes, K_enc derived with "kvtc encryption".
   const std::vector<uint8_t> c1 = enc.seal(kSealEntry, key, bytes_of(plain)), c2 = enc.seal(kSealEntry, key, bytes_of(plain));
   ASSERT_EQ(c1.size(), plain.size() + 12 + 16 + 8);
   EXPECT_NE(std::vector<uint8_t>(c1.begin(), c1.begin() + 12), std::vector<uint8_t>(c2.begin(), c2.begin() + 12));  // a new nonce each time
-  EXPECT_EQ(hex_of(std::span(c1).last(8)), "4b56534c01020000");
+  EXPECT_EQ(store::hex(std::span(c1).last(8)), "4b56534c01020000");
   {
     const std::vector<uint8_t> k_enc = from_hex("3917454920a8e4bc36e46a6a48fb694be2682e59a529a424facac3411fbabec8");
     const std::string domain = "kvtc-seal/1e";  // the domain tag, then the kind

@@ -954,16 +954,6 @@ TEST(StoreRedisCluster, ReshardingUnderTrafficWithHostlessRedirects) {
 
 namespace {
 
-std::vector<uint8_t> secret_of(uint8_t first) {
-  std::vector<uint8_t> s(32);
-  std::iota(s.begin(), s.end(), first);
-  return s;
-}
-StoreOptions with_secret(StoreOptions o, const std::vector<uint8_t>& secret, bool encrypt) {
-  o.secret = secret;
-  o.encrypt = encrypt;
-  return o;
-}
 std::string entry_key(const PromptStore& s, const std::vector<int32_t>& t, size_t m, uint32_t C, std::span<const uint8_t> secret = {}) {
   return chain_link('e', m ? chain_key(s, t, m - 1, C, secret) : chain_root(s, secret), std::span(t).subspan(m * C), secret);
 }

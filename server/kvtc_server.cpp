@@ -589,6 +589,12 @@ std::string kvtc_server_metrics() {
     item("redis_errors_total", "counter", "Redis exchanges that failed (down, timeout, error reply); the prompt was recomputed",
          double(s.redis_errors));
     item("redis_lookups_total", "counter", "Lookups that asked Redis", double(s.redis_lookups));
+    item("redis_lookups_skipped_total", "counter", "Lookups answered as misses without asking, while Redis was failing",
+         double(s.redis_lookups_skipped));
+    item("redis_lookups_paused", "gauge", "1 while lookups do not ask Redis (one failed; a probe has not yet found it answering in time)",
+         s.redis_lookups_paused ? 1.0 : 0.0);
+    item("redis_probes_total", "counter", "Background PINGs (every 2 s while lookups are off) that decide when lookups ask Redis again",
+         double(s.redis_probes));
     item("redis_missing_total", "counter", "Redis values an index named that were gone (evicted): shorter matches", double(s.redis_missing));
     item("redis_chunks_written_total", "counter", "Prefix chunks written to Redis", double(s.redis_chunks_written));
     item("redis_prompts_written_total", "counter", "Prompts (entries) written to Redis", double(s.redis_entries_written));

@@ -127,40 +127,58 @@ class KvtcServerRedis(unittest.TestCase):
         px = TrickleProxy(r.port, delay=0.05)
         self.addCleanup(px.stop)
         s = self.replica("frozen", "--kvtc-redis", px.url, parallel=2)
-        gaps = {}
+        gaps, asked, skipped, held = {}, {}, {}, {}
         for phase in ("healthy", "frozen", "trickle"):
             if phase == "frozen":
                 r.proc.send_signal(signal.SIGSTOP)
             if phase == "trickle":
                 r.proc.send_signal(signal.SIGCONT)
+                # The store's probe (a PING every 2 s on its own thread)
+                # finds Redis back before lookups ask it again.
+                deadline = time.monotonic() + 10
+                while s.metrics()["kvtc:redis_lookups_paused"] != 0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                self.assertEqual(s.metrics()["kvtc:redis_lookups_paused"], 0, "Redis back: a probe should have found it")
                 px.mode = "trickle"
+            m0 = s.metrics()
             # A stream on one slot while the other takes new prompts, each a
             # lookup that reaches Redis (serverlib.Server.stream_while_prompting).
             arrivals, errors, statuses = s.stream_while_prompting(phase)
+            m1 = s.metrics()
             self.assertEqual(errors, [], phase)
             self.assertEqual(statuses, [200] * len(statuses), phase)
             self.assertGreaterEqual(len(arrivals), 70, phase)  # every token came (80 asked; a chunk may carry two)
             self.assertGreaterEqual(len(statuses), 2, phase)
             gaps[phase] = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+            for d, k in ((asked, "redis_lookups_total"), (skipped, "redis_lookups_skipped_total"), (held, "loop_lookup_seconds_total")):
+                d[phase] = round(m1["kvtc:" + k] - m0["kvtc:" + k], 3)
         m = s.metrics()
-        print(f"largest gap between streamed tokens: {gaps}; longest lookup on the loop {m['kvtc:loop_lookup_seconds_max']:.3f} s "
-              f"over {m['kvtc:loop_lookups_total']:.0f}; Redis errors {m['kvtc:redis_errors_total']:.0f}")
+        print(f"largest gap between streamed tokens: {gaps}; longest lookup on the loop {m['kvtc:loop_lookup_seconds_max']:.3f} s; "
+              f"lookups that asked Redis {asked}, answered without asking {skipped}, their time on the loop {held} s; "
+              f"probes {m['kvtc:redis_probes_total']:.0f}")
         # Redis failed (frozen, then too slow) and every request was answered.
         self.assertGreaterEqual(m["kvtc:redis_errors_total"], 2, m)
         self.assertEqual(m["kvtc:redis_up"], 0, m)
         self.assertEqual(m["kvtc:restore_failures_total"], 0, m)
-        # The loop: a lookup waits for Redis at most its deadline (100 ms)
-        # and, once Redis failed, not at all until the retry interval (2 s)
-        # has passed. Measured on a quiet 2-core machine: lookups at most
-        # 0.101-0.110 s; the stream's largest gap 0.03-0.28 s healthy,
-        # 0.03-0.12 s frozen, 0.12 s trickling (the decode steps of two slots
-        # and the other slot's prefills; 5.8 s frozen before the deadlines,
-        # unbounded trickling). Bounds: a lookup 0.5 s, a gap 2 s (a machine
-        # running other work stalls llama.cpp's spinning threads for
-        # seconds, whatever kvtc does: the lookup bound is the one that
-        # names kvtc).
+        # The loop: a lookup waits for Redis at most its deadline (100 ms);
+        # once one failed, the lookups after it do not ask Redis at all (a
+        # probe on the store's thread does, every 2 s): one lookup per
+        # outage pays a deadline (before: one per 2 s retry interval).
+        # Measured on a quiet 2-core machine: lookups at most 0.101-0.110 s;
+        # the stream's largest gap 0.03-0.28 s healthy, 0.03-0.12 s frozen,
+        # 0.12 s trickling (the decode steps of two slots and the other
+        # slot's prefills; 5.8 s frozen before the deadlines, unbounded
+        # trickling). Bounds: a lookup 0.5 s, the loop's time in one
+        # outage's lookups 0.5 s, a gap 2 s (a machine running other work
+        # stalls llama.cpp's spinning threads for seconds, whatever kvtc
+        # does: the lookup bounds are the ones that name kvtc).
         self.assertLess(m["kvtc:loop_lookup_seconds_max"], 0.5, m)
+        self.assertGreaterEqual(asked["healthy"], 2, asked)
+        self.assertEqual(skipped["healthy"], 0, skipped)
         for phase in ("frozen", "trickle"):
+            self.assertEqual(asked[phase], 1, (phase, asked, skipped))
+            self.assertGreaterEqual(skipped[phase], 1, (phase, asked, skipped))
+            self.assertLess(held[phase], 0.5, (phase, held))
             self.assertLess(gaps[phase], 2.0, gaps)
 
     def test_redis_stopped_mid_run_then_back(self):

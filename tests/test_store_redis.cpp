@@ -248,7 +248,7 @@ TEST(StoreRedis, RedisDownMeansRecomputingThenBack) {
   EXPECT_STREQ(m->tier, "ram");
 
   redis.start();                                                // back, empty (no persistence)
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past redis_retry_ms
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past redis_retry_ms: B's probe (every 100 ms) found it
   a.put(q, prompt_capture(q));
   EXPECT_TRUE(a.stats().redis_up);
   m = b.take({}, q);
@@ -580,9 +580,10 @@ TEST(StoreRedis, WarnsWhenRedisMemoryIsUnbounded) {
 // Redis under SIGSTOP: the kernel accepts the connection and the commands,
 // nothing answers. A take waits one lookup deadline and is a miss (no
 // fetch follows a failed lookup); the takes after it do not touch the
-// network until redis_retry_ms has passed, then one more deadline. A put's
-// write on the worker waits on the frozen Redis to its own deadline and is
-// skipped, holding no take. After SIGCONT it serves again.
+// network at all, also past redis_retry_ms: the tier's probe asks Redis
+// then, on its own thread. A put's write on the worker waits on the frozen
+// Redis to its own deadline and is skipped, holding no take. After SIGCONT
+// the next probe finds it and it serves again.
 TEST(StoreRedis, AFrozenRedisHoldsATakeOneDeadline) {
   RedisServer redis(tmp("frozen"));
   StoreOptions o = on(redis);
@@ -611,11 +612,13 @@ TEST(StoreRedis, AFrozenRedisHoldsATakeOneDeadline) {
   // A put: B's worker writes it to the frozen Redis (a 1 s deadline)
   // while B's takes keep their own.
   b.put(q, prompt_capture(q));
-  std::this_thread::sleep_for(std::chrono::milliseconds(350));  // past redis_retry_ms: the next take asks Redis again
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // past redis_retry_ms twice: probes asked Redis, not the take
   const Timed t3 = timed_take(b, cat(p, seq(7, 3)));
   EXPECT_FALSE(t3.m);
-  EXPECT_GE(t3.ms, kLookupMs - 5);
-  EXPECT_LT(t3.ms, kLookupMs + kMarginMs);
+  EXPECT_LT(t3.ms, kLookupMs / 2);
+  st = b.stats();
+  EXPECT_EQ(st.redis_lookups_skipped, 2u);
+  EXPECT_GE(st.redis_probes, 1u);  // every 300 ms, each ending at its 100 ms deadline
   const auto f0 = Clock::now();
   b.flush();  // the write gives up at its deadline
   const double flush_ms = std::chrono::duration<double, std::milli>(Clock::now() - f0).count();
@@ -628,7 +631,8 @@ TEST(StoreRedis, AFrozenRedisHoldsATakeOneDeadline) {
       kLookupMs, t1.ms, t2.ms, t3.ms, flush_ms);
 
   redis.thaw();
-  std::this_thread::sleep_for(std::chrono::milliseconds(350));
+  std::this_thread::sleep_for(std::chrono::milliseconds(450));  // a probe (every 300 + 100 ms) finds it
+  EXPECT_TRUE(b.stats().redis_up);
   auto m = b.take({}, cat(p, seq(7, 3)));
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "redis");
@@ -663,8 +667,9 @@ TEST(StoreRedis, ATricklingReplyEndsAtTheDeadline) {
   EXPECT_FALSE(t1.m);
   EXPECT_GE(t1.ms, kLookupMs - 5);
   EXPECT_LT(t1.ms, kLookupMs + kMarginMs);
-  std::this_thread::sleep_for(std::chrono::milliseconds(250));
-  proxy.mode = TrickleProxy::kTrickleAfterGet;  // the lookup passes; the fetch's reply (~30 KB) trickles
+  EXPECT_LT(timed_take(b, cat(p, seq(7, 3))).ms, kLookupMs / 2);  // takes are off until a probe passes
+  proxy.mode = TrickleProxy::kTrickleAfterGet;                    // the lookup passes; the fetch's reply (~30 KB) trickles
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));    // the probe (200 ms after the failure; no GET) passes
   const Timed t2 = timed_take(b, cat(p, seq(7, 3)));
   EXPECT_FALSE(t2.m);
   EXPECT_GE(proxy.gets_seen, 1);  // the fetch was sent
@@ -674,8 +679,8 @@ TEST(StoreRedis, ATricklingReplyEndsAtTheDeadline) {
   std::printf("[ measured ] trickling Redis (1 byte / 20 ms), lookup deadline %d ms: take %.1f ms (lookup trickles), %.1f ms (fetch trickles)\n",
               kLookupMs, t1.ms, t2.ms);
 
-  std::this_thread::sleep_for(std::chrono::milliseconds(250));
   proxy.mode = TrickleProxy::kPass;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the next probe passes
   auto m = b.take({}, cat(p, seq(7, 3)));
   ASSERT_TRUE(m);
   EXPECT_STREQ(m->tier, "redis");
@@ -782,9 +787,9 @@ TEST(StoreRedis, HostNamesAndDeadHostsKeepTheBound) {
     EXPECT_FALSE(st.redis_up) << url;
     EXPECT_NE(st.redis_error.find(url.substr(8, url.rfind(':') - 8)), std::string::npos) << st.redis_error;
     std::this_thread::sleep_for(std::chrono::milliseconds(150));
-    const Timed t = timed_take(s, cat(p, seq(7, 3)));
+    const Timed t = timed_take(s, cat(p, seq(7, 3)));  // no network: the probes ask, on the tier's thread
     EXPECT_FALSE(t.m);
-    EXPECT_LT(t.ms, kLookupMs + kMarginMs) << url;
+    EXPECT_LT(t.ms, kLookupMs / 2) << url;
     std::printf("[ measured ] %s: store opened in %.1f ms (a 300 ms write deadline), take %.1f ms: %s\n", url.c_str(), open_ms, t.ms,
                 s.stats().redis_error.c_str());
   }

@@ -206,8 +206,13 @@ struct StoreStats {
   // unknown and leaves this empty).
   std::string redis_config_warning;
   uint64_t redis_lookups = 0;  // takes that asked Redis
-  uint64_t redis_errors = 0;   // exchanges that failed (down, past their deadline, error reply)
-  uint64_t redis_missing = 0;  // values an index named that were gone (evicted), or chunks a match lacked
+  // Takes answered "miss" without asking, after a take failed and until a
+  // probe (PING to every master within a take's deadline, on the tier's
+  // own thread, every redis_retry_ms) succeeds; and those probes.
+  uint64_t redis_lookups_skipped = 0, redis_probes = 0;
+  bool redis_lookups_paused = false;  // now: takes are answered without asking
+  uint64_t redis_errors = 0;          // exchanges that failed (down, past their deadline, error reply)
+  uint64_t redis_missing = 0;         // values an index named that were gone (evicted), or chunks a match lacked
   uint64_t redis_chunks_written = 0, redis_entries_written = 0, redis_entries_dropped = 0;  // dropped: contained in a newer prompt
   uint64_t redis_bytes_written = 0, redis_bytes_read = 0;
   uint64_t redis_redirects = 0;  // cluster MOVED/ASK replies followed

@@ -7,7 +7,12 @@
 // put four (the worker's thread).
 // Two connections: a take never waits behind the worker's writes, and each
 // has its deadline (a take's short, it holds the caller; the worker's
-// longer). Every key expires after redis_ttl_s, renewed by the hits and
+// longer). Once a take fails (down, past its deadline, a bad reply) the
+// takes after it answer "miss" without touching the network, and a third
+// connection on the tier's own thread asks every master for PING within a
+// take's deadline every redis_retry_ms until all answer: an outage costs
+// the caller (the server's loop) one deadline, not one per retry interval
+// (issue 28: 0.1 s every 2 s, more with a cluster's map refresh). Every key expires after redis_ttl_s, renewed by the hits and
 // puts that use it. A Redis that is down or slow, a missing or damaged
 // value: a miss or a shorter match, never an error (counted, logged once
 // per outage). With a secret (store/seal.h) every value — chunk, entry and
@@ -15,9 +20,12 @@
 // key; one that does not open is foreign: deleted (DEL, HDEL), counted
 // (foreign_dropped), never decoded.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include "core/util.h"
 #include "kvtc/error.h"
@@ -94,21 +102,38 @@ class RedisTier final : public Tier {
     take_ = std::make_unique<detail::Redis>(ro);  // Error on a malformed URL: refused at start
     ro.timeout_ms = o.redis_timeout_ms;
     put_ = std::make_unique<detail::Redis>(ro);
+    ro.timeout_ms = o.redis_lookup_timeout_ms;  // a probe passes only if a take would
+    ro.retry_ms = 0;                            // its own pace is probe_loop's
+    probe_ = std::make_unique<detail::Redis>(ro);
     where_ = take_->describe();
+    prober_ = std::thread([this] { probe_loop(); });
     if (o.redis_ttl_s > 0) ttl_ = std::to_string(o.redis_ttl_s);
     for (const BlockGeometry& b : ctx.codec->geometry().blocks) raw_per_token_ += 4ull * b.features();  // K and V, f16
     // The memory settings, on the worker's connection and deadline (a
     // start, not a take); then the take's connection is opened, so that the
     // first take does not pay for it. Neither is fatal: retried later.
     std::lock_guard<std::mutex> pg(put_mu_);
-    if (!check_config()) return;
+    if (!check_config()) {
+      take_failed();
+      return;
+    }
     std::lock_guard<std::mutex> tg(take_mu_);
     try {
       check(take_->run({{"PING"}}), "PING");
     } catch (const std::exception& x) {
       std::lock_guard<std::mutex> g(mu_);
       failed(x.what());
+      take_failed();
     }
+  }
+
+  ~RedisTier() override {
+    {
+      std::lock_guard<std::mutex> g(probe_mu_);
+      stop_ = true;
+    }
+    probe_cv_.notify_all();
+    prober_.join();  // at most one probe's deadline
   }
 
   const char* name() const override { return "redis"; }
@@ -118,6 +143,7 @@ class RedisTier final : public Tier {
   // hanging off each of them. Candidates: the leading run of stored chunks
   // (kept whole), and every index field at a level within that run.
   std::vector<Candidate> lookup(std::span<const int32_t> tokens, const std::string& root) override {
+    if (skip_take()) return {};
     std::lock_guard<std::mutex> rg(take_mu_);
     const auto t0 = Clock::now();
     const uint32_t C = ctx_.scheme->chunk_tokens();
@@ -167,6 +193,7 @@ class RedisTier final : public Tier {
       if (!foreign.empty()) finish(foreign, 0, 0, 0, 0, true, "", /*lookup=*/false, foreign.size());
     } catch (const std::exception& x) {
       account(t0, false, x.what());
+      take_failed();
       out.clear();
     }
     return out;
@@ -174,6 +201,7 @@ class RedisTier final : public Tier {
 
   // Round trip 2: the chunks the match needs, and the entry when its tail is.
   std::optional<Fetched> fetch(std::span<const int32_t> tokens, const std::string& root, const Candidate& c, uint32_t n) override {
+    if (skip_take()) return Fetched{};
     std::lock_guard<std::mutex> rg(take_mu_);
     const auto t0 = Clock::now();
     const uint32_t C = ctx_.scheme->chunk_tokens();
@@ -276,6 +304,7 @@ class RedisTier final : public Tier {
       return f;
     } catch (const std::exception& x) {  // down, late or failing: nothing restored, and no second lookup
       finish(drop, missing, corrupt, f.bytes, ms_since(t0), false, x.what(), true, foreign);
+      take_failed();
       return Fetched{};
     }
   }
@@ -415,6 +444,9 @@ class RedisTier final : public Tier {
     s.redis_where = where_;
     s.redis_config_warning = config_warning_;
     s.redis_lookups = lookups_;
+    s.redis_lookups_skipped = skipped_;
+    s.redis_probes = probes_;
+    s.redis_lookups_paused = take_down_.load();
     s.redis_errors = errors_;
     s.redis_missing = missing_;
     s.redis_chunks_written = chunks_written_;
@@ -531,6 +563,54 @@ class RedisTier final : public Tier {
     up_ = false;
     error_ = why;
   }
+  // Takes while Redis is known to fail: a miss at once, counted.
+  bool skip_take() {
+    if (!take_down_.load(std::memory_order_acquire)) return false;
+    std::lock_guard<std::mutex> g(mu_);
+    ++skipped_;
+    return true;
+  }
+  void take_failed() {
+    {
+      std::lock_guard<std::mutex> g(probe_mu_);
+      take_down_.store(true, std::memory_order_release);
+    }
+    probe_cv_.notify_one();
+  }
+  // The tier's own thread: while takes are off, every redis_retry_ms (at
+  // least 50 ms) a PING to every master within a take's deadline; takes
+  // resume when all answer in time (a trickling or frozen Redis keeps them
+  // off: its PING misses the deadline as a take would).
+  void probe_loop() {
+    const auto every = std::chrono::milliseconds(std::max(ctx_.opt.redis_retry_ms, 50));
+    std::unique_lock<std::mutex> lk(probe_mu_);
+    for (;;) {
+      probe_cv_.wait(lk, [&] { return stop_ || take_down_.load(); });
+      if (probe_cv_.wait_for(lk, every, [&] { return stop_; })) return;
+      lk.unlock();
+      bool ok = true;
+      std::string why;
+      try {
+        const auto r = probe_->run_each({"PING"});
+        for (const auto& [node, reply] : r)
+          if (!reply.ok() || reply.str != "PONG") {
+            ok = false;
+            why = node + ": " + (reply.str.empty() ? "no PONG" : reply.str);
+          }
+        ok = ok && !r.empty();
+      } catch (const std::exception& x) {
+        ok = false;
+        why = x.what();
+      }
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        ++probes_;
+        if (ok) fine();
+      }
+      lk.lock();
+      if (ok) take_down_.store(false, std::memory_order_release);
+    }
+  }
   void account(Clock::time_point t0, bool ok, const std::string& err) {  // a lookup's figures
     std::lock_guard<std::mutex> g(mu_);
     ++lookups_;
@@ -562,17 +642,22 @@ class RedisTier final : public Tier {
   }
 
   TierContext ctx_;
-  std::string ttl_;             // redis_ttl_s as an argument; empty: no TTL
-  uint64_t raw_per_token_ = 0;  // f16 K/V bytes of one token
-  std::unique_ptr<detail::Redis> take_, put_;
-  bool config_checked_ = false;  // under put_mu_
-  std::mutex take_mu_, put_mu_;  // one exchange at a time on each connection
-  mutable std::mutex mu_;        // the figures below
+  std::string ttl_;                                    // redis_ttl_s as an argument; empty: no TTL
+  uint64_t raw_per_token_ = 0;                         // f16 K/V bytes of one token
+  std::unique_ptr<detail::Redis> take_, put_, probe_;  // probe_: prober_'s only
+  bool config_checked_ = false;                        // under put_mu_
+  std::mutex take_mu_, put_mu_;                        // one exchange at a time on each connection
+  mutable std::mutex mu_;                              // the figures below
   bool up_ = false;
   std::string error_, where_, config_warning_;
-  uint64_t lookups_ = 0, errors_ = 0, missing_ = 0, corrupt_ = 0, foreign_ = 0;
+  uint64_t lookups_ = 0, errors_ = 0, missing_ = 0, corrupt_ = 0, foreign_ = 0, skipped_ = 0, probes_ = 0;
   uint64_t chunks_written_ = 0, entries_written_ = 0, entries_dropped_ = 0, bytes_written_ = 0, bytes_read_ = 0;
   double lookup_ms_ = 0, write_ms_ = 0;
+  std::atomic<bool> take_down_{false};  // set by a failed take, cleared by a probe (both under probe_mu_)
+  std::mutex probe_mu_;
+  std::condition_variable probe_cv_;
+  bool stop_ = false;   // under probe_mu_
+  std::thread prober_;  // last: started once everything above exists
 };
 
 }  // namespace

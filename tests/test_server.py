@@ -14,6 +14,7 @@ import os
 import resource
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import threading
@@ -74,6 +75,24 @@ def drift(got, ref):
         agree += 1
     d = [abs(g[i][2][r[i][0]] - r[i][1]) if r[i][0] in g[i][2] else float("inf") for i in range(min(agree + 1, len(g), len(r)))]
     return agree, sum(d) / len(d), d
+
+
+def write_control_vector(path, n_embd, layers, value):
+    """A control vector file as llama.cpp reads one (common.cpp,
+    common_control_vector_load_one): GGUF version 3, no metadata, one F32
+    tensor "direction.<layer>" of n_embd values per layer, data aligned to
+    32 bytes (GGUF's default)."""
+    def s(x):
+        b = x.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    layers = list(layers)
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(layers), 0)
+    for i, layer in enumerate(layers):
+        head += s(f"direction.{layer}") + struct.pack("<IQIQ", 1, n_embd, 0, i * 4 * n_embd)  # 1 dim, F32, offset
+    head += b"\0" * (-len(head) % 32)
+    with open(path, "wb") as f:
+        f.write(head + struct.pack(f"<{n_embd * len(layers)}f", *([value] * (n_embd * len(layers)))))
 
 
 class KvtcServer(unittest.TestCase):
@@ -289,6 +308,22 @@ class KvtcServer(unittest.TestCase):
         s = self.start("override", self.kvtc("--override-kv", "llama.rope.freq_base=float:20000"), ok=False)
         self.assertNotEqual(s.wait_exit(), 0)
         self.assertRegex(s.log(), r"kvtc: .*--override-kv is not supported")
+
+    def test_control_vectors_are_refused(self):
+        # A control vector adds a direction to every layer's hidden state:
+        # every key and value changes while the model file (what the keys
+        # name) does not. A valid one (SmolLM2: 576 wide, layers 1-29), as
+        # llama.cpp's loader reads it: llama-server starts with it alone;
+        # with --kvtc-calib kvtc refuses it at start.
+        cv = os.path.join(self.tmp, "direction.gguf")
+        write_control_vector(cv, n_embd=576, layers=range(1, 30), value=0.01)
+        plain = self.start("cv-plain", ["--control-vector", cv, "--parallel", "1"])
+        self.assertTrue(plain.chat([{"role": "user", "content": "Say hello."}], max_tokens=4)[0].strip())
+        self.assertNotRegex(plain.log(), r"(?i)control vector")  # llama.cpp logs only a file it cannot use (and serves on)
+        self.assertEqual(plain.stop(), 0)
+        s = self.start("cv", self.kvtc("--control-vector", cv), ok=False)
+        self.assertNotEqual(s.wait_exit(), 0)
+        self.assertRegex(s.log(), r"kvtc: .*control vectors are not supported")
 
     def test_a_shifted_cache_is_not_saved(self):
         # A context shift moves the slot's cells past n_keep to other

@@ -167,9 +167,10 @@ class Redis:
     bootstrap), without persistence, in `workdir`; `extra` are its flags
     (e.g. ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"])."""
 
-    def __init__(self, workdir, extra=(), port=None):
+    def __init__(self, workdir, extra=(), port=None, password=None):
         self.port = port or free_port()
         self.dir = workdir
+        self.password = password  # with --requirepass in extra: redis-cli authenticates
         self.extra = list(extra)
         os.makedirs(workdir, exist_ok=True)
         self.proc = None
@@ -196,8 +197,9 @@ class Redis:
 
     def cli(self, *args, check=True):
         """redis-cli's output for one command (raw mode)."""
-        r = subprocess.run(["redis-cli", "-p", str(self.port), "--raw", *map(str, args)], capture_output=True, text=True, errors="replace",
-                           timeout=30)
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        r = subprocess.run(["redis-cli", "-p", str(self.port), *auth, "--raw", *map(str, args)], capture_output=True, text=True,
+                           errors="replace", timeout=30)
         if check and r.returncode != 0:
             raise RuntimeError(f"redis-cli {args}: {r.stderr}")
         return r.stdout

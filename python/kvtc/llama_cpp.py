@@ -181,7 +181,13 @@ class KvtcCache(BaseLlamaCache):
     ratio: kvtc's nominal compression of the coded tokens (16: ~12-15x on the
       whole cache, docs/method.md). raw=True: store f16, uncompressed.
     disk_dir, disk_capacity_bytes: a disk tier (0: no limit); redis_url: a
-      shared tier (redis://host:port/db).
+      shared tier (redis://[[user]:password@]host:port/db), or redis_cluster:
+      a Redis Cluster's host:port seeds; redis_user, redis_password_file:
+      AUTH (the file's first line), on every node; redis_ttl_s: every key
+      expires this long after the last hit or put that used it (0: never);
+      redis_lookup_timeout_ms: the most a lookup waits on Redis (then a
+      miss: the prompt is recomputed); redis_timeout_ms: a write's
+      deadline, on the store's worker thread. docs/store.md "Redis".
     secret_file: a file of at least 32 bytes (openssl rand 32 > F; chmod
       600) shared by every process of the store: every value on disk and in
       Redis is authenticated and bound to its key, one written without the
@@ -204,6 +210,12 @@ class KvtcCache(BaseLlamaCache):
         disk_dir: Optional[Union[str, os.PathLike]] = None,
         disk_capacity_bytes: int = 0,
         redis_url: Optional[str] = None,
+        redis_cluster: Sequence[str] = (),
+        redis_user: str = "",
+        redis_password_file: Optional[Union[str, os.PathLike]] = None,
+        redis_ttl_s: int = 86400,
+        redis_lookup_timeout_ms: int = 100,
+        redis_timeout_ms: int = 2000,
         secret_file: Optional[Union[str, os.PathLike]] = None,
         encrypt: bool = False,
         sink: int = 4,
@@ -242,6 +254,12 @@ class KvtcCache(BaseLlamaCache):
             async_puts=async_puts,
             threads=threads,
             redis_url=redis_url or "",
+            redis_cluster=list(redis_cluster),
+            redis_user=redis_user,
+            redis_password_file=os.fspath(redis_password_file) if redis_password_file is not None else "",
+            redis_ttl_s=redis_ttl_s,
+            redis_lookup_timeout_ms=redis_lookup_timeout_ms,
+            redis_timeout_ms=redis_timeout_ms,
             secret_file=os.fspath(secret_file) if secret_file is not None else "",
             encrypt=encrypt,
         )

@@ -552,7 +552,8 @@ class PyStore {
   PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
           const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
           const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings, const std::string& secret_file,
-          bool encrypt)
+          bool encrypt, const std::vector<std::string>& redis_cluster, const std::string& redis_user, const std::string& redis_password_file,
+          int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms)
       : cal_(cal), log_(std::make_shared<Log>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
     kvtc::StoreOptions o;
@@ -589,11 +590,23 @@ class PyStore {
     o.threads = threads;
     o.restore_threads = restore_threads;
     o.redis_url = redis_url;
+    o.redis_cluster = redis_cluster;
+    if (!redis_url.empty() && !redis_cluster.empty()) throw Error("redis_url and redis_cluster: give one (a server or a cluster's seeds)");
+    std::string warning;
+    if (!redis_password_file.empty()) o.redis_password = kvtc::read_password_file(redis_password_file, &warning);
+    o.redis_user = redis_user;
+    if ((!o.redis_password.empty() || !redis_user.empty()) && redis_url.empty() && redis_cluster.empty())
+      throw Error("redis_password_file and redis_user need redis_url or redis_cluster");
+    if (!redis_user.empty() && o.redis_password.empty()) throw Error("redis_user needs redis_password_file (AUTH user password)");
+    o.redis_ttl_s = redis_ttl_s;
+    o.redis_lookup_timeout_ms = redis_lookup_timeout_ms;
+    o.redis_timeout_ms = redis_timeout_ms;
     o.precision = kvtc::parse_precision(precision);
     // The secret file's bytes (docs/store.md "Secrets"): Error naming the
     // file when it is missing, empty or shorter than 32 bytes.
-    std::string warning;
-    if (!secret_file.empty()) o.secret = kvtc::read_store_secret(secret_file, &warning);
+    if (!warning.empty()) warning = "redis_password_file " + warning;
+    std::string secret_warning;
+    if (!secret_file.empty()) o.secret = kvtc::read_store_secret(secret_file, &secret_warning);
     o.encrypt = encrypt;
     // The store's threads log without the GIL: lines wait here for Python
     // (messages()); at most 1,000, the oldest dropped.
@@ -603,7 +616,8 @@ class PyStore {
       log->lines.push_back(line);
       if (log->lines.size() > 1000) log->lines.pop_front();
     };
-    if (!warning.empty()) o.log("kvtc store: secret_file " + warning);
+    if (!warning.empty()) o.log("kvtc store: " + warning);
+    if (!secret_warning.empty()) o.log("kvtc store: secret_file " + secret_warning);
     nb::gil_scoped_release unlocked;
     store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), geom, o);
     // The store keeps only the keys derived from it.
@@ -838,11 +852,13 @@ NB_MODULE(_kvtc, m) {
                       "Compressed prompt caches in RAM, on disk and in Redis, keyed by token chunks (docs/store.md): what\n"
                       "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
       .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
-                    const std::string&, const std::string&, bool, const std::string&, nb::handle, const std::string&, bool>(),
+                    const std::string&, const std::string&, bool, const std::string&, nb::handle, const std::string&, bool,
+                    const std::vector<std::string>&, const std::string&, const std::string&, int64_t, int, int>(),
            "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
            "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
            "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = false, "model_sha256"_a = "", "kv_settings"_a = nb::none(),
-           "secret_file"_a = "", "encrypt"_a = false,
+           "secret_file"_a = "", "encrypt"_a = false, "redis_cluster"_a = std::vector<std::string>{}, "redis_user"_a = "",
+           "redis_password_file"_a = "", "redis_ttl_s"_a = int64_t(86400), "redis_lookup_timeout_ms"_a = 100, "redis_timeout_ms"_a = 2000,
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
            "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded=True: pieces in the entropy-coded mode\n"
            "(container version 2) instead of the DP allocation with DEFLATE. model_sha256: the SHA-256 of the model file the\n"
@@ -851,7 +867,12 @@ NB_MODULE(_kvtc, m) {
            "'yarn_attn_factor', 'yarn_beta_fast', 'yarn_beta_slow'}), part of the store's keys; None: unset.\n"
            "secret_file: a file of at least 32 bytes shared by every process of the store (openssl rand 32 > F): every value on\n"
            "disk and in Redis is authenticated and bound to its key, and one written without it is dropped, never served;\n"
-           "encrypt=True (needs secret_file): encrypted at rest too (AES-256-GCM). docs/store.md \"Secrets\".")
+           "encrypt=True (needs secret_file): encrypted at rest too (AES-256-GCM). docs/store.md \"Secrets\".\n"
+           "redis_cluster: host:port seeds of a Redis Cluster instead of redis_url. redis_user, redis_password_file: AUTH on\n"
+           "every connection (the file's first line; for every node of a cluster). redis_ttl_s: every Redis key expires this\n"
+           "long after the last hit or put that used it (0: never). redis_lookup_timeout_ms: a take's deadline for each Redis\n"
+           "round trip, name resolution and connecting included (then a miss, and takes skip Redis until a background PING\n"
+           "answers in time); redis_timeout_ms: the worker's, for a put's writes. docs/store.md \"Redis\".")
       .def("wants", &PyStore::wants, "tokens"_a, nb::kw_only(), "tenant"_a = nb::none(), "Whether storing `tokens` for `tenant` would add anything.")
       .def("put_state", &PyStore::put_state, "tokens"_a, "state"_a, nb::kw_only(), "tenant"_a = nb::none(),
            "Stores the cache of `tokens` (positions 0..n-1) from a llama.cpp sequence or context state; returns at once.\n"

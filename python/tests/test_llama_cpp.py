@@ -290,25 +290,38 @@ def test_other_rope_settings_never_share_states(smol_calibration, work):
 
 def test_two_processes_share_a_redis_tier(smol_calibration, work):
     """Turn 1 in one Llama, turn 2 in another (as two servers behind a load
-    balancer): the second restores turn 1 from a real redis-server. With Redis
-    stopped, a third still answers (it recomputes), and says Redis is down."""
-    r = Redis(str(work / "redis"))
+    balancer): the second restores turn 1 from a real redis-server that asks
+    for a password (AUTH user password, the password from a file), every key
+    with the TTL asked for. With Redis stopped, a third still answers (it
+    recomputes), and says Redis is down."""
+    pw = "kvtc-test-password-0123456789"
+    r = Redis(str(work / "redis"), extra=["--requirepass", pw], password=pw)
+    pw_file = work / "redis-password"
+    pw_file.write_text(pw + "\n")
+    auth = dict(redis_user="default", redis_password_file=pw_file)
     try:
         p1 = first_turn()
         llm_a = make_llm()
-        with KvtcCache(smol_calibration, llm_a, redis_url=r.url) as a:
+        with pytest.raises(kvtc.Error, match="redis_user needs redis_password_file"):
+            KvtcCache(smol_calibration, llm_a, redis_url=r.url, redis_user="default")
+        with KvtcCache(smol_calibration, llm_a, redis_url=r.url) as no_pw:  # refused by Redis: served, never stored there
+            assert no_pw.stats()["redis_up"] == 0 and "NOAUTH" in no_pw.stats()["redis_error"], no_pw.stats()
+        with KvtcCache(smol_calibration, llm_a, redis_url=r.url, redis_ttl_s=600, **auth) as a:
             llm_a.set_cache(a)
             a1 = ask(llm_a, p1, n=4)
             a.flush()
             assert a.stats()["redis_up"] == 1
-        assert int(r.cli("DBSIZE")) >= 1
+        keys = r.cli("KEYS", "kvtc:*").split()
+        assert keys
+        ttls = [int(r.cli("TTL", k)) for k in keys]
+        assert all(0 < t <= 600 for t in ttls), ttls
         p2 = p1 + a1 + "\nQuestion: To whom?\nAnswer:"
         # The reference: A continues on its own cache (kept, as above).
         llm_a.set_cache(None)
         ref = []
         ask(llm_a, p2, n=4, logits=ref)
         llm_b = make_llm()
-        with KvtcCache(smol_calibration, llm_b, redis_url=r.url) as b:  # RAM empty, no disk
+        with KvtcCache(smol_calibration, llm_b, redis_url=r.url, **auth) as b:  # RAM empty, no disk
             llm_b.set_cache(b)
             got = []
             ask(llm_b, p2, n=4, logits=got)
@@ -323,7 +336,7 @@ def test_two_processes_share_a_redis_tier(smol_calibration, work):
         assert sum(kls) / len(kls) < 0.05, (kls, agree)
         r.stop()
         llm_c = make_llm()
-        with KvtcCache(smol_calibration, llm_c, redis_url=r.url) as c:
+        with KvtcCache(smol_calibration, llm_c, redis_url=r.url, **auth) as c:
             llm_c.set_cache(c)
             assert ask(llm_c, p2, n=4) == ask(make_llm(), p2, n=4)  # recomputed: the uncached answer
             s = c.stats()

@@ -30,6 +30,7 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -38,7 +39,7 @@ import requests
 top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(top, "scripts"))
 sys.path.insert(0, os.path.join(top, "tests"))
-from serverlib import Redis, Server, TrickleProxy  # noqa: E402
+from serverlib import Redis, RedisCluster, Server, TrickleProxy  # noqa: E402
 
 LOGPROBS = {"logprobs": True, "top_logprobs": 10}
 MAX_DRIFT = 0.32
@@ -395,6 +396,52 @@ class Bench:
             rows.append(row)
         return rows
 
+    def cluster_rows(self):
+        # A Redis Cluster resharding under traffic: most of node 0's slots to node 1,
+        # then as many of node 1's back (redis-cli --cluster reshard, 2 x 4000 slots), while
+        # B resumes conversations A stored before and during the moves, and
+        # A stores new ones: MOVED and ASK replies on both replicas' reads
+        # and writes. Every turn 2 should restore from Redis (B never held
+        # the conversation): a miss counts as a lost entry.
+        row = Row("redis-cluster-reshard", "Redis Cluster (3 masters) resharding under traffic: 2 x 4000 slots moved by "
+                  "redis-cli --cluster reshard while replica B resumes conversations replica A stored and A stores new ones")
+        cl = RedisCluster(os.path.join(self.work, "cluster"))
+        try:
+            a = self.server(row, ["--kvtc-redis-cluster", cl.seeds], name="a")
+            b = self.server(row, ["--kvtc-redis-cluster", cl.seeds], name="b")
+
+            def stored(doc):
+                m2, n1 = self.turn1(row, a, doc)
+                self.evict(row, a)  # A's slot gives the conversation up: saved, and written through
+                a.wait_saved()
+                return m2, n1
+
+            convs = [stored(d) for d in self.docs[:4]]
+            ids = [n.cli("CLUSTER", "MYID").strip() for n in cl.nodes[:2]]
+            during = 0
+            with open(os.path.join(self.work, "reshard.log"), "w") as log:
+                for move, doc in enumerate(self.docs[4:6]):  # most of node 0's slots to node 1, then as many of node 1's to node 0 (a master left with none turns replica)
+                    p = subprocess.Popen(["redis-cli", "--cluster", "reshard", cl.nodes[0].hostport, "--cluster-from", ids[move], "--cluster-to",
+                                          ids[1 - move], "--cluster-slots", "4000", "--cluster-yes"], stdout=log, stderr=log)
+                    while convs and p.poll() is None:
+                        self.turn2(row, b, *convs.pop(0))
+                        during += 1
+                    if p.wait() != 0:
+                        raise RuntimeError("redis-cli --cluster reshard failed; see " + log.name)
+                    convs.append(stored(doc))  # written through a map the move made stale
+            n = during + len(convs)
+            for c in convs:  # the rest, after the moves
+                self.turn2(row, b, *c)
+            m = [x.metrics() for x in (a, b)]
+            row.notes.append("loop max: " + ", ".join(f"{k.split(':')[1].replace('_seconds_max', '')} {max(x.get(k, 0) for x in m):.3f} s" for k in (
+                "kvtc:loop_lookup_seconds_max", "kvtc:loop_restore_seconds_max", "kvtc:loop_save_seconds_max")))
+            row.notes.append(f"{during} of {n} turn 2s while slots moved; redirects followed {sum(x.get('kvtc:redis_redirects_total', 0) for x in m):.0f}, "
+                             f"Redis errors {sum(x.get('kvtc:redis_errors_total', 0) for x in m):.0f}")
+        finally:
+            self.finish(row)  # also when a step failed: no server outlives its row
+            cl.stop()
+        return [row]
+
     def stream_with_prompts(self, row, s, phase):
         """The largest gap between a stream's tokens while the other slot takes new prompts; failures counted."""
         arrivals, errors, statuses = s.stream_while_prompting(phase)
@@ -410,12 +457,12 @@ def main():
     ap.add_argument("--corpus", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out-json", required=True)
-    ap.add_argument("--only", choices=["disk", "redis"], help="only the disk (and process) rows, or only the Redis rows")
+    ap.add_argument("--only", choices=["disk", "redis", "cluster"], help="only the disk (and process) rows, the Redis rows or the cluster's")
     a = ap.parse_args()
     b = Bench(a)
     rows = []
     t0 = time.time()
-    for part in [p for p in ("disk", "redis") if a.only in (None, p)]:
+    for part in [p for p in ("disk", "redis", "cluster") if a.only in (None, p)]:
         for row in getattr(b, part + "_rows")():
             rows.append(row)
             j = row.json()

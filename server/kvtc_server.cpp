@@ -12,8 +12,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -42,6 +44,10 @@ struct LoopTimes {
   // the fetch's bytes + decoding now, docs/server.md "Time").
   uint64_t lookups = 0;
   double lookup_ms = 0, lookup_max_ms = 0;
+  // Prefetches (HTTP threads, kvtc_server_prefetch): lookups and decoding
+  // a request waits for before its task is queued, off the loop.
+  uint64_t prefetches = 0, prefetch_hits = 0, prefetch_used = 0, prefetch_dropped = 0;
+  double prefetch_ms = 0, prefetch_max_ms = 0;
 };
 
 // The attached store, for /metrics (HTTP threads) as well as the loop.
@@ -104,12 +110,48 @@ struct kvtc_prompt_cache::impl {
   std::map<int32_t, Shift> shifted;  // loop thread only
   std::unique_ptr<kvtc::PromptStore> store;
   kvtc::CacheGeometry geom;  // the model's, as the store keys it
-  kvtc::StateLayout layout;  // of the server's context (seq_id set per restore)
+  kvtc::StateLayout layout;  // of the server's context (seq_id set per restore); written under pf_mu after start
   kvtc::StoreOptions opt;
   std::string calib_path;
   mutable std::mutex mu;  // guards times
   LoopTimes times;
+  // Prefetched restores waiting for their task's load(), newest last; and
+  // what each idle slot holds (its tenant, its tokens), for the prefetch to
+  // compare with. Both under pf_mu (HTTP threads and the loop).
+  struct Prefetched {
+    std::string tenant;
+    llama_tokens tokens;  // the request's prompt
+    uint32_t held = 0;    // the prefix an idle slot held when the store was asked (a match had to beat it)
+    // The state for llama_state_seq_set_data, built for sequence 0: at the
+    // pinned llama.cpp the host path reads the blob's sequence ids and
+    // discards them (llama_context::state_seq_set_data, then
+    // llama_kv_cache::state_read_meta: "directly discard it - we will use
+    // dest_seq_id instead"), so it loads into whichever slot runs the task.
+    std::optional<kvtc::PromptStore::StateMatch> m;
+    uint64_t bytes = 0;
+    Clock::time_point at;
+  };
+  std::mutex pf_mu;
+  std::deque<Prefetched> prefetched;
+  uint64_t prefetched_bytes = 0;
+  std::map<int32_t, std::pair<std::string, llama_tokens>> idle;
 };
+
+namespace {
+// Prefetched restores kept at most (a task is queued right after its
+// prefetch, so one waits only while the slots are busy): 8, 1 GiB of
+// decoded state (f16; a 4K-token SmolLM2 prompt is 90 MiB), 60 s each.
+constexpr size_t kPrefetchMax = 8;
+constexpr uint64_t kPrefetchBytes = 1ull << 30;
+constexpr double kPrefetchTtlMs = 60000;
+
+size_t common_prefix(const llama_tokens& a, const llama_tokens& b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+}  // namespace
 
 kvtc_server_params& kvtc_server_config() {
   static kvtc_server_params p;
@@ -148,11 +190,17 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-ecsq              entropy-coded pieces (one step rate-controlled to --kvtc-ratio, rANS; docs/format.md version 2)\n"
           "                         instead of the DP allocation with DEFLATE\n"
           "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n"
+          "--kvtc-no-prefetch       restore on the server loop, as before restores moved to the request's thread (a baseline for\n"
+          "                         benchmarks: every slot pauses while one restores)\n"
           "--kvtc-tenant-from-api-key  every request is its API key's tenant (with --api-key/--api-key-file): prompts are never\n"
           "                         shared between keys; a request's cache_salt then separates tenants within a key\n\n");
     }
     if (a.rfind("--kvtc-", 0) != 0) {
       argv[out++] = argv[i];
+      continue;
+    }
+    if (a == "--kvtc-no-prefetch") {
+      p.prefetch = false;
       continue;
     }
     if (a == "--kvtc-raw" || a == "--kvtc-ecsq" || a == "--kvtc-encrypt" || a == "--kvtc-tenant-from-api-key") {  // the flags without a value
@@ -231,7 +279,7 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         err = a +
               ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
               "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-redis-user, --kvtc-redis-password-file, --kvtc-secret-file, "
-              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-tenant-from-api-key)";
+              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-no-prefetch, --kvtc-tenant-from-api-key)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -331,6 +379,10 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
 }
 
 void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* ctx, int32_t id_slot) {
+  {
+    std::lock_guard<std::mutex> g(p->pf_mu);
+    p->idle[id_slot] = {slot_tenant(id_slot), prompt.tokens.get_text_tokens()};
+  }
   if (p->opt.redis_url.empty() && p->opt.redis_cluster.empty()) return;
   (void)save(prompt, ctx, id_slot);
 }
@@ -348,13 +400,59 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
       p.times.lookup_max_ms = std::max(p.times.lookup_max_ms, ms);
     }
   } held{*p, t0};
+  const llama_tokens want = tokens_new.get_text_tokens();
+  const std::string& tenant = slot_tenant(id_slot);
+  // This request's prefetch, if it ran: the store was asked already, off the loop.
+  std::optional<impl::Prefetched> pf;
+  {
+    std::lock_guard<std::mutex> g(p->pf_mu);
+    p->idle.erase(id_slot);  // busy until released
+    for (auto it = p->prefetched.rbegin(); it != p->prefetched.rend(); ++it)
+      if (it->tenant == tenant && it->tokens == want) {
+        pf = std::move(*it);
+        p->prefetched_bytes -= it->bytes;
+        p->prefetched.erase(std::next(it).base());
+        break;
+      }
+  }
+  if (pf) {
+    const size_t have = common_prefix(prompt.tokens.get_text_tokens(), want);
+    if (pf->m && pf->m->common_prefix > have) {
+      try {
+        const std::vector<uint8_t>& state = pf->m->state;
+        const size_t n = llama_state_seq_set_data_ext(ctx, state.data(), state.size(), id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
+        if (n != state.size()) throw kvtc::Error("llama.cpp refused the restored state (" + std::to_string(state.size()) + " bytes)");
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> g(p->mu);
+        ++p->times.restore_failures;
+        SRV_WRN("kvtc: restore failed, recomputing the prompt: %s\n", e.what());
+        return false;
+      }
+      prompt.tokens = server_tokens(pf->m->tokens, false);
+      prompt.checkpoints.clear();
+      const double ms = ms_since(t0);
+      {
+        std::lock_guard<std::mutex> g(p->mu);
+        ++p->times.restores;
+        ++p->times.prefetch_used;
+        p->times.restore_ms += ms;
+        p->times.restore_max_ms = std::max(p->times.restore_max_ms, ms);
+      }
+      SRV_INF("kvtc: restored %u tokens (common prefix, %s tier) prefetched off the loop; the loop held %.2f ms\n", pf->m->common_prefix,
+              pf->m->tier, ms);
+      return true;
+    }
+    // The slot holds at least what the prefetch compared with: nothing
+    // stored is better (it asked the store); else ask again, on the loop.
+    if (have >= pf->held) return true;
+  }
   std::optional<kvtc::PromptStore::StateMatch> m;
   try {
     kvtc::StateLayout to = p->layout;
     to.seq_id = id_slot;
     // The slot is the new task's tenant's by now (kvtc_server_switch_tenant
     // emptied it if it was another's): its prompt is that tenant's too.
-    m = p->store->take_state(prompt.tokens.get_text_tokens(), tokens_new.get_text_tokens(), to, slot_tenant(id_slot));
+    m = p->store->take_state(prompt.tokens.get_text_tokens(), want, to, tenant);
     if (!m) return true;  // nothing better than what the slot holds
     const size_t n = llama_state_seq_set_data_ext(ctx, m->state.data(), m->state.size(), id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
     if (n != m->state.size()) throw kvtc::Error("llama.cpp refused the restored state (" + std::to_string(m->state.size()) + " bytes)");
@@ -405,7 +503,14 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
       const std::shared_ptr<kvtc_prompt_cache::impl>& I = cache->kvtc->p;
       const kvtc::KvSettings now = kvtc::context_kv_settings(ctx);
       if (!(now == I->opt.kv_settings)) throw kvtc::Error("the context's settings changed across sleep: " + now.text());
-      I->layout = kvtc::context_state_layout(ctx, I->geom, 0);
+      const kvtc::StateLayout layout = kvtc::context_state_layout(ctx, I->geom, 0);
+      {
+        std::lock_guard<std::mutex> g(I->pf_mu);  // prefetches read it
+        I->layout = layout;
+        I->prefetched.clear();  // built for the context before sleeping
+        I->prefetched_bytes = 0;
+        I->idle.clear();
+      }
       I->shifted.clear();  // the slots start empty
       SRV_INF("kvtc: awake with the store kept (%llu prompts in RAM)\n", (unsigned long long)I->store->stats().entries);
     } catch (const std::exception& e) {
@@ -524,6 +629,66 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
   }
 }
 
+void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant, bool cache_prompt) {
+  if (!cache_prompt || !kvtc_server_config().prefetch) return;
+  std::shared_ptr<kvtc_prompt_cache::impl> I;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    I = g_live.lock();
+  }
+  if (!I) return;
+  const auto t0 = Clock::now();
+  try {
+    kvtc_prompt_cache::impl::Prefetched e;
+    e.tenant = tenant;
+    e.tokens = tokens.get_text_tokens();
+    if (e.tokens.empty()) return;
+    llama_tokens best;  // the idle slot of this tenant that shares the most with the prompt: where it will likely run
+    {
+      std::lock_guard<std::mutex> g(I->pf_mu);
+      for (const auto& [id, held] : I->idle)
+        if (held.first == tenant && common_prefix(held.second, e.tokens) > e.held) {
+          e.held = uint32_t(common_prefix(held.second, e.tokens));
+          best = held.second;
+        }
+    }
+    kvtc::StateLayout to;
+    {
+      std::lock_guard<std::mutex> g(I->pf_mu);
+      to = I->layout;
+    }
+    to.seq_id = 0;  // any slot's (Prefetched::m)
+    e.m = I->store->take_state(best, e.tokens, to, tenant);
+    if (e.m) e.bytes = e.m->state.size();
+    e.at = Clock::now();
+    const double ms = ms_since(t0);
+    std::lock_guard<std::mutex> g(I->pf_mu);
+    // The oldest go first past the bounds (their tasks load on the loop).
+    uint64_t dropped = 0;
+    while (!I->prefetched.empty() && (I->prefetched.size() >= kPrefetchMax || I->prefetched_bytes + e.bytes > kPrefetchBytes ||
+                                      ms_since(I->prefetched.front().at) > kPrefetchTtlMs)) {
+      I->prefetched_bytes -= I->prefetched.front().bytes;
+      I->prefetched.pop_front();
+      ++dropped;
+    }
+    const bool hit = e.m.has_value();
+    if (e.bytes <= kPrefetchBytes) {
+      I->prefetched_bytes += e.bytes;
+      I->prefetched.push_back(std::move(e));
+    } else {
+      ++dropped;
+    }
+    std::lock_guard<std::mutex> tg(I->mu);
+    ++I->times.prefetches;
+    I->times.prefetch_hits += hit;
+    I->times.prefetch_dropped += dropped;
+    I->times.prefetch_ms += ms;
+    I->times.prefetch_max_ms = std::max(I->times.prefetch_max_ms, ms);
+  } catch (const std::exception& x) {
+    SRV_WRN("kvtc: prefetch failed (the slot will look on the loop): %s\n", x.what());
+  }
+}
+
 std::string kvtc_server_metrics() {
   std::shared_ptr<kvtc_prompt_cache::impl> I;
   std::string disabled;
@@ -617,12 +782,20 @@ std::string kvtc_server_metrics() {
   item("compress_seconds_total", "counter", "Worker time compressing saves", s.save_ms / 1e3);
   item("loop_save_seconds_total", "counter", "Time saves held the server loop (state copy)", t.save_ms / 1e3);
   item("loop_save_seconds_max", "gauge", "Longest a save held the server loop", t.save_max_ms / 1e3);
-  item("loop_restore_seconds_total", "counter", "Time restores held the server loop (decode + state load)", t.restore_ms / 1e3);
+  item("loop_restore_seconds_total", "counter", "Time restores held the server loop (decode unless prefetched, state load)", t.restore_ms / 1e3);
   item("loop_restore_seconds_max", "gauge", "Longest a restore held the server loop", t.restore_max_ms / 1e3);
   item("loop_lookup_seconds_total", "counter", "Time every lookup held the server loop, hits and misses (store, Redis, decode, state load)",
        t.lookup_ms / 1e3);
   item("loop_lookup_seconds_max", "gauge", "Longest a lookup held the server loop, hit or miss", t.lookup_max_ms / 1e3);
   item("loop_lookups_total", "counter", "Lookups (a slot taking a new prompt)", double(t.lookups));
+  item("prefetches_total", "counter", "Requests whose stored prompt was looked up and decoded on their HTTP thread, off the loop",
+       double(t.prefetches));
+  item("prefetch_hits_total", "counter", "Prefetches that found a stored prompt better than an idle slot's", double(t.prefetch_hits));
+  item("prefetch_used_total", "counter", "Restores whose decoding was prefetched: the loop only wrote the state", double(t.prefetch_used));
+  item("prefetch_dropped_total", "counter", "Prefetched restores dropped unused (bounds: 8, 1 GiB, 60 s)", double(t.prefetch_dropped));
+  item("restore_wait_seconds_total", "counter", "Time requests waited for their prefetch (lookup, Redis, decoding), off the loop",
+       t.prefetch_ms / 1e3);
+  item("restore_wait_seconds_max", "gauge", "Longest a request waited for its prefetch", t.prefetch_max_ms / 1e3);
   item("loop_saves_total", "counter", "Saves that held the loop", double(t.saves));
   item("loop_restores_total", "counter", "Restores into a slot", double(t.restores));
   item("shifted_not_saved_total", "counter", "Saves refused because a context shift had moved the slot's cells", double(t.shifted_not_saved));

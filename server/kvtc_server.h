@@ -5,7 +5,7 @@
 // functions; this file is compiled into llama.cpp's server-context target.
 //
 // Threading: llama-server calls save/load/update from its main loop (one
-// thread); kvtc_server_metrics() from HTTP threads. The store compresses on
+// thread); kvtc_server_metrics() and kvtc_server_prefetch() from HTTP threads. The store compresses on
 // its own worker thread.
 #pragma once
 
@@ -46,6 +46,7 @@ struct kvtc_server_params {
   std::string redis_password;         // its first line
   std::vector<std::string> warnings;  // about the files above (readable by others): logged at attach
   bool tenant_from_api_key = false;   // --kvtc-tenant-from-api-key: every request is its API key's tenant (docs/server.md "Tenants")
+  bool prefetch = true;               // false: --kvtc-no-prefetch, restores decode on the loop (a benchmark's baseline)
 };
 
 // The flags of this process (set by kvtc_server_take_args).
@@ -104,6 +105,17 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
 
 // Prometheus lines (kvtc:*) of the attached store, "" when none; any thread.
 std::string kvtc_server_metrics();
+
+// Restores off the loop (docs/server.md "Time"): called by a completion
+// request's HTTP thread once its prompt is tokenized, before the task is
+// queued. Asks the store for `tokens` of `tenant` as a slot would — against
+// the idle slot of that tenant that shares the longest prefix with them, so
+// a conversation still held by its slot costs nothing — and decodes the
+// match here, on this thread, while the loop serves the other slots. The
+// task's load() (the loop) then only writes the decoded state into its slot.
+// No-op when kvtc is not attached or `cache_prompt` is false. Never throws:
+// a failure leaves the load to the loop, as without a prefetch.
+void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant, bool cache_prompt);
 
 // Tenants (docs/server.md "Tenants"): a tenant's prompts are stored on a key
 // chain of their own (docs/store.md "Tenants"), and no slot reuses one

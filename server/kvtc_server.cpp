@@ -130,6 +130,9 @@ struct kvtc_prompt_cache::impl {
     std::optional<kvtc::PromptStore::StateMatch> m;
     uint64_t bytes = 0;
     Clock::time_point at;
+    // cache_prompt false: the task recomputes its prompt whatever the slot
+    // receives (upstream loads, then starts at n_past 0), so nothing is restored.
+    bool recompute = false;
   };
   std::mutex pf_mu;
   std::deque<Prefetched> prefetched;
@@ -415,6 +418,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
         break;
       }
   }
+  if (pf && pf->recompute) return true;
   if (pf) {
     const size_t have = common_prefix(prompt.tokens.get_text_tokens(), want);
     if (pf->m && pf->m->common_prefix > have) {
@@ -438,7 +442,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
         p->times.restore_ms += ms;
         p->times.restore_max_ms = std::max(p->times.restore_max_ms, ms);
       }
-      SRV_INF("kvtc: restored %u tokens (common prefix, %s tier) prefetched off the loop; the loop held %.2f ms\n", pf->m->common_prefix,
+      SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier, decoded off the loop; the loop held %.2f ms\n", pf->m->common_prefix,
               pf->m->tier, ms);
       return true;
     }
@@ -630,7 +634,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
 }
 
 void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant, bool cache_prompt) {
-  if (!cache_prompt || !kvtc_server_config().prefetch) return;
+  if (!kvtc_server_config().prefetch) return;
   std::shared_ptr<kvtc_prompt_cache::impl> I;
   {
     std::lock_guard<std::mutex> g(g_mu);
@@ -643,6 +647,7 @@ void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant
     e.tenant = tenant;
     e.tokens = tokens.get_text_tokens();
     if (e.tokens.empty()) return;
+    e.recompute = !cache_prompt;
     llama_tokens best;  // the idle slot of this tenant that shares the most with the prompt: where it will likely run
     {
       std::lock_guard<std::mutex> g(I->pf_mu);
@@ -658,7 +663,7 @@ void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant
       to = I->layout;
     }
     to.seq_id = 0;  // any slot's (Prefetched::m)
-    e.m = I->store->take_state(best, e.tokens, to, tenant);
+    if (!e.recompute) e.m = I->store->take_state(best, e.tokens, to, tenant);
     if (e.m) e.bytes = e.m->state.size();
     e.at = Clock::now();
     const double ms = ms_since(t0);

@@ -113,8 +113,10 @@ std::string kvtc_server_metrics();
 // a conversation still held by its slot costs nothing — and decodes the
 // match here, on this thread, while the loop serves the other slots. The
 // task's load() (the loop) then only writes the decoded state into its slot.
-// No-op when kvtc is not attached or `cache_prompt` is false. Never throws:
-// a failure leaves the load to the loop, as without a prefetch.
+// With `cache_prompt` false nothing is looked up, and the task's load
+// restores nothing (upstream would restore, then recompute from token 0).
+// No-op when kvtc is not attached. Never throws: a failure leaves the load
+// to the loop, as without a prefetch.
 void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant, bool cache_prompt);
 
 // Tenants (docs/server.md "Tenants"): a tenant's prompts are stored on a key

@@ -33,11 +33,11 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
     kb.v.assign(kb.numel(), 0);
   }
   const std::vector<Section>& jobs = D.kv_sections;
-  // The basis, rounded once per call for bf16 (~5 ms per transform).
+  // The bases in bf16: rounded once per calibration (Projector: ~5 ms per transform).
   const Precision prec = detail::resolve_precision(opt.precision, origin.c_str());
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
-    for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], D.r_used[b][kv], prec);
+    for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], D.r_used[b][kv], prec, cal.id);
   detail::StageClock clk;
   detail::StageClock* ck = opt.stats ? &clk : nullptr;
   const int threads = detail::resolve_threads(opt.threads, jobs.size());

@@ -162,7 +162,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
-      if (E.ld[b][kv]) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], E.ld[b][kv], prec);
+      if (E.ld[b][kv]) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], E.ld[b][kv], prec, cal.id);
   const int threads = detail::resolve_threads(opt.threads, jobs.size());
   detail::parallel_for(jobs.size(), threads, [&](size_t k) {
     const SectionPlan& s = plan[jobs[k]];
@@ -273,12 +273,12 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   detail::StageClock& clk = *ck;
   if (!opt.stats) ck = nullptr;
   // Keys are de-RoPEd unless the calibration was fitted on them as stored
-  // (the no-RoPE-removal ablation); the basis is rounded once per call for
-  // bf16 (~5 ms per transform).
+  // (the no-RoPE-removal ablation); the basis is rounded for bf16 once per
+  // calibration (Projector: ~5 ms per transform).
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
-      if (!is_ecsq(alloc[b][kv])) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec);
+      if (!is_ecsq(alloc[b][kv])) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec, cal.id);
   std::vector<std::vector<uint8_t>> made(plan.size());
   const int threads = detail::resolve_threads(opt.threads, plan.size());
   bool any_ecsq = false, any_dp = false;

@@ -7,7 +7,9 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <list>
 #include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -198,11 +200,57 @@ Precision resolve_precision(Precision requested, const char* who) {
   return requested;
 }
 
-Projector::Projector(const Transform& T, uint32_t ru, Precision resolved) : T_(T), ru_(ru), prec_(resolved) {
+namespace {
+// Rounded bases by (calibration id, the transform's basis address and shape,
+// rows): the id names the content (a freed calibration's address reused by
+// another has another id), the address tells apart a calibration's
+// transforms. Newest first; 8 at most (2 per block and ratio in use) and
+// 256 MiB (SmolLM2's 5,760 features: 1,000 rows are 11 MiB).
+struct RoundedBasis {
+  std::string id;
+  const float* basis;
+  uint32_t p, ru;
+  std::shared_ptr<const std::vector<uint16_t>> rows;
+};
+std::mutex g_rounded_mu;
+std::list<RoundedBasis> g_rounded;
+constexpr size_t kRoundedMax = 8;
+constexpr size_t kRoundedBytes = size_t(256) << 20;
+
+std::shared_ptr<const std::vector<uint16_t>> round_basis(const Transform& T, uint32_t ru) {
+  auto rows = std::make_shared<std::vector<uint16_t>>(size_t(ru) * T.p);
+  sub_to_bf16(T.basis.data(), nullptr, rows->data(), rows->size());
+  return rows;
+}
+}  // namespace
+
+Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& cal_id) : T_(T), ru_(ru), prec_(resolved) {
   require(prec_ != Precision::kAuto, "Projector: unresolved precision");
-  if (prec_ == Precision::kBF16 && ru_ > 0) {
-    basis_bf16_.resize(size_t(ru_) * T.p);
-    sub_to_bf16(T.basis.data(), nullptr, basis_bf16_.data(), basis_bf16_.size());
+  if (prec_ != Precision::kBF16 || ru_ == 0) return;
+  require(size_t(ru_) * T.p <= T.basis.size(), "Projector: more rows than the basis holds");
+  if (cal_id.empty()) {
+    basis_bf16_ = round_basis(T, ru_);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(g_rounded_mu);
+    for (auto it = g_rounded.begin(); it != g_rounded.end(); ++it)
+      if (it->ru == ru_ && it->p == T.p && it->basis == T.basis.data() && it->id == cal_id) {
+        basis_bf16_ = it->rows;
+        g_rounded.splice(g_rounded.begin(), g_rounded, it);
+        return;
+      }
+  }
+  basis_bf16_ = round_basis(T, ru_);  // outside the lock: two threads may both round it once
+  std::lock_guard<std::mutex> g(g_rounded_mu);
+  g_rounded.push_front({cal_id, T.basis.data(), T.p, ru_, basis_bf16_});
+  size_t bytes = 0, kept = 0;
+  for (auto it = g_rounded.begin(); it != g_rounded.end(); ++it, ++kept) {
+    bytes += it->rows->size() * 2;
+    if (kept + 1 > kRoundedMax || (kept > 0 && bytes > kRoundedBytes)) {
+      g_rounded.erase(it, g_rounded.end());
+      break;
+    }
   }
 }
 
@@ -228,7 +276,7 @@ void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk) const {
     for (uint32_t t = 0; t < n; ++t) sub_to_bf16(x + size_t(t) * p, T_.mu.data(), xb.data() + size_t(t) * p, p);
   }
   StageTimer st(clk, kProject);
-  run(false, n, ru_, p, xb.data(), basis_bf16_.data(), nullptr, d);
+  run(false, n, ru_, p, xb.data(), basis_bf16_->data(), nullptr, d);
 #else
   throw Error("Projector: bf16 without oneDNN");
 #endif
@@ -253,7 +301,7 @@ void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk) co
     sub_to_bf16(d, nullptr, db.data(), db.size());
   }
   StageTimer st(clk, kProject);
-  run(true, n, p, ru_, db.data(), basis_bf16_.data(), T_.mu.data(), x);
+  run(true, n, p, ru_, db.data(), basis_bf16_->data(), T_.mu.data(), x);
 #else
   throw Error("Projector: bf16 without oneDNN");
 #endif

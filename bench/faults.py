@@ -39,7 +39,7 @@ import requests
 top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(top, "scripts"))
 sys.path.insert(0, os.path.join(top, "tests"))
-from serverlib import Redis, RedisCluster, Server, TrickleProxy  # noqa: E402
+from serverlib import Redis, RedisCluster, Server, TrickleProxy, add_server_args  # noqa: E402
 
 LOGPROBS = {"logprobs": True, "top_logprobs": 10}
 MAX_DRIFT = 0.32
@@ -451,10 +451,7 @@ class Bench:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--corpus", required=True)
+    add_server_args(ap)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out-json", required=True)
     ap.add_argument("--only", choices=["disk", "redis", "cluster"], help="only the disk (and process) rows, the Redis rows or the cluster's")

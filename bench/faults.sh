@@ -9,12 +9,7 @@ set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
-cal=$("$top/scripts/default_calib.sh" "$kvtc")
-work="$top/out/bench-faults"
-rm -rf "$work" && mkdir -p "$work"
-PYTHONPATH="$top/.deps/py" python3 "$top/bench/faults.py" --server "$top/build/kvtc-server" \
-  --model "$top/.deps/models/SmolLM2-135M-Instruct.Q4_1.gguf" --calib "$cal" --corpus "$top/.deps/corpus" --work "$work" \
-  --out-json "$res/faults.json.part" "$@"
+server_bench faults.py faults "$@"
 {
   echo "# kvtc-server under faults"
   echo
@@ -41,6 +36,4 @@ print()
 print(f"{len(j['rows'])} rows in {j['seconds']:.0f} s.")
 PY
 } >"$res/faults.md.part"
-mv "$res/faults.md.part" "$res/faults.md"
-mv "$res/faults.json.part" "$res/faults.json"
-echo "wrote $res/faults.md"
+finish_result faults

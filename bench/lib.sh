@@ -39,3 +39,19 @@ finish_result() {
   rm -f "$res/$name.body.part"
   echo "wrote $res/$name.md"
 }
+
+# server_bench SCRIPT NAME [options…]: runs bench/SCRIPT (a kvtc-server
+# benchmark: bench/faults.py, bench/restore_stall.py) on build/kvtc-server,
+# SmolLM2 and the default calibration (set as $cal, for the report), in
+# out/bench-NAME (emptied first), its JSON written as NAME.json.part; the
+# caller writes NAME.md.part, then finish_result NAME.
+server_bench() {
+  local script=$1 name=$2
+  shift 2
+  cal=$("$top/scripts/default_calib.sh" "$kvtc")
+  local work="$top/out/bench-$name"
+  rm -rf "$work" && mkdir -p "$work"
+  PYTHONPATH="$top/.deps/py" python3 "$top/bench/$script" --server "$top/build/kvtc-server" \
+    --model "$top/.deps/models/SmolLM2-135M-Instruct.Q4_1.gguf" --calib "$cal" --corpus "$top/.deps/corpus" --work "$work" \
+    --out-json "$res/$name.json.part" "$@"
+}

@@ -30,7 +30,7 @@ import time
 import requests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-from serverlib import Server  # noqa: E402
+from serverlib import Server, add_server_args  # noqa: E402
 
 MODES = {  # name: (server flags, turn 2's extra request fields)
     "kvtc": ([], {}),
@@ -87,10 +87,7 @@ def trial(s, doc, i, extra, stream_tokens):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--corpus", required=True)
+    add_server_args(ap)
     ap.add_argument("--work", required=True)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--stream-tokens", type=int, default=160)

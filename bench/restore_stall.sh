@@ -7,12 +7,7 @@
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 . "$top/bench/lib.sh"
-cal=$("$top/scripts/default_calib.sh" "$kvtc")
-work="$top/out/bench-restore-stall"
-rm -rf "$work" && mkdir -p "$work"
-PYTHONPATH="$top/.deps/py" python3 "$top/bench/restore_stall.py" --server "$top/build/kvtc-server" \
-  --model "$top/.deps/models/SmolLM2-135M-Instruct.Q4_1.gguf" --calib "$cal" --corpus "$top/.deps/corpus" --work "$work" \
-  --out-json "$res/restore-stall.json.part" "$@"
+server_bench restore_stall.py restore-stall "$@"
 {
   echo "# Restores and the other slots"
   echo
@@ -39,6 +34,4 @@ print()
 print(f"{j['seconds']:.0f} s.")
 PY
 } >"$res/restore-stall.md.part"
-mv "$res/restore-stall.md.part" "$res/restore-stall.md"
-mv "$res/restore-stall.json.part" "$res/restore-stall.json"
-echo "wrote $res/restore-stall.md"
+finish_result restore-stall

@@ -63,7 +63,7 @@ import requests
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 import corpus  # noqa: E402
-from serverlib import Redis, Server  # noqa: E402
+from serverlib import Redis, Server, add_server_args  # noqa: E402
 
 QUESTIONS = [
     "Summarise the document above in two sentences.",
@@ -386,10 +386,7 @@ def redis_main(a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--redis", action="store_true", help="two replicas sharing a Redis tier instead of the chat replay")
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--calib", required=True)
-    ap.add_argument("--corpus", required=True)
+    add_server_args(ap)
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 4000], metavar=("LO", "HI"))

@@ -162,6 +162,13 @@ class Server:
             return int(re.search(r"VmRSS:\s+(\d+)", f.read())[1])
 
 
+def add_server_args(ap):
+    """The arguments every kvtc-server benchmark takes (bench/*.sh passes
+    them): the server binary, the model, the calibration, the corpus."""
+    for name in ("--server", "--model", "--calib", "--corpus"):
+        ap.add_argument(name, required=True)
+
+
 class Redis:
     """One redis-server on a loopback port (Debian's, installed by the
     bootstrap), without persistence, in `workdir`; `extra` are its flags

@@ -48,7 +48,64 @@ struct LoopTimes {
   // a request waits for before its task is queued, off the loop.
   uint64_t prefetches = 0, prefetch_hits = 0, prefetch_used = 0, prefetch_dropped = 0;
   double prefetch_ms = 0, prefetch_max_ms = 0;
+  // Restore or recompute: both costs per token as measured on this server
+  // (exponential means, 0 until measured), and the lookups not made because
+  // restoring measured slower.
+  // Decayed sums (ms, tokens): a mean weighted by tokens, so that a restore
+  // of a 24-token chat template does not outweigh one of 4K tokens.
+  double restore_ms_sum = 0, restore_tokens_sum = 0, prefill_ms_sum = 0, prefill_tokens_sum = 0;
+  uint64_t declined = 0, declined_run = 0;
+  double restore_ms_per_token() const { return restore_tokens_sum > 0 ? restore_ms_sum / restore_tokens_sum : 0; }
+  double prefill_ms_per_token() const { return prefill_tokens_sum > 0 ? prefill_ms_sum / prefill_tokens_sum : 0; }
+  double perf_ms = -1;  // the context's prompt-processing counters at the last sample
+  int64_t perf_tokens = 0;
 };
+
+// Restore or recompute (issue 29): a restore's cost per token it restores
+// (lookup, Redis, decoding, state load) against llama.cpp's own prompt
+// processing per token (llama_perf_context: t_p_eval_ms over n_p_eval, the
+// batches of more than one token, every slot's), each an exponential mean
+// decayed by 1/4 per sample (a mean over the last few, weighted by tokens). On 2 EPYC cores kvtc restores SmolLM2 at ~0.2 ms
+// per token and prefills at ~4 ms (bench/results/serve-smollm2.md); a GPU
+// prefills at a few thousand tokens a second, where a CPU decode can lose.
+constexpr double kCostAlpha = 0.25;
+constexpr int64_t kPrefillSampleTokens = 128;  // a sample spans at least this many prompt tokens
+// While restores are declined, every 16th candidate restores anyway, so a
+// cost that changed (a Redis that recovered, a busier GPU) is seen again.
+constexpr uint64_t kExploreEvery = 16;
+
+void decayed_add(double& ms_sum, double& tokens_sum, double ms, double tokens) {
+  ms_sum = (1 - kCostAlpha) * ms_sum + ms;
+  tokens_sum = (1 - kCostAlpha) * tokens_sum + tokens;
+}
+
+// Loop thread (it reads the context's counters); `t` under its mutex.
+void sample_prefill(LoopTimes& t, llama_context* ctx) {
+  const llama_perf_context_data d = llama_perf_context(ctx);
+  if (t.perf_ms < 0 || d.n_p_eval < t.perf_tokens) {  // first sample, or the counters were reset
+    t.perf_ms = d.t_p_eval_ms;
+    t.perf_tokens = d.n_p_eval;
+    return;
+  }
+  if (d.n_p_eval - t.perf_tokens < kPrefillSampleTokens) return;
+  decayed_add(t.prefill_ms_sum, t.prefill_tokens_sum, d.t_p_eval_ms - t.perf_ms, double(d.n_p_eval - t.perf_tokens));
+  t.perf_ms = d.t_p_eval_ms;
+  t.perf_tokens = d.n_p_eval;
+}
+
+// Whether to ask the store for a prompt now: yes until both costs are
+// measured, then while a restore costs at most max_cost x recomputing. `t`
+// under its mutex.
+bool restore_pays(LoopTimes& t, double max_cost) {
+  const double r = t.restore_ms_per_token(), c = t.prefill_ms_per_token();
+  if (r <= 0 || c <= 0 || r <= max_cost * c) {
+    t.declined_run = 0;
+    return true;
+  }
+  if (++t.declined_run % kExploreEvery == 0) return true;
+  ++t.declined;
+  return false;
+}
 
 // The attached store, for /metrics (HTTP threads) as well as the loop.
 std::mutex g_mu;
@@ -196,6 +253,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n"
           "--kvtc-no-prefetch       restore on the server loop, as before restores moved to the request's thread (a baseline for\n"
           "                         benchmarks: every slot pauses while one restores)\n"
+          "--kvtc-restore-max-cost X  ask the store only while a restore measures at most X times the prefill of the tokens\n"
+          "                         it restores (both measured as the server runs; default: 1, the faster of the two)\n"
           "--kvtc-tenant-from-api-key  every request is its API key's tenant (with --api-key/--api-key-file): prompts are never\n"
           "                         shared between keys; a request's cache_salt then separates tenants within a key\n\n");
     }
@@ -276,6 +335,9 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-redis-user") {
         p.redis_user = val;
         used = val.size();
+      } else if (a == "--kvtc-restore-max-cost") {
+        p.restore_max_cost = std::stod(val, &used);
+        if (!(p.restore_max_cost > 0 && p.restore_max_cost <= 1e9)) throw std::out_of_range("");
       } else if (a == "--kvtc-redis-ttl") {
         p.redis_ttl_s = std::stoll(val, &used);
         if (p.redis_ttl_s < 0) throw std::out_of_range("");
@@ -283,12 +345,12 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         err = a +
               ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
               "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-redis-user, --kvtc-redis-password-file, --kvtc-secret-file, "
-              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-no-prefetch, --kvtc-tenant-from-api-key)";
+              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-no-prefetch, --kvtc-restore-max-cost, --kvtc-tenant-from-api-key)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
     } catch (const std::exception&) {
-      err = a + ": bad value '" + val + "' (ratio in [1, 4096], sizes and threads whole numbers >= 0)";
+      err = a + ": bad value '" + val + "' (ratio in [1, 4096], restore cost in (0, 1e9], sizes and threads whole numbers >= 0)";
       return false;
     }
   }
@@ -384,6 +446,10 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
 
 void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* ctx, int32_t id_slot) {
   {
+    std::lock_guard<std::mutex> g(p->mu);
+    sample_prefill(p->times, ctx);
+  }
+  {
     std::lock_guard<std::mutex> g(p->pf_mu);
     p->idle[id_slot] = {slot_tenant(id_slot), prompt.tokens.get_text_tokens()};
   }
@@ -420,6 +486,12 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
       }
   }
   if (pf && pf->recompute) return true;
+  {
+    std::lock_guard<std::mutex> g(p->mu);
+    sample_prefill(p->times, ctx);
+    // No prefetch ran (--kvtc-no-prefetch, or it was dropped): the choice is made here.
+    if (!pf && !restore_pays(p->times, kvtc_server_config().restore_max_cost)) return true;
+  }
   // The match: the prefetch's when it beats what the slot holds; else,
   // when the prefetch compared with less than the slot holds or did not
   // run, the store asked here, on the loop.
@@ -460,6 +532,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
     std::lock_guard<std::mutex> g(p->mu);
     ++p->times.restores;
     p->times.prefetch_used += prefetched;
+    if (m->common_prefix > 0) decayed_add(p->times.restore_ms_sum, p->times.restore_tokens_sum, off_loop_ms + ms, double(m->common_prefix));
     p->times.restore_ms += ms;
     p->times.restore_max_ms = std::max(p->times.restore_max_ms, ms);
   }
@@ -652,6 +725,11 @@ void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant
       to = I->layout;
     }
     to.seq_id = 0;  // any slot's (Prefetched::m)
+    if (!e.recompute) {
+      std::lock_guard<std::mutex> g(I->mu);
+      // Restoring measured slower than recomputing: the task's load() restores nothing.
+      e.recompute = !restore_pays(I->times, kvtc_server_config().restore_max_cost);
+    }
     if (!e.recompute) e.m = I->store->take_state(best, e.tokens, to, tenant);
     if (e.m) e.bytes = e.m->state.size();
     e.at = Clock::now();
@@ -792,6 +870,12 @@ std::string kvtc_server_metrics() {
   item("restore_wait_seconds_max", "gauge", "Longest a request waited for its prefetch", t.prefetch_max_ms / 1e3);
   item("loop_saves_total", "counter", "Saves that held the loop", double(t.saves));
   item("loop_restores_total", "counter", "Restores into a slot", double(t.restores));
+  item("restore_ms_per_token", "gauge", "A restore's measured cost per token it restored (decayed mean; 0 before the first)",
+       t.restore_ms_per_token());
+  item("prefill_ms_per_token", "gauge", "llama.cpp's measured prompt processing per token (decayed mean; 0 before the first sample)",
+       t.prefill_ms_per_token());
+  item("restores_declined_total", "counter", "Lookups not made because a restore measured costlier than recomputing (--kvtc-restore-max-cost)",
+       double(t.declined));
   item("shifted_not_saved_total", "counter", "Saves refused because a context shift had moved the slot's cells", double(t.shifted_not_saved));
   return o.str();
 }

@@ -47,6 +47,11 @@ struct kvtc_server_params {
   std::vector<std::string> warnings;  // about the files above (readable by others): logged at attach
   bool tenant_from_api_key = false;   // --kvtc-tenant-from-api-key: every request is its API key's tenant (docs/server.md "Tenants")
   bool prefetch = true;               // false: --kvtc-no-prefetch, restores decode on the loop (a benchmark's baseline)
+  // --kvtc-restore-max-cost X: the store is asked only while a restore is
+  // measured to cost at most X times the prefill of the tokens it restores
+  // (both measured on this server as it runs; docs/server.md "Restore or
+  // recompute"). Default 1: the faster of the two.
+  double restore_max_cost = 1.0;
 };
 
 // The flags of this process (set by kvtc_server_take_args).

@@ -1,106 +1,115 @@
 #!/usr/bin/env python3
-"""The serving benchmarks through kvtc-server's HTTP API, on one chat
-workload: the multi-user chat replay (issue 12) and, with --redis, two
-replicas sharing a Redis tier (issue 13). bench/serve.sh runs them and
-bench/serve_report.py writes the markdown.
+"""The serving benchmarks through kvtc-server's HTTP API, scored by answers
+(issue 29): sessions whose every turn asks a question with a known answer
+about the session's own history (bench/serve_tasks.py: planted pass keys, a
+key-value lookup, next-line code completion), in blocks of sessions, each
+block a fresh server per mode. bench/serve.sh runs it; bench/serve_report.py
+writes the markdown from the records.
 
-Workload: S sessions x T turns over documents of the evaluation corpus
-(histories of lo..hi tokens at turn 1), all sessions' turn t before turn
-t+1, so a session leaves the server's slots between its turns. The first
-mode run fixes the assistant turns: every other mode replays exactly its
-history, and each reply is compared with the reference reply to the same
-input.
+A chat's assistant turns are the reference mode's replies (it runs first
+on each block), so every mode sends the same requests and a question's
+answers pair across modes. Every turn of every session is scored; turns 2.. are the ones a prompt
+cache serves (the session left the slot between its turns: all sessions'
+turn t before any turn t+1). Deterministic control: one slot, greedy
+decoding, one client, requests one after another, so a mode's answers
+differ from another's only by what its cache restored.
 
-Chat replay (default), mode by mode at the same prompt-cache budget:
+Single server (default), modes (each at each --budgets MiB of prompt cache):
 
-  none     --cache-ram 0: no prompt cache, every turn recomputes its history
-  raw      upstream's cache: raw state blobs in --cache-ram B
-  kvtc16   kvtc, 16x, in --cache-ram B
-  kvtc32d  kvtc, 32x, in --cache-ram B, plus a disk tier
+  none    --cache-ram 0: every turn recomputes its history
+  raw     upstream llama-server's cache: raw state blobs in --cache-ram B
+  exact   kvtc-server --kvtc-raw: raw f16 pieces through kvtc's store, the
+          same lookup and restore path as the coded modes: the reference the
+          others' answers are paired with (run at the largest budget only)
+  kvtc16  kvtc 16x (DP + DEFLATE)
+  kvtc32  kvtc 32x
+  ecsq    entropy-coded at --ecsq-ratio (the ratio on coded tokens whose error
+          equals DP-32x's in bench/results/entropy.md: 50 on both models)
 
-sent by two concurrent clients to a two-slot server. Per mode: turns whose
-history came back from the cache (hit: cache_n covers the previous turn's
-prompt), prompt tokens recomputed, time to first token (client side,
-streaming) p50/p95/mean, wall time, the cache's bytes and prompts (kvtc:
-/metrics; raw: llama-server's own trace line), the time the server loop was
-held by prompt-cache updates (llama-server's "prompt cache update took"
-lines; kvtc also splits saves and restores), and the share of replies equal
-to the reference.
+A mode that hit every later turn from RAM at a smaller budget is not run at
+a larger one: one slot and one client send it the same requests and it
+would serve them from the same entries (recorded as "same as" the smaller).
 
---redis: two kvtc-server replicas behind a round-robin client: every turn
-of a conversation lands on the other replica, the worst case for
-per-replica caches and what a load balancer without session affinity does.
-Three modes, each with a fresh Redis (no maxmemory: what is stored is
-measured, not evicted):
+--redis: two one-slot replicas behind a round-robin client (turn t of
+session s goes to replica (s + t) mod 2: every later turn lands on the
+replica that did not serve the one before), each with --cache-ram
+--cache-ram MiB, modes
 
-  local        kvtc 16x in each replica's RAM only: no shared tier
-  raw-redis    raw f16 pieces (--kvtc-raw) in Redis, the same keys and tiers
-  kvtc16-redis kvtc 16x pieces in Redis
+  local         kvtc 16x in each replica's RAM only: no shared tier
+  raw-redis     raw f16 pieces (--kvtc-raw) in a shared Redis: the reference
+  kvtc16-redis  kvtc 16x pieces in the shared Redis
 
-sent by one client; turn t of session s goes to replica (s + t) mod 2. Per
-mode: time to first token (client side, streaming) p50/p95 over all
-requests and over turns 2.., hit rate (turns whose whole previous prompt came
-back), prompt tokens computed, Redis bytes (values, and Redis's used_memory),
-per restore from Redis the two pipelined round trips (p50/p99 ms) and the
-bytes they moved, the restore's whole time on the server loop, and the
-break-even prefix length (a linear fit of restore time against tokens
-restored, and of prefill time against tokens computed).
-
-Writes JSON (every request).
+Records (one JSON line per request, one per run of a mode on a block) are
+appended to --records once a run has finished: a rerun skips the runs the
+file holds for the same model, calibration and workload, so the benchmark
+spreads over several invocations (`--blocks 0-3`, then `--blocks 4-7`).
 """
 import argparse
 import json
 import os
+import platform
 import re
-import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-import corpus  # noqa: E402
+import serve_tasks  # noqa: E402
+from provenance import result_commit, safetensors_meta  # noqa: E402
 from serverlib import Redis, Server, add_server_args  # noqa: E402
 
-QUESTIONS = [
-    "Summarise the document above in two sentences.",
-    "Which person, place or thing does it mention first?",
-    "What is the tone of the text?",
-    "Give the text a short title.",
-    "What would a reader ask next about it?",
-]
+TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESTORE = re.compile(r"kvtc: restored (\d+) tokens \(common prefix\) from the (\w+) tier in ([\d.]+) ms"
+                     r"(?: \(Redis round trips ([\d.]+) ms, ([\d.]+) MiB\))?(?:; decoded off the loop, which it held ([\d.]+) ms)?")
+UPDATE = re.compile(r"prompt cache update took ([\d.]+) ms")
+SERVE_MODES = ("none", "raw", "exact", "kvtc16", "kvtc32", "ecsq")
+REDIS_MODES = ("local", "raw-redis", "kvtc16-redis")
+REFERENCE = {"serve": "exact", "redis": "raw-redis"}
 
 
-# ---- the workload, shared by both benchmarks --------------------------------
-
-def workload(root, sessions, lo, hi):
-    """[(session id, first user message)] with histories spread over lo..hi tokens."""
-    docs = corpus.documents("eval", min_tokens=hi + 200, root=root)
-    kinds = ["prose", "docs", "code", "math"]
-    picked = []
-    for i in range(sessions):  # round-robin over kinds, in manifest order
-        pool = [d for d in docs if d["kind"] == kinds[i % len(kinds)] and d not in picked] or [d for d in docs if d not in picked]
-        picked.append(pool[0])
-    out = []
-    for i, d in enumerate(picked):
-        want = lo + (hi - lo) * i // max(1, sessions - 1)
-        with open(corpus.path(d, root), errors="replace") as f:
-            text = f.read()
-        chars = int(len(text) * want / d["tokens"])
-        out.append((i, d["id"], f"Read this document ({d['id']}).\n\n{text[:chars]}\n\n{QUESTIONS[0]}"))
-    return out
+def mode_flags(mode, budget, a):
+    cal = ["--kvtc-calib", a.calib]
+    return {
+        "none": ["--cache-ram", "0"],
+        "raw": ["--cache-ram", str(budget)],
+        "exact": ["--cache-ram", str(budget), *cal, "--kvtc-raw"],
+        "kvtc16": ["--cache-ram", str(budget), *cal, "--kvtc-ratio", "16"],
+        "kvtc32": ["--cache-ram", str(budget), *cal, "--kvtc-ratio", "32"],
+        "ecsq": ["--cache-ram", str(budget), *cal, "--kvtc-ecsq", "--kvtc-ratio", str(a.ecsq_ratio)],
+        "local": ["--cache-ram", str(budget), *cal, "--kvtc-ratio", "16"],
+        "raw-redis": ["--cache-ram", str(budget), *cal, "--kvtc-ratio", "16", "--kvtc-raw"],
+        "kvtc16-redis": ["--cache-ram", str(budget), *cal, "--kvtc-ratio", "16"],
+    }[mode]
 
 
-def stream_chat(url, messages, max_tokens):
-    """(reply, ttft seconds, timings) of a greedy streaming chat completion."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "seed": 1, "stream": True,
-            "stream_options": {"include_usage": True}, "timings_per_token": False}
+# ---- one request -------------------------------------------------------------
+
+def request_body(sess, turn, replies):
+    """(path, JSON body) of session `sess`'s turn `turn` (0-based): the same
+    for every mode. A chat's earlier assistant turns are the reference
+    mode's replies (`replies[(session, turn)]`): as in a real chat, a turn's
+    prompt then contains the last turn's prompt and reply, and a store drops
+    the last turn's entry as contained in the new one wherever a mode
+    replied as the reference did."""
+    q = sess["turns"][turn]
+    if sess["kind"] == "completion":
+        return "/completion", {"prompt": q["prompt"], "n_predict": q["max_tokens"], "temperature": 0, "seed": 1, "stream": True,
+                               "cache_prompt": True}
+    msgs = [{"role": "user", "content": sess["context"] + "\n\n" + sess["turns"][0]["question"]}]
+    for k in range(turn):
+        msgs += [{"role": "assistant", "content": replies[(sess["id"], k)]}, {"role": "user", "content": sess["turns"][k + 1]["question"]}]
+    return "/v1/chat/completions", {"messages": msgs, "max_tokens": q["max_tokens"], "temperature": 0, "seed": 1, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+
+
+def send(url, path, body):
+    """(reply, ttft s, total s, timings) of a streaming greedy request."""
     t0 = time.perf_counter()
     ttft, parts, timings = None, [], {}
-    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=1800) as r:
+    with requests.post(url + path, json=body, stream=True, timeout=3600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -108,301 +117,239 @@ def stream_chat(url, messages, max_tokens):
             ev = json.loads(line[6:])
             if ev.get("timings"):
                 timings = ev["timings"]
-            for ch in ev.get("choices", []):
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    parts.append(piece)
-    return "".join(parts), (ttft if ttft is not None else time.perf_counter() - t0), timings
+            if "choices" in ev:
+                piece = "".join((ch.get("delta") or {}).get("content") or "" for ch in ev["choices"])
+            else:
+                piece = ev.get("content") or ""
+            if piece:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                parts.append(piece)
+    total = time.perf_counter() - t0
+    return "".join(parts), (ttft if ttft is not None else total), total, timings
 
 
-def hit_rate(records):
-    """The share of turns 2.. whose previous turn's prompt (its whole history,
-    90% of it at least) came back from a cache."""
-    later = [r for r in records if r["turn"] > 0]
-    prev = {(r["session"], r["turn"]): r for r in records}
-    hits = 0
-    for r in later:
-        p = prev[(r["session"], r["turn"] - 1)]
-        if (r["cache_n"] or 0) >= 0.9 * (p["prompt_n"] + (p["cache_n"] or 0)):
-            hits += 1
-    return hits / len(later) if later else 0.0
+class LogTail:
+    """The lines a server logged since the last call (one client, requests in
+    turn: what a request's wait logged is between its start and its end)."""
+
+    def __init__(self, srv):
+        self.srv, self.at = srv, 0
+
+    def new(self):
+        with open(self.srv.log_path, errors="replace") as f:
+            f.seek(self.at)
+            text = f.read()
+            self.at = f.tell()
+        return text
 
 
-# ---- the chat replay: one two-slot server, two clients ------------------------
-
-def run_chat_mode(name, args, a, sessions, reference, log_dir):
-    srv = Server(a.server, a.model, ["--parallel", "2", "-lv", "4", *args], os.path.join(log_dir, f"serve-{name}.log"), ctx=a.ctx)
-    if not srv.wait_ready():
-        raise SystemExit(f"{name}: kvtc-server did not start; see {srv.log_path}")
-    records, lock, peak = [], threading.Lock(), {"kvtc:ram_prompts": 0, "kvtc:ram_bytes": 0}
-    kvtc = any(x.startswith("--kvtc-calib") for x in args)
-
-    def client(mine):
-        hist = {s: [{"role": "user", "content": first}] for s, _, first in mine}
-        for turn in range(a.turns):
-            for s, doc, _ in mine:
-                msgs = hist[s]
-                reply, ttft, tm = stream_chat(srv.url, msgs, a.max_tokens)
-                ref = reference.get((s, turn)) if reference is not None else reply
-                rec = {"mode": name, "session": s, "doc": doc, "turn": turn, "ttft_s": ttft, "prompt_n": tm.get("prompt_n"),
-                       "cache_n": tm.get("cache_n"), "prompt_ms": tm.get("prompt_ms"), "reply": reply, "equal_reference": reply == ref}
-                # Every mode continues with the reference's reply: identical inputs.
-                hist[s] = msgs + [{"role": "assistant", "content": ref},
-                                  {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
-                with lock:
-                    records.append(rec)
-                    if kvtc:
-                        m = srv.metrics()
-                        for k in peak:
-                            peak[k] = max(peak[k], m.get(k, 0))
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(sessions[c::2],)) for c in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    metrics = srv.wait_saved() if kvtc else srv.metrics()
-    srv.stop()
-    log = srv.log()
-    updates = [float(x) for x in re.findall(r"prompt cache update took ([\d.]+) ms", log)]
-    states = re.findall(r"cache state: (\d+) prompts, ([\d.]+) MiB", log)
-    raw_peak = max((int(n) for n, _ in states), default=0), max((float(b) for _, b in states), default=0.0)
-    per = [float(b) / int(n) for n, b in states if int(n) > 0]
-    return records, {"wall_s": wall, "metrics": {k: v for k, v in metrics.items() if k.startswith("kvtc:")},
-                     "cache_update_ms": updates, "raw_cache_peak": {"prompts": raw_peak[0], "mib": raw_peak[1]},
-                     "raw_mib_per_prompt": statistics.fmean(per) if per else 0.0, "kvtc_peak": peak}
+def restore_of(text):
+    m = None
+    for m in RESTORE.finditer(text):
+        pass
+    if not m:
+        return None
+    return {"tokens": int(m[1]), "tier": m[2], "ms": float(m[3]), "redis_ms": float(m[4]) if m[4] else None,
+            "redis_mib": float(m[5]) if m[5] else None, "loop_ms": float(m[6]) if m[6] else float(m[3])}
 
 
-def summarise_chat(name, budget, records, info, turns):
-    later = [r for r in records if r["turn"] > 0]
-    ttft = sorted(r["ttft_s"] for r in records)
-    ttft_later = sorted(r["ttft_s"] for r in later)
-    m = info["metrics"]
-    upd = info["cache_update_ms"]
-    row = {
-        "mode": name, "budget_mib": budget, "requests": len(records),
-        "hit_rate": hit_rate(records),
-        "prompt_tokens_recomputed": sum(r["prompt_n"] or 0 for r in records),
-        "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": ttft[int(0.95 * (len(ttft) - 1))], "ttft_mean_s": statistics.fmean(ttft),
-        "ttft_later_mean_s": statistics.fmean(ttft_later) if ttft_later else 0.0,
-        "wall_s": info["wall_s"],
-        "equal_reference": sum(r["equal_reference"] for r in records) / len(records),
-        "cache_update_ms_sum": sum(upd), "cache_update_ms_max": max(upd, default=0.0),
-    }
-    if m:
-        row.update({"prompts_held": int(m.get("kvtc:ram_prompts", 0)), "prompts_held_peak": int(info["kvtc_peak"]["kvtc:ram_prompts"]),
-                    "ram_mib": m.get("kvtc:ram_bytes", 0) / 2**20, "disk_mib": m.get("kvtc:disk_bytes", 0) / 2**20,
-                    "disk_prompts": int(m.get("kvtc:disk_prompts", 0)),
-                    "loop_save_ms_sum": 1e3 * m.get("kvtc:loop_save_seconds_total", 0), "loop_save_ms_max": 1e3 * m.get("kvtc:loop_save_seconds_max", 0),
-                    "loop_restore_ms_sum": 1e3 * m.get("kvtc:loop_restore_seconds_total", 0),
-                    "loop_restore_ms_max": 1e3 * m.get("kvtc:loop_restore_seconds_max", 0),
-                    "restores": int(m.get("kvtc:loop_restores_total", 0)), "compress_s": m.get("kvtc:compress_seconds_total", 0),
-                    "hits_disk": int(m.get('kvtc:hits_total{tier="disk"}', 0))})
-        held = m.get("kvtc:ram_prompts", 0)
-        row["mib_per_prompt"] = m.get("kvtc:ram_bytes", 0) / 2**20 / held if held else 0.0
+# ---- one run: a mode on a block ---------------------------------------------------
+
+def run(bench, mode, budget, block, sessions, a, ident, replies):
+    """Request and run records of one mode at one budget on one block.
+    `replies`: the reference's, {(session, turn): text}; the reference
+    itself fills it as it goes."""
+    is_ref = mode == REFERENCE[bench]
+    tag = f"{mode}-{budget}-b{block}"
+    redis = None
+    flags = mode_flags(mode, budget, a)
+    if bench == "redis":
+        if mode != "local":
+            redis = Redis(os.path.join(a.work, f"redis-{tag}"))
+            flags += ["--kvtc-redis", redis.url]
+        n = 2
     else:
-        row.update({"prompts_held_peak": info["raw_cache_peak"]["prompts"], "ram_mib": info["raw_cache_peak"]["mib"], "disk_mib": 0.0,
-                    "mib_per_prompt": info["raw_mib_per_prompt"]})
-    # How many prompts of this workload's mean stored size the budget holds
-    # (not capped by the workload's session count, as prompts held is).
-    row["capacity_prompts"] = budget / row["mib_per_prompt"] if budget and row["mib_per_prompt"] else 0.0
-    return row
+        n = 1
+    servers = [Server(a.server, a.model, ["--parallel", "1", "-lv", "4", *flags], os.path.join(a.work, f"{tag}-{i}.log"), ctx=a.ctx)
+               for i in range(n)]
+    try:
+        for s in servers:
+            if not s.wait_ready(600):
+                raise SystemExit(f"{tag}: kvtc-server did not start; see {s.log_path}")
+        tails = [LogTail(s) for s in servers]
+        for t in tails:
+            t.new()
+        recs = []
+        t0 = time.perf_counter()
+        for turn in range(a.turns):
+            for sess in sessions:
+                rep = (sess["id"] + turn) % n
+                path, body = request_body(sess, turn, replies)
+                reply, ttft, total, tm = send(servers[rep].url, path, body)
+                if is_ref:
+                    replies[(sess["id"], turn)] = reply
+                log = tails[rep].new()
+                q = sess["turns"][turn]
+                sc, es = serve_tasks.score(sess["task"], q["answers"], reply)
+                recs.append({"type": "request", **ident, "mode": mode, "budget": budget, "block": block, "session": sess["id"],
+                             "task": sess["task"], "doc": sess["doc"], "turn": turn, "replica": rep, "answers": q["answers"],
+                             "reply": reply, "score": sc, "edit_sim": es, "ttft_s": ttft, "total_s": total,
+                             "prompt_n": tm.get("prompt_n"), "cache_n": tm.get("cache_n"), "prompt_ms": tm.get("prompt_ms"),
+                             "restore": restore_of(log), "cache_update_ms": [float(x) for x in UPDATE.findall(log)]})
+                print(f"[serve] {tag} s{sess['id']} t{turn} {sess['task']}: score {sc:.0f} ttft {ttft:.2f} s"
+                      f" cache_n {tm.get('cache_n')} prompt_n {tm.get('prompt_n')}", file=sys.stderr, flush=True)
+        wall = time.perf_counter() - t0
+        kvtc = "--kvtc-calib" in flags
+        metrics = [s.wait_saved() if kvtc else s.metrics() for s in servers]
+        redis_info = {}
+        if redis:
+            keys = redis.cli("KEYS", "kvtc:*").split()
+            cmds = "".join(f"STRLEN {k}\n" for k in keys if ":x:" not in k)
+            out = subprocess.run(["redis-cli", "-p", str(redis.port), "--raw"], input=cmds, capture_output=True, text=True,
+                                 timeout=120).stdout if cmds else ""
+            redis_info = {"keys": len(keys), "value_bytes": sum(int(x) for x in out.split() if x.lstrip("-").isdigit()),
+                          "used_memory": int(redis.info("memory")["used_memory"])}
+    finally:
+        for s in servers:
+            s.stop()
+        if redis:
+            redis.stop()
+    logs = [s.log() for s in servers]
+    states = [m for lg in logs for m in re.findall(r"cache state: (\d+) prompts, ([\d.]+) MiB", lg)]
+    summary = {"type": "run", **ident, "mode": mode, "budget": budget, "block": block, "wall_s": wall, "servers": n,
+               "metrics": [{k: v for k, v in m.items() if k.startswith("kvtc:")} for m in metrics],
+               "raw_cache_last": {"prompts": int(states[-1][0]), "mib": float(states[-1][1])} if states else None,
+               "raw_cache_peak_mib": max((float(b) for _, b in states), default=0.0), "redis": redis_info,
+               "model_kv_bytes_per_token": a.kv_bytes_per_token}
+    return recs, summary
 
 
-def chat_main(args):
-    os.makedirs(args.work, exist_ok=True)
-    sessions = workload(args.corpus, args.sessions, *args.tokens)
-    rows, records, reference = [], [], None
-    plan = [("none", 0, ["--cache-ram", "0"])] if "none" in args.modes else []
-    for b in args.budgets:
-        if "raw" in args.modes:
-            plan.append(("raw", b, ["--cache-ram", str(b)]))
-        if "kvtc16" in args.modes:
-            plan.append(("kvtc16", b, ["--cache-ram", str(b), "--kvtc-calib", args.calib, "--kvtc-ratio", "16"]))
-        if "kvtc32d" in args.modes:
-            disk = os.path.join(args.work, f"store-{b}")
-            if os.path.isdir(disk):
-                import shutil
-                shutil.rmtree(disk)
-            plan.append(("kvtc32d", b, ["--cache-ram", str(b), "--kvtc-calib", args.calib, "--kvtc-ratio", "32", "--kvtc-disk", disk]))
-    for name, budget, flags in plan:
-        print(f"[serve bench] {name} at {budget} MiB ...", file=sys.stderr, flush=True)
-        recs, info = run_chat_mode(f"{name}-{budget}", flags, args, sessions, reference, args.work)
-        if reference is None:
-            reference = {(r["session"], r["turn"]): r["reply"] for r in recs}
-        row = summarise_chat(name, budget, recs, info, args.turns)
-        print(f"[serve bench]   hit {row['hit_rate']:.2f}, ttft mean {row['ttft_mean_s']:.2f} s, wall {row['wall_s']:.0f} s", file=sys.stderr)
-        rows.append(row)
-        records += recs
-    with open(args.out_json, "w") as f:
-        json.dump({"workload": {"sessions": args.sessions, "turns": args.turns, "tokens": args.tokens, "max_tokens": args.max_tokens,
-                                "ctx": args.ctx, "parallel": 2, "docs": [d for _, d, _ in sessions]},
-                   "rows": rows, "requests": records}, f, indent=1)
+# ---- the plan, resumable ------------------------------------------------------
+
+def load_records(path):
+    out = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise SystemExit(f"{path}:{i}: not a JSON record ({e}); remove the line or the file")
+    return out
 
 
-# ---- --redis: two one-slot replicas sharing a Redis tier, one client -----------
-
-RESTORE = re.compile(r"kvtc: restored (\d+) tokens \(common prefix\) from the (\w+) tier in ([\d.]+) ms"
-                     r"(?: \(Redis round trips ([\d.]+) ms, ([\d.]+) MiB\))?")
+def same_set(r, ident):
+    return all(r.get(k) == v for k, v in ident.items() if k != "run")
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else 0.0
-
-
-def fit(points, nonnegative_intercept=False):
-    """(intercept, slope) of a least-squares line through (x, y) points; with
-    nonnegative_intercept, a line through the origin when the free fit's
-    intercept is negative (prefill is not linear in the tokens: attention
-    grows with them, which pulls the intercept below zero)."""
-    if len(points) < 2:
-        return None
-    if nonnegative_intercept:
-        f = fit(points)
-        if f and f[0] < 0:
-            return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
-        return f
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return None
-    b = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - b * mx, b
-
-
-def redis_value_bytes(r):
-    keys = r.cli("KEYS", "kvtc:*").split()
-    if not keys:
-        return 0, 0
-    cmds = "".join(f"STRLEN {k}\n" for k in keys if ":x:" not in k)
-    out = subprocess.run(["redis-cli", "-p", str(r.port), "--raw"], input=cmds, capture_output=True, text=True, timeout=120).stdout
-    return len(keys), sum(int(x) for x in out.split() if x.lstrip("-").isdigit())
-
-
-def run_redis_mode(name, flags, a, sessions, reference):
-    r = Redis(os.path.join(a.work, f"redis-{name}"))
-    base = int(r.info("memory")["used_memory"])
-    tier = ["--kvtc-redis", r.url] if "redis" in name else []
-    common = ["--parallel", "1", "--cache-ram", str(a.cache_ram), "--kvtc-calib", a.calib, "--kvtc-ratio", "16", *flags, *tier]
-    reps = [Server(a.server, a.model, common, os.path.join(a.work, f"{name}-{i}.log"), ctx=a.ctx) for i in range(2)]
-    for s in reps:
-        if not s.wait_ready():
-            raise SystemExit(f"{name}: kvtc-server did not start; see {s.log_path}")
-    records = []
-    hist = {s: [{"role": "user", "content": first}] for s, _, first in sessions}
-    t0 = time.perf_counter()
-    for turn in range(a.turns):
-        for s, doc, _ in sessions:
-            rep = (s + turn) % 2  # no waiting for the other replica's write: a session's previous turn was S requests ago
-            msgs = hist[s]
-            reply, ttft, tm = stream_chat(reps[rep].url, msgs, a.max_tokens)
-            ref = reference.get((s, turn)) if reference is not None else reply
-            records.append({"mode": name, "session": s, "doc": doc, "turn": turn, "replica": rep, "ttft_s": ttft,
-                            "prompt_n": tm.get("prompt_n"), "cache_n": tm.get("cache_n"), "prompt_ms": tm.get("prompt_ms"),
-                            "reply": reply, "equal_reference": reply == ref})
-            hist[s] = msgs + [{"role": "assistant", "content": ref}, {"role": "user", "content": QUESTIONS[(turn + 1) % len(QUESTIONS)]}]
-    wall = time.perf_counter() - t0
-    metrics = [s.wait_saved() for s in reps]
-    nkeys, value_bytes = redis_value_bytes(r) if "redis" in name else (0, 0)
-    used = int(r.info("memory")["used_memory"]) - base
-    for s in reps:
-        s.stop()
-    r.stop()
-    restores = []
-    for s in reps:
-        for m in RESTORE.finditer(s.log()):
-            restores.append({"tokens": int(m[1]), "tier": m[2], "ms": float(m[3]),
-                             "redis_ms": float(m[4]) if m[4] else None, "redis_mib": float(m[5]) if m[5] else None})
-    keep = ("redis_", "hits_total", "loop_", "ram_bytes", "saves_total", "misses_total", "dropped_damaged_total", "restore_failures_total")
-    return records, {"wall_s": wall, "redis_keys": nkeys, "redis_value_bytes": value_bytes, "redis_used_memory": used,
-                     "restores": restores,
-                     "metrics": [{k: v for k, v in m.items() if k.startswith("kvtc:") and any(x in k for x in keep)} for m in metrics]}
-
-
-def summarise_redis(name, records, info):
-    later = [r for r in records if r["turn"] > 0]
-    ttft = [r["ttft_s"] for r in records]
-    ttft_later = [r["ttft_s"] for r in later]
-    red = [x for x in info["restores"] if x["tier"] == "redis"]
-    rt = [x["redis_ms"] for x in red]
-    moved = sum(x["redis_mib"] for x in red)
-    return {
-        "mode": name, "requests": len(records), "hit_rate": hit_rate(records),
-        "prompt_tokens_computed": sum(r["prompt_n"] or 0 for r in records),
-        "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95), "ttft_later_p50_s": pct(ttft_later, 0.5),
-        "ttft_later_p95_s": pct(ttft_later, 0.95), "wall_s": info["wall_s"],
-        "redis_keys": info["redis_keys"], "redis_value_mib": info["redis_value_bytes"] / 2**20,
-        "redis_used_mib": info["redis_used_memory"] / 2**20,
-        "redis_restores": len(red), "redis_tokens_restored": sum(x["tokens"] for x in red),
-        "redis_rt_p50_ms": pct(rt, 0.5), "redis_rt_p99_ms": pct(rt, 0.99),
-        "redis_mib_per_restore": moved / len(red) if red else 0.0,
-        "redis_mib_per_s": moved / (sum(rt) / 1e3) if rt and sum(rt) > 0 else 0.0,
-        "restore_ms_p50": pct([x["ms"] for x in red], 0.5),
-        "restores_other_tiers": len(info["restores"]) - len(red),
-        "equal_reference": sum(r["equal_reference"] for r in records) / len(records),
-        "redis_errors": sum(m.get("kvtc:redis_errors_total", 0) for m in info["metrics"]),
-        "restore_failures": sum(m.get("kvtc:restore_failures_total", 0) for m in info["metrics"]),
-    }
-
-
-def redis_main(a):
-    os.makedirs(a.work, exist_ok=True)
-    sessions = workload(a.corpus, a.sessions, *a.tokens)
-    flags = {"local": [], "raw-redis": ["--kvtc-raw"], "kvtc16-redis": []}
-    rows, records, reference, infos = [], [], None, {}
-    for name in a.modes:
-        print(f"[serve-redis bench] {name} ...", file=sys.stderr, flush=True)
-        recs, info = run_redis_mode(name, flags[name], a, sessions, reference)
-        if reference is None:
-            reference = {(r["session"], r["turn"]): r["reply"] for r in recs}
-        row = summarise_redis(name, recs, info)
-        print(f"[serve-redis bench]   hit {row['hit_rate']:.2f}, ttft p50 {row['ttft_p50_s']:.2f} s, wall {row['wall_s']:.0f} s", file=sys.stderr)
-        rows.append(row)
-        records += recs
-        infos[name] = info
-    # Break-even: restore time (whole, on the loop) against tokens restored,
-    # per Redis mode; prefill time against tokens computed (every request).
-    prefill = fit([(r["prompt_n"], r["prompt_ms"]) for r in records if r["prompt_n"] and r["prompt_ms"] and r["prompt_n"] >= 64], True)
-    breakeven = {}
-    for name, info in infos.items():
-        f = fit([(x["tokens"], x["ms"]) for x in info["restores"] if x["tier"] == "redis"])
-        if f and prefill:
-            (ar, br), (ap_, bp) = f, prefill
-            n = (ar - ap_) / (bp - br) if bp > br else None
-            breakeven[name] = {"restore_fit_ms": [ar, br], "tokens": n}
-    with open(a.out_json, "w") as f:
-        json.dump({"workload": {"sessions": a.sessions, "turns": a.turns, "tokens": a.tokens, "max_tokens": a.max_tokens, "ctx": a.ctx,
-                                "cache_ram_mib": a.cache_ram, "replicas": 2, "parallel": 1, "docs": [d for _, d, _ in sessions]},
-                   "rows": rows, "prefill_fit_ms": prefill, "breakeven": breakeven, "requests": records,
-                   "restores": {k: v["restores"] for k, v in infos.items()}, "metrics": {k: v["metrics"] for k, v in infos.items()}}, f, indent=1)
+def blocks_arg(text):
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--redis", action="store_true", help="two replicas sharing a Redis tier instead of the chat replay")
+    ap.add_argument("--redis", action="store_true", help="two replicas sharing a Redis tier")
     add_server_args(ap)
-    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--records", required=True, help="JSON lines, appended run by run; the runs it holds are skipped")
+    ap.add_argument("--blocks", type=blocks_arg, default=[0], help="block numbers, N or N-M (default 0)")
+    ap.add_argument("--block-sessions", type=int, default=12, help="sessions per block (niah, kvr, code in turn)")
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 4000], metavar=("LO", "HI"))
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--modes", nargs="+", help="default: none raw kvtc16 kvtc32d; --redis: local raw-redis kvtc16-redis")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[128, 512], help="--cache-ram MiB (chat replay)")
-    ap.add_argument("--cache-ram", type=int, default=512, help="each replica's RAM tier, MiB (--redis)")
-    ap.add_argument("--ctx", type=int, help="default: 16384 tokens in all (two slots); --redis: 8192 tokens per replica (one slot)")
-    ap.add_argument("--work", required=True, help="logs, the disk tier, Redis' files")
-    ap.add_argument("--out-json", required=True)
+    ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 2000], metavar=("LO", "HI"), help="turn 1's history, aimed")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--modes", nargs="+")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[192, 1024], help="--cache-ram MiB (single server)")
+    ap.add_argument("--cache-ram", type=int, default=1024, help="each replica's RAM tier, MiB (--redis)")
+    ap.add_argument("--ecsq-ratio", type=float, default=50)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--work", required=True, help="logs and Redis' files")
     a = ap.parse_args()
-    if a.modes is None:
-        a.modes = ["local", "raw-redis", "kvtc16-redis"] if a.redis else ["none", "raw", "kvtc16", "kvtc32d"]
-    if a.ctx is None:
-        a.ctx = 8192 if a.redis else 16384
-    (redis_main if a.redis else chat_main)(a)
+    bench = "redis" if a.redis else "serve"
+    a.modes = a.modes or list(REDIS_MODES if a.redis else SERVE_MODES)
+    bad = [m for m in a.modes if m not in (REDIS_MODES if a.redis else SERVE_MODES)]
+    if bad:
+        raise SystemExit(f"serve.py: unknown mode(s) {bad} for the {bench} benchmark")
+    os.makedirs(a.work, exist_ok=True)
+    cal = safetensors_meta(a.calib)
+    # f16 K+V bytes per token, from the calibration's geometry (the model's).
+    a.kv_bytes_per_token = int(cal["n_layer"]) * int(cal["n_head_kv"]) * int(cal["head_dim"]) * 2 * 2
+    ident = {"bench": bench, "model": os.path.basename(a.model), "calib_id": cal.get("calibration_id") or cal.get("id"),
+             "workload": {"history": "reference replies", "block_sessions": a.block_sessions, "turns": a.turns, "tokens": a.tokens, "seed": a.seed,
+                          "ecsq_ratio": a.ecsq_ratio, "ctx": a.ctx, **({"cache_ram": a.cache_ram} if a.redis else {})},
+             "run": {"commit": result_commit(TOP), "machine": f"{cpu_name()}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
+                     "date": time.strftime("%Y-%m-%d"), "args": run_args(sys.argv[1:])}}
+    have = load_records(a.records)
+    done = {(r["mode"], r["budget"], r["block"]): r for r in have if r.get("type") == "run" and same_set(r, ident)}
+    budgets = sorted(a.budgets) if not a.redis else [a.cache_ram]
+    ref_mode = REFERENCE[bench]
+    # The reference runs first on each block: the others' chats carry its replies.
+    a.modes = sorted(a.modes, key=lambda m: m != ref_mode)
+    for block in a.blocks:
+        sessions = serve_tasks.sessions(a.corpus, block * a.block_sessions, a.block_sessions, *a.tokens, a.turns, a.seed)
+        replies = {(r["session"], r["turn"]): r["reply"] for r in have
+                   if r.get("type") == "request" and r["mode"] == ref_mode and r["block"] == block and same_set(r, ident)}
+        if not replies and ref_mode not in a.modes:
+            raise SystemExit(f"serve.py: block {block} has no {ref_mode} run yet (its replies are every mode's history): add --modes {ref_mode}")
+        for mode in a.modes:
+            for i, budget in enumerate(budgets):
+                if mode == "none" and i > 0:
+                    continue  # no cache: no budget
+                if mode == "exact" and budget != budgets[-1]:
+                    continue
+                if (mode, budget, block) in done:
+                    continue
+                smaller = [done.get((mode, b, block)) for b in budgets[:i]]
+                full = [s for s in smaller if s and s.get("all_later_hit_ram")]
+                if full:
+                    summary = {"type": "run", **ident, "mode": mode, "budget": budget, "block": block, "same_as_budget": full[0]["budget"]}
+                    append(a.records, [summary])
+                    done[(mode, budget, block)] = summary
+                    print(f"[serve] {mode} at {budget} MiB, block {block}: as at {full[0]['budget']} MiB (every later turn hit RAM there)",
+                          file=sys.stderr)
+                    continue
+                print(f"[serve] {mode} at {budget} MiB, block {block} ...", file=sys.stderr, flush=True)
+                recs, summary = run(bench, mode, budget, block, sessions, a, ident, replies)
+                later = [r for r in recs if r["turn"] > 0]
+                summary["all_later_hit_ram"] = bool(later) and all(r["restore"] and r["restore"]["tier"] == "ram" for r in later)
+                append(a.records, recs + [summary])
+                have += recs
+                done[(mode, budget, block)] = summary
+
+
+def append(path, recs):
+    """Appends whole lines and syncs: a run is in the file entirely or not at all
+    (a partial last line from a crash is reported by load_records)."""
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_args(argv):
+    """The options of this invocation without the paths (which name this checkout)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in ("--server", "--model", "--calib", "--corpus", "--work", "--records"):
+            skip = True
+        else:
+            out.append(x)
+    return " ".join(out)
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -1,46 +1,63 @@
 #!/usr/bin/env bash
-# The serving benchmarks through kvtc-server -> bench/results/NAME.{md,json}:
-#   bench/serve.sh [NAME] [options...]          the multi-user chat replay (issue 12): four modes at
-#                                               the same prompt-cache budgets (default NAME: serve)
-#   bench/serve.sh --redis [NAME] [options...]  two replicas sharing a Redis tier behind a round-robin
-#                                               client (issue 13): no shared tier, raw f16 in Redis,
-#                                               kvtc 16x in Redis (default NAME: serve-redis)
-# options: bench/serve.py's. Needs make (kvtc-server; --redis also redis-server)
-# and a calibration (the default one: make calibrate, or the quick one
-# scripts/default_calib.sh fits). With the defaults (16 sessions x 3 turns,
-# 1K-4K tokens; the chat replay at budgets 128 and 512 MiB) ~40 min on 2
-# cores, ~30 min with --redis.
+# The serving benchmarks through kvtc-server, scored by answers (issue 29):
+#   bench/serve.sh [--redis] [--model qwen|smollm2] [NAME] [bench/serve.py options...]
+# Records are appended to bench/results/NAME.records.jsonl run by run (a rerun
+# computes only the runs they lack: `--blocks 1-3` adds blocks), then
+# bench/results/NAME.{md,json} are rebuilt from all of them.
+#   NAME default: serve (Qwen), serve-smollm2, serve-redis, serve-redis-smollm2
+#   --model qwen (default): Qwen2.5-Coder-1.5B-Instruct Q4_K_M, its calibration
+#     .deps/calib/qwen-160k.safetensors (make models-large calibrate-qwen)
+#   --model smollm2: SmolLM2-135M-Instruct, the default calibration (the quick
+#     variant; make calibrate for the full one)
+# Time on 2 EPYC cores, one block (12 sessions x 3 turns, 1K-2K tokens): SmolLM2
+# ~12 min for the single server's 10 runs, Qwen ~1 h (see the result files).
+# With no serve.py option but NAME, only the report is rebuilt.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 redis=
-if [ "${1-}" = --redis ]; then redis=--redis; shift; fi
-name=serve${redis:+-redis}
+model=qwen
+while [ $# -gt 0 ]; do
+  case $1 in
+    --redis) redis=--redis; shift ;;
+    --model) model=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
+case $model in
+  qwen) gguf="$top/.deps/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"; cal="$top/.deps/calib/qwen-160k.safetensors"
+        desc="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (28,672 bytes of f16 K+V per token)"; suffix= ;;
+  smollm2) gguf="$top/.deps/models/SmolLM2-135M-Instruct.Q4_1.gguf"; cal=$("$top/scripts/default_calib.sh" "$kvtc")
+           desc="SmolLM2-135M-Instruct Q4_1 (23,040 bytes of f16 K+V per token)"; suffix=-smollm2 ;;
+  *) echo "bench/serve.sh: --model qwen or smollm2, not '$model'" >&2; exit 2 ;;
+esac
+name=serve${redis:+-redis}$suffix
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then name=$1; shift; fi
-cal=$("$top/scripts/default_calib.sh" "$kvtc")
-model="$top/.deps/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-work="$top/out/bench-serve${redis:+-redis}"
-rm -rf "$work" && mkdir -p "$work"
-PYTHONPATH="$top/.deps/py" python3 "$top/bench/serve.py" ${redis:+"$redis"} --server "$top/build/kvtc-server" --model "$model" --calib "$cal" \
-  --corpus "$top/.deps/corpus" --work "$work" --out-json "$res/$name.json.part" "$@"
+rec="$res/$name.records.jsonl"
+if [ $# -gt 0 ]; then
+  [ -f "$gguf" ] || { echo "bench/serve.sh: $gguf missing: make models-large" >&2; exit 2; }
+  [ -f "$cal" ] || { echo "bench/serve.sh: $cal missing: make calibrate-qwen (or make calibrate)" >&2; exit 2; }
+  work="$top/out/bench-$name"
+  rm -rf "$work" && mkdir -p "$work"
+  PYTHONPATH="$top/.deps/py" python3 "$top/bench/serve.py" ${redis:+"$redis"} --server "$top/build/kvtc-server" --model "$gguf" \
+    --calib "$cal" --corpus "$top/.deps/corpus" --work "$work" --records "$rec" "$@"
+fi
+[ -s "$rec" ] || { echo "bench/serve.sh: no records in $rec yet: pass the runs to make (e.g. --blocks 0)" >&2; exit 2; }
 if [ -n "$redis" ]; then
-  title="two replicas sharing a Redis tier"
-  machine="$(result_cpu), $(nproc) threads, $(uname -sr); Redis $(redis-server --version | sed 's/.*v=\([^ ]*\).*/\1/') on loopback"
+  title="two replicas sharing a Redis tier, scored by answers"
+  where="; Redis $(redis-server --version | sed 's/.*v=\([^ ]*\).*/\1/') on loopback"
 else
-  title="multi-user chat replay"
-  machine="$(result_cpu), $(nproc) threads, $(uname -sr)"
+  title="the prompt cache, scored by answers"
+  where=
 fi
 {
   echo "# kvtc-server: $title"
   echo
-  echo "- command: \`bench/serve.sh ${redis:+--redis }$name $*\`"
-  echo "- commit: $(result_commit)"
-  echo "- machine: $machine"
-  echo "- model: SmolLM2-135M-Instruct Q4_1 (23,040 bytes of f16 K+V per token); calibration: $(basename "$cal")"
+  echo "- command: \`bench/serve.sh ${redis:+--redis }--model $model $name [options]\` (each run's options and commit below; records: \`bench/results/$name.records.jsonl\`)"
+  echo "- model: $desc; calibration: $(basename "$cal")$where"
   echo
-  python3 "$top/bench/serve_report.py" "$res/$name.json.part"
+  python3 "$top/bench/serve_report.py" "$rec" --json "$res/$name.json"
 } >"$res/$name.md.part"
 mv "$res/$name.md.part" "$res/$name.md"
-mv "$res/$name.json.part" "$res/$name.json"
 echo "wrote $res/$name.md"

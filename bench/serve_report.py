@@ -192,7 +192,7 @@ def build(recs):
             # holds, when it evicted none (every later turn a hit).
             if mode == "raw":
                 row["mib_per_conversation"] = statistics.fmean(p["mib"] / p["entries"] for p in per if p["entries"])
-            elif hits == len(later) and later:
+            elif later and all(r["restore"] and r["restore"]["tier"] == "ram" for r in later):
                 row["mib_per_conversation"] = statistics.fmean((p["mib"] + p["redis_mib"]) / p["sessions"] for p in per)
         if kvb and row["history_tokens_mean"]:
             row["f16_mib_per_conversation"] = row["history_tokens_mean"] * kvb / 2**20
@@ -252,7 +252,7 @@ def markdown(s):
              "the server logs it (lookup, fetch, decode, state load; prefetched restores wait off the loop); loop hold: the longest "
              "llama-server's `prompt cache update` held the server loop (a save, and the restore's state load when there is one). Storage: at the end of a block; per "
              "conversation: upstream's mean entry (each holds one conversation to one turn, whole); kvtc's store (chunks shared "
-             "between turns counted once) over the block's conversations, given only where it evicted none.")
+             "between turns counted once) over the block's conversations, given only where every later turn restored from RAM.")
     L.append("")
     L.append("| mode | hits (later turns) | later-turn tokens computed | TTFT later p50 / p95 s | TTFT mean, all turns s | restores | "
              "restore ms p50 | ms per 1K tokens | ms per MiB f16 | loop hold max ms | stored MiB (entries) | MiB per conversation (f16) |")

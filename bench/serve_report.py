@@ -189,10 +189,11 @@ def build(recs):
             row["redis_mib_end"] = statistics.fmean(p["redis_mib"] for p in per)
             # Upstream stores every turn whole: a conversation is its newest
             # entry. kvtc shares chunks: the store over the conversations it
-            # holds, when it evicted none (every later turn a hit).
+            # holds, when every later turn restored from RAM (serve.py's
+            # all_later_hit_ram, the rule that also skips a larger budget).
             if mode == "raw":
                 row["mib_per_conversation"] = statistics.fmean(p["mib"] / p["entries"] for p in per if p["entries"])
-            elif later and all(r["restore"] and r["restore"]["tier"] == "ram" for r in later):
+            elif all(x.get("all_later_hit_ram") for x in real):
                 row["mib_per_conversation"] = statistics.fmean((p["mib"] + p["redis_mib"]) / p["sessions"] for p in per)
         if kvb and row["history_tokens_mean"]:
             row["f16_mib_per_conversation"] = row["history_tokens_mean"] * kvb / 2**20

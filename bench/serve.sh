@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving benchmarks through kvtc-server, scored by answers (issue 29):
-#   bench/serve.sh [--redis] [--model qwen|smollm2] [NAME] [bench/serve.py options...]
+#   bench/serve.sh [--redis] [--model qwen|smollm2] [--calib FILE] [NAME] [bench/serve.py options...]
 # Records are appended to bench/results/NAME.records.jsonl run by run (a rerun
 # computes only the runs they lack: `--blocks 1-3` adds blocks), then
 # bench/results/NAME.{md,json} are rebuilt from all of them.
@@ -9,6 +9,9 @@
 #     .deps/calib/qwen-160k.safetensors (make models-large calibrate-qwen)
 #   --model smollm2: SmolLM2-135M-Instruct, the default calibration (the quick
 #     variant; make calibrate for the full one)
+#   --calib FILE: another calibration of the model (the report names it); one
+#     records file holds one calibration (serve_report refuses a mix): give
+#     such runs their own NAME
 # Time on 2 EPYC cores, one block (12 sessions x 6 turns, 1K-2K tokens): SmolLM2
 # ~12 min for the single server's 10 runs, Qwen ~1 h (see the result files).
 # With no serve.py option but NAME, only the report is rebuilt.
@@ -18,10 +21,12 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 . "$top/bench/lib.sh"
 redis=
 model=qwen
+calib=
 while [ $# -gt 0 ]; do
   case $1 in
     --redis) redis=--redis; shift ;;
     --model) model=$2; shift 2 ;;
+    --calib) calib=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -32,6 +37,7 @@ case $model in
            desc="SmolLM2-135M-Instruct Q4_1 (23,040 bytes of f16 K+V per token)"; suffix=-smollm2 ;;
   *) echo "bench/serve.sh: --model qwen or smollm2, not '$model'" >&2; exit 2 ;;
 esac
+[ -z "$calib" ] || cal=$calib
 name=serve${redis:+-redis}$suffix
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then name=$1; shift; fi
 rec="$res/$name.records.jsonl"

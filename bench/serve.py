@@ -65,6 +65,9 @@ TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESTORE = re.compile(r"kvtc: restored (\d+) tokens \(common prefix\) from the (\w+) tier in ([\d.]+) ms"
                      r"(?: \(Redis round trips ([\d.]+) ms, ([\d.]+) MiB\))?(?:; decoded off the loop, which it held ([\d.]+) ms)?")
 UPDATE = re.compile(r"prompt cache update took ([\d.]+) ms")
+# A save on release (with a Redis tier: each slot's prompt is saved when the
+# slot is released, outside the cache update) holds the loop too.
+SAVE_ON_RELEASE = re.compile(r"saving a \d+-token prompt \([\d.]+ MiB raw\) held the loop ([\d.]+) ms")
 SERVE_MODES = ("none", "raw", "exact", "kvtc16", "kvtc32", "ecsq")
 REDIS_MODES = ("local", "raw-redis", "kvtc16-redis")
 REFERENCE = {"serve": "exact", "redis": "raw-redis"}
@@ -196,7 +199,8 @@ def run(bench, mode, budget, block, sessions, a, ident, replies):
                              "task": sess["task"], "doc": sess["doc"], "turn": turn, "replica": rep, "answers": q["answers"],
                              "reply": reply, "score": sc, "edit_sim": es, "ttft_s": ttft, "total_s": total,
                              "prompt_n": tm.get("prompt_n"), "cache_n": tm.get("cache_n"), "prompt_ms": tm.get("prompt_ms"),
-                             "restore": restore_of(log), "cache_update_ms": [float(x) for x in UPDATE.findall(log)]})
+                             "restore": restore_of(log), "cache_update_ms": [float(x) for x in UPDATE.findall(log)],
+                             "save_hold_ms": [float(x) for x in SAVE_ON_RELEASE.findall(log)]})
                 print(f"[serve] {tag} s{sess['id']} t{turn} {sess['task']}: score {sc:.0f} ttft {ttft:.2f} s"
                       f" cache_n {tm.get('cache_n')} prompt_n {tm.get('prompt_n')}", file=sys.stderr, flush=True)
         wall = time.perf_counter() - t0

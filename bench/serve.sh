@@ -60,7 +60,7 @@ fi
 {
   echo "# kvtc-server: $title"
   echo
-  echo "- command: \`bench/serve.sh ${redis:+--redis }--model $model $name [options]\` (each run's options and commit below; records: \`bench/results/$name.records.jsonl\`)"
+  echo "- command: \`bench/serve.sh ${redis:+--redis }--model $model ${calib:+--calib $calib }$name [options]\` (each run's options and commit below; records: \`bench/results/$name.records.jsonl\`)"
   echo "- model: $desc; calibration: $(basename "$cal")$where"
   echo
   python3 "$top/bench/serve_report.py" "$rec" --json "$res/$name.json"

@@ -164,8 +164,10 @@ def build(recs):
         row["restore_ms_per_mib"] = (statistics.fmean([x["ms"] / (x["tokens"] * kvb / 2**20) for x in rest if x["tokens"]])
                                      if rest and kvb else None)
         # Every "prompt cache update" (llama-server's line: a save and a
-        # restore when there is one, on the loop), in every mode.
-        loops = [u for r in rq for u in r["cache_update_ms"]]
+        # restore when there is one, on the loop), in every mode, and every
+        # save's own hold (with Redis the release saves, outside an update;
+        # records before 2026-12-03 lack it).
+        loops = [u for r in rq for u in r["cache_update_ms"] + r.get("save_hold_ms", [])]
         row["loop_hold_max_ms"] = max(loops) if loops else None
         moved = [x["redis_mib"] for x in rest if x["redis_mib"] is not None]
         row["redis_mib_per_restore"] = statistics.fmean(moved) if moved else None
@@ -251,7 +253,7 @@ def markdown(s):
     L.append("Hits: later turns whose previous turn's whole prompt (90% at least) came back, by the tier it came from (`upstream`: "
              "llama-server's own RAM cache). TTFT: time to the first streamed token at the client. Restore: the whole restore as "
              "the server logs it (lookup, fetch, decode, state load; prefetched restores wait off the loop); loop hold: the longest "
-             "llama-server's `prompt cache update` held the server loop (a save, and the restore's state load when there is one). Storage: at the end of a block; per "
+             "llama-server's `prompt cache update` held the server loop (a save, and the restore's state load when there is one), or a save on a slot's release (with Redis). Storage: at the end of a block; per "
              "conversation: upstream's mean entry (each holds one conversation to one turn, whole); kvtc's store (chunks shared "
              "between turns counted once) over the block's conversations, given only where every later turn restored from RAM.")
     L.append("")

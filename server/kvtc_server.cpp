@@ -422,7 +422,9 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
     const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
     const std::string& tenant = slot_tenant(id_slot);  // the cells' own (a slot changing tenants is saved before it changes)
     if (!p->store->wants(tokens, size, tenant)) return false;
-    std::vector<uint8_t> blob(size);
+    // A kept buffer when there is one: a fresh one's page faults cost more
+    // than the copy (StoreOptions::spare_state_buffers).
+    std::vector<uint8_t> blob = p->store->state_buffer(size);
     if (llama_state_seq_get_data_ext(ctx, blob.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) {
       SRV_WRN("kvtc: could not read slot %d's state; not saved\n", id_slot);
       return false;
@@ -815,6 +817,10 @@ std::string kvtc_server_metrics() {
   item("pending_bytes", "gauge", "Raw bytes of the saves waiting", double(s.pending_bytes));
   item("pending_budget_bytes", "gauge", "Raw bytes the saves waiting may take (--kvtc-pending-mib); a save past it is not taken",
        double(s.pending_budget));
+  item("spare_buffer_bytes", "gauge", "Bytes of coded saves' buffers kept for the next save (page faults cost more than the copy)",
+       double(s.spare_bytes));
+  item("save_buffers_reused_total", "counter", "Saves that copied into a kept buffer", double(s.buffers_reused));
+  item("save_buffers_new_total", "counter", "Saves that copied into a new buffer", double(s.buffers_new));
   item("chunks_written_total", "counter", "Prefix chunks compressed", double(s.chunks_written));
   item("chunks_shared_total", "counter", "Prefix chunks a save found stored already", double(s.chunks_shared));
   if (s.redis_enabled) {

@@ -578,6 +578,53 @@ TEST(Store, StateBlobsInCapturesOut) {
   EXPECT_FALSE(state_from_capture(m->cache, {}).empty());
 }
 
+// A coded put_state's buffer is handed out again (its pages mapped: what
+// keeps a save's copy from paying a page fault per 4 KiB), the smallest one
+// with room, at most spare_state_buffers of them; what it restores is what
+// the blob held, whatever the buffer held before.
+TEST(Store, CodedStatesBuffersAreReused) {
+  StoreOptions o = small(true);
+  PromptStore s(cal(), lowrank_geometry(), o);
+  const auto p = seq(1000, 300), q = seq(2000, 200);
+  const auto blob = state_from_capture(prompt_capture(p), {});
+  std::vector<uint8_t> b = s.state_buffer(blob.size());
+  EXPECT_EQ(b.size(), blob.size());
+  std::copy(blob.begin(), blob.end(), b.begin());
+  const uint8_t* where = b.data();
+  s.put_state(p, std::move(b));
+  s.flush();
+  StoreStats st = s.stats();
+  EXPECT_EQ(st.buffers_new, 1u);
+  EXPECT_EQ(st.spare_buffers, 1u);
+  EXPECT_EQ(st.spare_bytes, blob.size());
+  // A smaller state gets the kept buffer, shrunk.
+  const auto qb = state_from_capture(prompt_capture(q), {});
+  ASSERT_LT(qb.size(), blob.size());
+  std::vector<uint8_t> c = s.state_buffer(qb.size());
+  EXPECT_EQ(c.data(), where);
+  EXPECT_EQ(c.size(), qb.size());
+  st = s.stats();
+  EXPECT_EQ(st.buffers_reused, 1u);
+  EXPECT_EQ(st.spare_buffers, 0u);
+  std::copy(qb.begin(), qb.end(), c.begin());
+  s.put_state(q, std::move(c));
+  s.flush();
+  auto m = s.take({}, q);
+  ASSERT_TRUE(m);
+  expect_prefix_of(m->cache, whole_roundtrip(q, small()), 200);
+  // One larger than any kept buffer is new.
+  std::vector<uint8_t> d = s.state_buffer(blob.size() + 1);
+  EXPECT_EQ(s.stats().buffers_new, 2u);
+  EXPECT_EQ(s.stats().spare_buffers, 1u);  // the one that held q, still kept
+  // None kept when asked so.
+  o.spare_state_buffers = 0;
+  PromptStore z(cal(), lowrank_geometry(), o);
+  z.put_state(p, blob);
+  z.flush();
+  EXPECT_EQ(z.stats().spare_buffers, 0u);
+  EXPECT_EQ(z.stats().spare_bytes, 0u);
+}
+
 // take_state writes the llama.cpp state straight from the decoded pieces;
 // it must be byte for byte what state_from_capture makes of take()'s cache,
 // for every tier a match can come from and every layout a context can have

@@ -641,7 +641,8 @@ class PyStore {
         kvtc::ContextState cs = kvtc::context_state_split(s, "put_state");
         b = std::move(cs.seq_blob);
       } else {
-        b.assign(s.begin(), s.end());
+        b = store().state_buffer(s.size());  // a kept buffer's pages are mapped already
+        std::copy(s.begin(), s.end(), b.begin());
       }
     }
     nb::gil_scoped_release unlocked;
@@ -693,6 +694,10 @@ class PyStore {
     KVTC_STAT(pending);
     KVTC_STAT(pending_bytes);
     KVTC_STAT(pending_budget);
+    KVTC_STAT(spare_buffers);
+    KVTC_STAT(spare_bytes);
+    KVTC_STAT(buffers_reused);
+    KVTC_STAT(buffers_new);
     KVTC_STAT(chunks_written);
     KVTC_STAT(chunks_shared);
     KVTC_STAT(hits_ram);

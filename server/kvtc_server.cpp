@@ -422,13 +422,19 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
     const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
     const std::string& tenant = slot_tenant(id_slot);  // the cells' own (a slot changing tenants is saved before it changes)
     if (!p->store->wants(tokens, size, tenant)) return false;
+    // Each step's share of the hold is logged: where a long hold comes from
+    // (a lock, page faults, the copy) is not otherwise visible.
+    const double ms_ask = ms_since(t0);
     // A kept buffer when there is one: a fresh one's page faults cost more
     // than the copy (StoreOptions::spare_state_buffers).
-    std::vector<uint8_t> blob = p->store->state_buffer(size);
+    bool kept = false;
+    std::vector<uint8_t> blob = p->store->state_buffer(size, &kept);
+    const double ms_buf = ms_since(t0) - ms_ask;
     if (llama_state_seq_get_data_ext(ctx, blob.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) {
       SRV_WRN("kvtc: could not read slot %d's state; not saved\n", id_slot);
       return false;
     }
+    const double ms_copy = ms_since(t0) - ms_ask - ms_buf;
     const size_t n = tokens.size();
     p->store->put_state(std::move(tokens), std::move(blob), tenant);
     const double ms = ms_since(t0);
@@ -438,7 +444,9 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
       p->times.save_ms += ms;
       p->times.save_max_ms = std::max(p->times.save_max_ms, ms);
     }
-    SRV_INF("kvtc: saving a %zu-token prompt (%.1f MiB raw) held the loop %.2f ms; compressing in the background\n", n, size / 1048576.0, ms);
+    SRV_INF("kvtc: saving a %zu-token prompt (%.1f MiB raw) held the loop %.2f ms (asking the store %.2f, %s buffer %.2f, copy %.2f, "
+            "queueing %.2f); compressing in the background\n",
+            n, size / 1048576.0, ms, ms_ask, kept ? "kept" : "new", ms_buf, ms_copy, ms - ms_ask - ms_buf - ms_copy);
     return true;
   } catch (const std::exception& e) {
     SRV_WRN("kvtc: prompt not saved: %s\n", e.what());
@@ -817,7 +825,7 @@ std::string kvtc_server_metrics() {
   item("pending_bytes", "gauge", "Raw bytes of the saves waiting", double(s.pending_bytes));
   item("pending_budget_bytes", "gauge", "Raw bytes the saves waiting may take (--kvtc-pending-mib); a save past it is not taken",
        double(s.pending_budget));
-  item("spare_buffer_bytes", "gauge", "Bytes of coded saves' buffers kept for the next save (page faults cost more than the copy)",
+  item("spare_buffer_bytes", "gauge", "Bytes of the buffers kept for the next save, as their last state used them (page faults cost more than the copy)",
        double(s.spare_bytes));
   item("save_buffers_reused_total", "counter", "Saves that copied into a kept buffer", double(s.buffers_reused));
   item("save_buffers_new_total", "counter", "Saves that copied into a new buffer", double(s.buffers_new));

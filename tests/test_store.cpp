@@ -612,10 +612,16 @@ TEST(Store, CodedStatesBuffersAreReused) {
   auto m = s.take({}, q);
   ASSERT_TRUE(m);
   expect_prefix_of(m->cache, whole_roundtrip(q, small()), 200);
-  // One larger than any kept buffer is new.
-  std::vector<uint8_t> d = s.state_buffer(blob.size() + 1);
+  // A new buffer reserves half as much again: a state a little longer
+  // (the next turn) fits the kept one; one past that is new.
+  bool kept = false;
+  std::vector<uint8_t> d = s.state_buffer(blob.size() + 1, &kept);
+  EXPECT_TRUE(kept);
+  EXPECT_EQ(d.data(), where);
+  std::vector<uint8_t> e = s.state_buffer(2 * blob.size(), &kept);
+  EXPECT_FALSE(kept);
   EXPECT_EQ(s.stats().buffers_new, 2u);
-  EXPECT_EQ(s.stats().spare_buffers, 1u);  // the one that held q, still kept
+  EXPECT_EQ(s.stats().buffers_reused, 2u);
   // None kept when asked so.
   o.spare_state_buffers = 0;
   PromptStore z(cal(), lowrank_geometry(), o);

@@ -268,8 +268,9 @@ class PromptStore {
   // A buffer of `bytes` bytes to copy a state into for put_state (contents
   // unspecified): a coded put's buffer when one with room is kept
   // (StoreOptions::spare_state_buffers; its pages are mapped already), else
-  // a new one. The caller owns it; give it to put_state, or drop it.
-  std::vector<uint8_t> state_buffer(size_t bytes);
+  // a new one (*kept, when given, says which). The caller owns it; give it
+  // to put_state, or drop it.
+  std::vector<uint8_t> state_buffer(size_t bytes, bool* kept = nullptr);
   void put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant = {});
 
   // The best stored prompt of `tenant` for `tokens` when the slot holds

@@ -59,21 +59,28 @@ bool PutQueue::fits(uint64_t bytes) const {
   return bytes_ + bytes <= budget_;
 }
 
-Bytes PutQueue::buffer(size_t bytes) {
+Bytes PutQueue::buffer(size_t bytes, bool* was_kept) {
   Bytes b;
   {
     std::lock_guard<std::mutex> g(mu_);
     bool kept = false;
-    // spare_ is sorted largest first: the last one with room is the smallest.
+    // spare_ is sorted by capacity, largest first: the last one with room
+    // is the smallest that fits.
     for (size_t i = spare_.size(); i-- > 0 && !kept;)
-      if (spare_[i].size() >= bytes) {
+      if (spare_[i].capacity() >= bytes) {
         b = std::move(spare_[i]);
         spare_.erase(spare_.begin() + std::ptrdiff_t(i));
         kept = true;
       }
     ++(kept ? reused_ : fresh_);
+    if (was_kept) *was_kept = kept;
   }
-  b.resize(bytes);  // a kept one shrinks (nothing written); a new one is allocated here, outside the lock
+  // Outside the lock. A new buffer reserves half as much again (address
+  // space only; a page costs only once written), so that the next turn of
+  // a conversation, a few hundred tokens longer, still fits it. A kept one
+  // shrinks without writing, or writes (faults) only the part it grows by.
+  if (b.capacity() < bytes) b.reserve(bytes + bytes / 2);
+  b.resize(bytes);
   return b;
 }
 
@@ -98,12 +105,21 @@ void PutQueue::run() {
     busy_ = false;
     // Its buffer is kept for the next save (unless a take's fetch still
     // reads it): the largest ones, at most spare_state_buffers.
+    Bytes dropped;  // freed (unmapped: milliseconds for tens of MiB) after the lock
     if (q.use_count() == 1 && !q->blob.empty() && ctx_.opt.spare_state_buffers > 0) {
       spare_.push_back(std::move(q->blob));
-      std::sort(spare_.begin(), spare_.end(), [](const Bytes& a, const Bytes& b) { return a.size() > b.size(); });
-      if (spare_.size() > size_t(ctx_.opt.spare_state_buffers)) spare_.resize(size_t(ctx_.opt.spare_state_buffers));
+      std::sort(spare_.begin(), spare_.end(), [](const Bytes& a, const Bytes& b) { return a.capacity() > b.capacity(); });
+      if (spare_.size() > size_t(ctx_.opt.spare_state_buffers)) {
+        dropped = std::move(spare_.back());
+        spare_.pop_back();
+      }
     }
     cv_idle_.notify_all();
+    if (!dropped.empty()) {
+      lk.unlock();
+      dropped = Bytes();
+      lk.lock();
+    }
   }
 }
 
@@ -168,7 +184,7 @@ void PutQueue::add_stats(StoreStats& s) const {
   s.pending_bytes = bytes_;
   s.pending_budget = ctx_.opt.async ? budget_ : 0;
   s.spare_buffers = spare_.size();
-  for (const Bytes& b : spare_) s.spare_bytes += b.capacity();
+  for (const Bytes& b : spare_) s.spare_bytes += b.size();  // what was written (mapped); the rest is address space
   s.buffers_reused = reused_;
   s.buffers_new = fresh_;
   TierStats t;

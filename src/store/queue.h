@@ -43,7 +43,7 @@ class PutQueue final : public Tier {
   uint64_t budget() const { return budget_; }
   // PromptStore::state_buffer: a kept buffer of a coded put with room for
   // `bytes` (the smallest such), else a new one; resized to `bytes`.
-  Bytes buffer(size_t bytes);
+  Bytes buffer(size_t bytes, bool* kept = nullptr);
   void flush();  // until every queued put is coded
   void stop();   // codes what is queued, then ends the worker; idempotent
 

@@ -311,8 +311,8 @@ void PromptStore::put_state(std::vector<int32_t> tokens, std::vector<uint8_t> bl
   impl_->enqueue(std::move(q));
 }
 
-std::vector<uint8_t> PromptStore::state_buffer(size_t bytes) {
-  return impl_->queue->buffer(bytes);
+std::vector<uint8_t> PromptStore::state_buffer(size_t bytes, bool* kept) {
+  return impl_->queue->buffer(bytes, kept);
 }
 
 void PromptStore::put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant) {

@@ -622,6 +622,20 @@ TEST(Store, CodedStatesBuffersAreReused) {
   EXPECT_FALSE(kept);
   EXPECT_EQ(s.stats().buffers_new, 2u);
   EXPECT_EQ(s.stats().buffers_reused, 2u);
+  // Readied ahead (a request's thread, before the loop saves): written
+  // once, then handed out kept; nothing new while one kept has room.
+  {
+    PromptStore r(cal(), lowrank_geometry(), o);
+    r.prepare_state_buffer(1000);
+    r.prepare_state_buffer(600);  // fits the one made
+    EXPECT_EQ(r.stats().buffers_prepared, 1u);
+    EXPECT_EQ(r.stats().spare_buffers, 1u);
+    EXPECT_EQ(r.stats().spare_bytes, 1000u);
+    std::vector<uint8_t> f = r.state_buffer(1200, &kept);  // within its 1.5x
+    EXPECT_TRUE(kept);
+    EXPECT_EQ(r.stats().buffers_new, 0u);
+    EXPECT_EQ(r.stats().spare_buffers, 0u);
+  }
   // None kept when asked so.
   o.spare_state_buffers = 0;
   PromptStore z(cal(), lowrank_geometry(), o);
@@ -629,6 +643,8 @@ TEST(Store, CodedStatesBuffersAreReused) {
   z.flush();
   EXPECT_EQ(z.stats().spare_buffers, 0u);
   EXPECT_EQ(z.stats().spare_bytes, 0u);
+  z.prepare_state_buffer(1000);
+  EXPECT_EQ(z.stats().buffers_prepared, 0u);
 }
 
 // take_state writes the llama.cpp state straight from the decoded pieces;

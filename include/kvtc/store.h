@@ -191,6 +191,7 @@ struct StoreStats {
   uint64_t pending_budget = 0;                     // the queue's budget (max_pending_bytes, or its default); 0: no queue (not async)
   uint64_t spare_buffers = 0, spare_bytes = 0;     // coded puts' buffers kept for state_buffer(), and their bytes
   uint64_t buffers_reused = 0, buffers_new = 0;    // state_buffer() calls served from a kept buffer, and with a new one
+  uint64_t buffers_prepared = 0;                   // buffers prepare_state_buffer() made
   uint64_t chunks_written = 0, chunks_shared = 0;  // chunks coded, and chunks a put found stored already
   uint64_t hits_ram = 0, hits_pending = 0, hits_disk = 0, hits_redis = 0, misses = 0;
   uint64_t tokens_restored = 0;
@@ -271,6 +272,12 @@ class PromptStore {
   // a new one (*kept, when given, says which). The caller owns it; give it
   // to put_state, or drop it.
   std::vector<uint8_t> state_buffer(size_t bytes, bool* kept = nullptr);
+  // Makes sure a kept buffer with room for `bytes` exists, writing a new
+  // one's pages here (~20 ms for 50 MiB), so that a coming save's
+  // state_buffer() does not (kvtc-server calls it from a request's thread
+  // before the loop saves the slot it will reuse). Counted in
+  // StoreStats::buffers_prepared.
+  void prepare_state_buffer(size_t bytes);
   void put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant = {});
 
   // The best stored prompt of `tenant` for `tokens` when the slot holds

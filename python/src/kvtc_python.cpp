@@ -698,6 +698,7 @@ class PyStore {
     KVTC_STAT(spare_bytes);
     KVTC_STAT(buffers_reused);
     KVTC_STAT(buffers_new);
+    KVTC_STAT(buffers_prepared);
     KVTC_STAT(chunks_written);
     KVTC_STAT(chunks_shared);
     KVTC_STAT(hits_ram);

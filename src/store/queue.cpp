@@ -84,6 +84,35 @@ Bytes PutQueue::buffer(size_t bytes, bool* was_kept) {
   return b;
 }
 
+Bytes PutQueue::keep(Bytes b) {
+  spare_.push_back(std::move(b));
+  std::sort(spare_.begin(), spare_.end(), [](const Bytes& x, const Bytes& y) { return x.capacity() > y.capacity(); });
+  Bytes dropped;
+  if (spare_.size() > size_t(std::max(0, ctx_.opt.spare_state_buffers))) {
+    dropped = std::move(spare_.back());
+    spare_.pop_back();
+  }
+  return dropped;
+}
+
+void PutQueue::prepare(size_t bytes) {
+  if (!ctx_.opt.async || ctx_.opt.spare_state_buffers <= 0 || bytes == 0) return;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const Bytes& b : spare_)
+      if (b.capacity() >= bytes) return;
+  }
+  Bytes b;
+  b.reserve(bytes + bytes / 2);  // as buffer() does
+  b.resize(bytes);               // written: its pages are mapped now, on the caller's thread
+  Bytes dropped;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ++prepared_;
+    dropped = keep(std::move(b));
+  }
+}
+
 void PutQueue::flush() {
   std::unique_lock<std::mutex> lk(mu_);
   cv_idle_.wait(lk, [&] { return queue_.empty() && !busy_; });
@@ -106,14 +135,7 @@ void PutQueue::run() {
     // Its buffer is kept for the next save (unless a take's fetch still
     // reads it): the largest ones, at most spare_state_buffers.
     Bytes dropped;  // freed (unmapped: milliseconds for tens of MiB) after the lock
-    if (q.use_count() == 1 && !q->blob.empty() && ctx_.opt.spare_state_buffers > 0) {
-      spare_.push_back(std::move(q->blob));
-      std::sort(spare_.begin(), spare_.end(), [](const Bytes& a, const Bytes& b) { return a.capacity() > b.capacity(); });
-      if (spare_.size() > size_t(ctx_.opt.spare_state_buffers)) {
-        dropped = std::move(spare_.back());
-        spare_.pop_back();
-      }
-    }
+    if (q.use_count() == 1 && !q->blob.empty() && ctx_.opt.spare_state_buffers > 0) dropped = keep(std::move(q->blob));
     cv_idle_.notify_all();
     if (!dropped.empty()) {
       lk.unlock();
@@ -187,6 +209,7 @@ void PutQueue::add_stats(StoreStats& s) const {
   for (const Bytes& b : spare_) s.spare_bytes += b.size();  // what was written (mapped); the rest is address space
   s.buffers_reused = reused_;
   s.buffers_new = fresh_;
+  s.buffers_prepared = prepared_;
   TierStats t;
   t.name = name();
   t.entries = queue_.size();

@@ -44,6 +44,9 @@ class PutQueue final : public Tier {
   // PromptStore::state_buffer: a kept buffer of a coded put with room for
   // `bytes` (the smallest such), else a new one; resized to `bytes`.
   Bytes buffer(size_t bytes, bool* kept = nullptr);
+  // PromptStore::prepare_state_buffer: a new kept buffer for `bytes`,
+  // written, unless one with room is kept already.
+  void prepare(size_t bytes);
   void flush();  // until every queued put is coded
   void stop();   // codes what is queued, then ends the worker; idempotent
 
@@ -81,7 +84,10 @@ class PutQueue final : public Tier {
   uint64_t bytes_ = 0;
   uint64_t next_seq_ = 1;
   std::vector<Bytes> spare_;  // coded puts' state buffers (size == what they held), at most opt.spare_state_buffers
-  uint64_t reused_ = 0, fresh_ = 0;
+  uint64_t reused_ = 0, fresh_ = 0, prepared_ = 0;
+  // Under mu_: b joins the kept buffers (largest capacities kept); returns
+  // the one that no longer fits their number, to be freed outside the lock.
+  Bytes keep(Bytes b);
   bool busy_ = false, stopping_ = false;
   int takers_ = 0;
   std::thread worker_;

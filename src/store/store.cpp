@@ -315,6 +315,10 @@ std::vector<uint8_t> PromptStore::state_buffer(size_t bytes, bool* kept) {
   return impl_->queue->buffer(bytes, kept);
 }
 
+void PromptStore::prepare_state_buffer(size_t bytes) {
+  impl_->queue->prepare(bytes);
+}
+
 void PromptStore::put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant) {
   auto q = std::make_shared<Pending>();
   q->tokens = std::move(tokens);

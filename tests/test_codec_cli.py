@@ -18,7 +18,7 @@ import sys
 import tempfile
 import unittest
 
-from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, run, run_lab
+from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, read_safetensors, run, run_lab
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,6 +54,28 @@ class Codec(unittest.TestCase):
 
     def compress(self, ratio, out, *extra):
         return json.loads(run("compress", self.cap, "--calib", self.cal, "-r", str(ratio), "-o", out, "--json", *extra, check=0).stdout)
+
+    def test_calibration_bytes_do_not_depend_on_the_blas_kernels(self):
+        # docs/calibration-format.md "Reproducible calibration": OpenBLAS's kernels
+        # (chosen per CPU) and its thread count round the sums differently;
+        # `kvtc calibrate` pins both, so other choices in the environment give
+        # the same id. Sandybridge's AVX kernels run on every CPU kvtc does.
+        # ~5 s per calibration on 2 cores.
+        args = ("calibrate", "-m", SMOL, "--tokens", "1024", "--heldout", "256", "--doc-tokens", "1024", "--rank-max", "128",
+                "--ratios", "16", "--json")
+
+        def cal(name, **env):
+            p = run(*args, "-o", self.path(name), check=0, env={**os.environ, **env})
+            return json.loads(p.stdout)["calibration_id"]
+
+        pinned = cal("pinned.safetensors")
+        self.assertEqual(cal("other.safetensors", OPENBLAS_CORETYPE="Sandybridge", OPENBLAS_NUM_THREADS="1"), pinned)
+        _, meta, _ = read_safetensors(self.path("other.safetensors"))
+        self.assertIn("OpenBLAS Haswell, OPENBLAS_NUM_THREADS=2 (pinned", meta["blas"])
+        # Unpinned, the same environment gives other bytes (what the pin is for;
+        # were they equal, this test could not tell a broken pin).
+        self.assertNotEqual(cal("native.safetensors", KVTC_CALIB_BLAS="native", OPENBLAS_CORETYPE="Sandybridge", OPENBLAS_NUM_THREADS="1"),
+                            pinned)
 
     def test_calibration_summary(self):
         s = self.summary

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,8 @@
 #include "commands.h"
 #include "kvtc/kvtc.h"
 #include "kvtc/llama.h"
+
+extern "C" char* openblas_get_corename(void) __attribute__((weak));  // weak: another BLAS still links
 
 namespace kvtc::cli {
 
@@ -111,6 +114,15 @@ Action add_calibrate(CLI::App& app) {
     };
     Calibration cal = calibrate_from_corpus(*o, prog);
     if (tty) std::fprintf(stderr, "\n");
+    // Which BLAS kernels made it (main.cpp pins them; KVTC_CALIB_BLAS=native does not).
+    const char* env_core = std::getenv("OPENBLAS_CORETYPE");
+    const char* env_threads = std::getenv("OPENBLAS_NUM_THREADS");
+    const char* blas_mode = std::getenv("KVTC_CALIB_BLAS");
+    cal.meta["blas"] = std::string("OpenBLAS ") + (openblas_get_corename ? openblas_get_corename() : "(another BLAS)") +
+                       ", OPENBLAS_NUM_THREADS=" + (env_threads ? env_threads : "unset") +
+                       (blas_mode && std::string(blas_mode) == "native" ? " (KVTC_CALIB_BLAS=native: not pinned)"
+                        : env_core                                      ? " (pinned: the same bytes on any x86-64-v3 CPU)"
+                                                                        : "");
     calibration_save(*out, cal);
     nlohmann::ordered_json j = calib_summary(cal, *out);
     j["seconds"] = ms_since(t0) / 1000;

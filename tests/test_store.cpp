@@ -631,7 +631,11 @@ TEST(Store, CodedStatesBuffersAreReused) {
     EXPECT_EQ(r.stats().buffers_prepared, 1u);
     EXPECT_EQ(r.stats().spare_buffers, 1u);
     EXPECT_EQ(r.stats().spare_bytes, 1000u);
-    std::vector<uint8_t> f = r.state_buffer(1200, &kept);  // within its 1.5x
+    r.prepare_state_buffer(1400);  // within its 1.5x: the same buffer, written further
+    EXPECT_EQ(r.stats().buffers_prepared, 2u);
+    EXPECT_EQ(r.stats().spare_buffers, 1u);
+    EXPECT_EQ(r.stats().spare_bytes, 1400u);
+    std::vector<uint8_t> f = r.state_buffer(1200, &kept);
     EXPECT_TRUE(kept);
     EXPECT_EQ(r.stats().buffers_new, 0u);
     EXPECT_EQ(r.stats().spare_buffers, 0u);

@@ -272,9 +272,9 @@ class PromptStore {
   // a new one (*kept, when given, says which). The caller owns it; give it
   // to put_state, or drop it.
   std::vector<uint8_t> state_buffer(size_t bytes, bool* kept = nullptr);
-  // Makes sure a kept buffer with room for `bytes` exists, writing a new
-  // one's pages here (~20 ms for 50 MiB), so that a coming save's
-  // state_buffer() does not (kvtc-server calls it from a request's thread
+  // Makes sure a kept buffer with room for `bytes`, written that far,
+  // exists: a new one's pages (~20 ms for 50 MiB), or a kept one's growth,
+  // are written here, so that a coming save's state_buffer() does not (kvtc-server calls it from a request's thread
   // before the loop saves the slot it will reuse). Counted in
   // StoreStats::buffers_prepared.
   void prepare_state_buffer(size_t bytes);

@@ -97,14 +97,21 @@ Bytes PutQueue::keep(Bytes b) {
 
 void PutQueue::prepare(size_t bytes) {
   if (!ctx_.opt.async || ctx_.opt.spare_state_buffers <= 0 || bytes == 0) return;
+  Bytes b;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (const Bytes& b : spare_)
-      if (b.capacity() >= bytes) return;
+    // The one buffer() would hand out (the smallest with room): ready when
+    // written that far already; else it grows here, outside the lock.
+    for (size_t i = spare_.size(); i-- > 0;)
+      if (spare_[i].capacity() >= bytes) {
+        if (spare_[i].size() >= bytes) return;
+        b = std::move(spare_[i]);
+        spare_.erase(spare_.begin() + std::ptrdiff_t(i));
+        break;
+      }
   }
-  Bytes b;
-  b.reserve(bytes + bytes / 2);  // as buffer() does
-  b.resize(bytes);               // written: its pages are mapped now, on the caller's thread
+  if (b.capacity() < bytes) b.reserve(bytes + bytes / 2);  // as buffer() does
+  b.resize(bytes);  // written: its pages are mapped now, on the caller's thread
   Bytes dropped;
   {
     std::lock_guard<std::mutex> g(mu_);

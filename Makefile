@@ -23,6 +23,7 @@
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make calibrate-qwen  the large model's calibration (160K tokens, ~1 h)
 #   make bench-ratio-qwen    ratio and error on its caches   -> bench/results/ratio-qwen.md
+#   make bench-calib-curve-qwen  error and bytes by calibration tokens (8K-160K) -> bench/results/calibration-qwen-curve.md
 #   make bench-quality-qwen  its quality, resumable (hours)  -> bench/results/quality-qwen.md
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
@@ -34,7 +35,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -105,6 +106,21 @@ bench-quality-qwen: $(QWEN_CALIB) build
 
 bench-ratio-qwen: $(QWEN_CALIB) build
 	python3 bench/ratio.py --calib $(QWEN_CALIB) --model qwen --name ratio-qwen
+
+# How many calibration tokens are enough (issue 30): Qwen calibrations of
+# 8K-64K tokens beside the 160K one, each on the same evaluation caches at
+# ratios around 16x and 32x, and the bytes each needs for the 160K one's
+# error (bench/calib_curve.py) -> bench/results/calibration-qwen-curve.md.
+# The fits are mostly prefill, ~25 s per 1K tokens on 2 cores: ~3 h in all
+# with the 160K one, ~50 min without it.
+QWEN_SIZE_CALIBS := $(foreach n,8 16 32 64,.deps/calib/qwen-$(n)k.safetensors)
+.deps/calib/qwen-%k.safetensors: | build $(CORPUS)
+	@$(MAKE) --no-print-directory models-large
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --model qwen --tokens $$(( $* * 1024 )) --doc-tokens 8192 -o $@ --json > .deps/calib/qwen-$*k.json
+
+bench-calib-curve-qwen: $(QWEN_CALIB) $(QWEN_SIZE_CALIBS) build
+	python3 bench/calib_curve.py --model qwen --ref $(QWEN_CALIB) --calib $(QWEN_SIZE_CALIBS) --name calibration-qwen-curve
 
 # The serving benchmark scored by answers (bench/serve.sh) on Qwen2.5-Coder-1.5B
 # -> bench/results/serve.md: SERVE_BLOCKS blocks of 12 six-turn sessions

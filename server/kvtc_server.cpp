@@ -448,9 +448,10 @@ bool kvtc_prompt_cache::save(const server_prompt& prompt, llama_context* ctx, in
       p->times.save_ms += ms;
       p->times.save_max_ms = std::max(p->times.save_max_ms, ms);
     }
-    SRV_INF("kvtc: saving a %zu-token prompt (%.1f MiB raw) held the loop %.2f ms (asking the store %.2f, %s buffer %.2f, copy %.2f, "
-            "queueing %.2f); compressing in the background\n",
-            n, size / 1048576.0, ms, ms_ask, kept ? "kept" : "new", ms_buf, ms_copy, ms - ms_ask - ms_buf - ms_copy);
+    SRV_INF(
+        "kvtc: saving a %zu-token prompt (%.1f MiB raw) held the loop %.2f ms (asking the store %.2f, %s buffer %.2f, copy %.2f, "
+        "queueing %.2f); compressing in the background\n",
+        n, size / 1048576.0, ms, ms_ask, kept ? "kept" : "new", ms_buf, ms_copy, ms - ms_ask - ms_buf - ms_copy);
     return true;
   } catch (const std::exception& e) {
     SRV_WRN("kvtc: prompt not saved: %s\n", e.what());
@@ -724,7 +725,7 @@ void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant
     e.tokens = tokens.get_text_tokens();
     if (e.tokens.empty()) return;
     e.recompute = !cache_prompt;
-    llama_tokens best;  // the idle slot of this tenant that shares the most with the prompt: where it will likely run
+    llama_tokens best;                 // the idle slot of this tenant that shares the most with the prompt: where it will likely run
     size_t longest = e.tokens.size();  // the longest prompt the loop may save next: an idle slot's, or this one's on release
     {
       std::lock_guard<std::mutex> g(I->pf_mu);
@@ -844,8 +845,8 @@ std::string kvtc_server_metrics() {
   item("pending_bytes", "gauge", "Raw bytes of the saves waiting", double(s.pending_bytes));
   item("pending_budget_bytes", "gauge", "Raw bytes the saves waiting may take (--kvtc-pending-mib); a save past it is not taken",
        double(s.pending_budget));
-  item("spare_buffer_bytes", "gauge", "Bytes of the buffers kept for the next save, as their last state used them (page faults cost more than the copy)",
-       double(s.spare_bytes));
+  item("spare_buffer_bytes", "gauge",
+       "Bytes of the buffers kept for the next save, as their last state used them (page faults cost more than the copy)", double(s.spare_bytes));
   item("save_buffers_reused_total", "counter", "Saves that copied into a kept buffer", double(s.buffers_reused));
   item("save_buffers_new_total", "counter", "Saves that copied into a new buffer", double(s.buffers_new));
   item("save_buffers_prepared_total", "counter", "Buffers written off the loop for a coming save (by a request's prefetch)",

@@ -274,9 +274,9 @@ class PromptStore {
   std::vector<uint8_t> state_buffer(size_t bytes, bool* kept = nullptr);
   // Makes sure a kept buffer with room for `bytes`, written that far,
   // exists: a new one's pages (~20 ms for 50 MiB), or a kept one's growth,
-  // are written here, so that a coming save's state_buffer() does not (kvtc-server calls it from a request's thread
-  // before the loop saves the slot it will reuse). Counted in
-  // StoreStats::buffers_prepared.
+  // are written here, so that a coming save's state_buffer() does not
+  // (kvtc-server calls it from a request's thread before the loop saves
+  // the slot it will reuse). Counted in StoreStats::buffers_prepared.
   void prepare_state_buffer(size_t bytes);
   void put(std::vector<int32_t> tokens, KvCapture cache, std::string_view tenant = {});
 

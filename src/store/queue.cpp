@@ -59,28 +59,41 @@ bool PutQueue::fits(uint64_t bytes) const {
   return bytes_ + bytes <= budget_;
 }
 
+namespace {
+
+// A buffer grown (or shrunk) to `bytes`. A new one reserves half as much
+// again (address space only; a page costs only once written), so that the
+// next turn of a conversation, a few hundred tokens longer, still fits it;
+// a kept one shrinks without writing, or writes (faults) only what it grows by.
+void fit(Bytes& b, size_t bytes) {
+  if (b.capacity() < bytes) b.reserve(bytes + bytes / 2);
+  b.resize(bytes);
+}
+
+}  // namespace
+
+size_t PutQueue::spare_for(size_t bytes) const {
+  // spare_ is sorted by capacity, largest first: the last one with room is
+  // the smallest that fits.
+  for (size_t i = spare_.size(); i-- > 0;)
+    if (spare_[i].capacity() >= bytes) return i;
+  return spare_.size();
+}
+
 Bytes PutQueue::buffer(size_t bytes, bool* was_kept) {
   Bytes b;
   {
     std::lock_guard<std::mutex> g(mu_);
-    bool kept = false;
-    // spare_ is sorted by capacity, largest first: the last one with room
-    // is the smallest that fits.
-    for (size_t i = spare_.size(); i-- > 0 && !kept;)
-      if (spare_[i].capacity() >= bytes) {
-        b = std::move(spare_[i]);
-        spare_.erase(spare_.begin() + std::ptrdiff_t(i));
-        kept = true;
-      }
+    const size_t i = spare_for(bytes);
+    const bool kept = i < spare_.size();
+    if (kept) {
+      b = std::move(spare_[i]);
+      spare_.erase(spare_.begin() + std::ptrdiff_t(i));
+    }
     ++(kept ? reused_ : fresh_);
     if (was_kept) *was_kept = kept;
   }
-  // Outside the lock. A new buffer reserves half as much again (address
-  // space only; a page costs only once written), so that the next turn of
-  // a conversation, a few hundred tokens longer, still fits it. A kept one
-  // shrinks without writing, or writes (faults) only the part it grows by.
-  if (b.capacity() < bytes) b.reserve(bytes + bytes / 2);
-  b.resize(bytes);
+  fit(b, bytes);  // outside the lock
   return b;
 }
 
@@ -100,19 +113,17 @@ void PutQueue::prepare(size_t bytes) {
   Bytes b;
   {
     std::lock_guard<std::mutex> g(mu_);
-    // The one buffer() would hand out (the smallest with room): ready when
-    // written that far already; else it grows here, outside the lock.
-    for (size_t i = spare_.size(); i-- > 0;)
-      if (spare_[i].capacity() >= bytes) {
-        if (spare_[i].size() >= bytes) return;
-        b = std::move(spare_[i]);
-        spare_.erase(spare_.begin() + std::ptrdiff_t(i));
-        break;
-      }
+    // The one buffer() would hand out: ready when written that far already;
+    // else it grows here, outside the lock.
+    const size_t i = spare_for(bytes);
+    if (i < spare_.size()) {
+      if (spare_[i].size() >= bytes) return;
+      b = std::move(spare_[i]);
+      spare_.erase(spare_.begin() + std::ptrdiff_t(i));
+    }
   }
-  if (b.capacity() < bytes) b.reserve(bytes + bytes / 2);  // as buffer() does
-  b.resize(bytes);  // written: its pages are mapped now, on the caller's thread
-  Bytes dropped;
+  fit(b, bytes);  // written: its pages are mapped now, on the caller's thread
+  Bytes dropped;  // freed after the lock
   {
     std::lock_guard<std::mutex> g(mu_);
     ++prepared_;

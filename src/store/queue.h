@@ -88,6 +88,9 @@ class PutQueue final : public Tier {
   // Under mu_: b joins the kept buffers (largest capacities kept); returns
   // the one that no longer fits their number, to be freed outside the lock.
   Bytes keep(Bytes b);
+  // Under mu_: the index in spare_ of the smallest kept buffer with room for
+  // `bytes`, or spare_.size() when none has.
+  size_t spare_for(size_t bytes) const;
   bool busy_ = false, stopping_ = false;
   int takers_ = 0;
   std::thread worker_;

@@ -24,7 +24,7 @@ set(KVTC_ENCODER_SOURCES src/codec/encode.cpp)
 # calibration: the DP bit allocation (allocations for any ratio), and the
 # fitter with its PCA (LAPACK; no llama.cpp)
 set(KVTC_ALLOC_SOURCES src/calib/dp.cpp src/calib/alloc.cpp)
-set(KVTC_FIT_SOURCES src/calib/pca.cpp src/calib/fit.cpp)
+set(KVTC_FIT_SOURCES src/calib/pca.cpp src/calib/fit.cpp src/calib/online.cpp)
 set(KVTC_CALIB_SOURCES ${KVTC_ALLOC_SOURCES} ${KVTC_FIT_SOURCES})
 # the prompt store: tiers of compressed prompt caches (encoder + decoder)
 set(KVTC_STORE_SOURCES src/store/store.cpp src/store/keys.cpp src/store/pieces.cpp src/store/queue.cpp src/store/ram_tier.cpp src/store/disk_tier.cpp

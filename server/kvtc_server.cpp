@@ -6,18 +6,27 @@
 #include <kvtc/llama.h>
 #include <openssl/evp.h>
 #include <string.h>  // explicit_bzero
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "llama.h"
 #include "server-common.h"
@@ -155,7 +164,42 @@ std::string api_key_of(const std::map<std::string, std::string>& headers) {
 
 }  // namespace
 
+// --kvtc-calib auto: the statistics of the prompts served, on a thread of
+// its own (nice 19), then the fit and the store it enables. The loop hands
+// it one slot state at a time (learn()); one that comes while it is busy is
+// not learned from. Fields under mu.
+struct Learner {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false, has_job = false;
+  std::vector<uint8_t> blob, spare;  // the job's state; the buffer kept for the next copy
+  llama_tokens tokens;
+  std::string state = "learning";  // learning, fitting, ready (the store built, the loop switches), live, failed
+  std::string error, file, calib_id;
+  uint64_t seen = 0, fresh = 0, fit = 0, held = 0, fit_target = 0, held_target = 0;
+  uint64_t samples = 0, busy = 0, refused = 0, moved = 0;
+  uint32_t stride = 1;
+  double cpu_ms = 0, row_ms = 0;  // learning's thread CPU time; its decayed cost per row
+  double loop_ms = 0, loop_max_ms = 0, fit_s = 0;
+  std::unique_ptr<kvtc::PromptStore> ready;
+  std::thread th;
+};
+
 struct kvtc_prompt_cache::impl {
+  ~impl() {
+    if (learner && learner->th.joinable()) {
+      {
+        std::lock_guard<std::mutex> g(learner->mu);
+        learner->stop = true;
+      }
+      learner->cv.notify_all();
+      learner->th.join();  // a fit under way finishes first (CalibrationFitter::finish has no cancel)
+    }
+  }
+  // --kvtc-calib auto: the learner, and whether the store is in place (set
+  // once, by the loop, after `store`; read by HTTP threads before they touch it).
+  std::unique_ptr<Learner> learner;
+  std::atomic<bool> live{false};
   // A slot whose cells a context shift moved: its tokens from n_keep on
   // (at most kShiftWindow of them) right after the shift. While the slot's
   // tokens still continue them, its cache is the shifted one.
@@ -182,6 +226,10 @@ struct kvtc_prompt_cache::impl {
     std::string tenant;
     llama_tokens tokens;  // the request's prompt
     uint32_t held = 0;    // the prefix an idle slot held when the store was asked (a match had to beat it)
+    // LoopTimes::saves before the store was asked: a save since then (the
+    // request's own previous turn, still in its slot when a quick client's
+    // next request arrived) may hold what the prefetch could not find.
+    uint64_t saves_at = 0;
     // The state for llama_state_seq_set_data, built for sequence 0: at the
     // pinned llama.cpp the host path reads the blob's sequence ids and
     // discards them (llama_context::state_seq_set_data, then
@@ -232,6 +280,11 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "----- kvtc (compressed prompt cache) -----\n\n"
           "--kvtc-calib FNAME       kvtc calibration of this model (kvtc calibrate); enables kvtc: the prompt cache\n"
           "                         (--cache-ram, now of compressed bytes) keeps prompts compressed\n"
+          "--kvtc-calib auto        learn the calibration from the prompts served: they are kept raw (upstream's cache) until\n"
+          "                         it is fitted (in the background), then compressed; written beside --kvtc-disk, reused at start\n"
+          "--kvtc-calib-tokens N    auto: tokens learned before the fit (default: 32768; held out: N/16 more)\n"
+          "--kvtc-calib-share X     auto: learning's CPU time at most X times the prefill time of the tokens it learns from\n"
+          "                         (tokens are sampled to keep it; default: 0.05)\n"
           "--kvtc-ratio N           nominal compression ratio of the coded tokens (default: 16)\n"
           "--kvtc-disk PATH         a disk tier below RAM: compressed prompts survive restarts\n"
           "--kvtc-disk-mib N        the disk tier's budget in MiB (default: 0, no limit)\n"
@@ -338,6 +391,12 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-redis-user") {
         p.redis_user = val;
         used = val.size();
+      } else if (a == "--kvtc-calib-tokens") {
+        p.calib_tokens = std::stoll(val, &used);
+        if (p.calib_tokens < 64 || p.calib_tokens > (int64_t(1) << 32)) throw std::out_of_range("");
+      } else if (a == "--kvtc-calib-share") {
+        p.calib_share = std::stod(val, &used);
+        if (!(p.calib_share > 0 && p.calib_share <= 1000)) throw std::out_of_range("");
       } else if (a == "--kvtc-restore-max-cost") {
         p.restore_max_cost = std::stod(val, &used);
         if (!(p.restore_max_cost > 0 && p.restore_max_cost <= 1e9)) throw std::out_of_range("");
@@ -346,14 +405,16 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         if (p.redis_ttl_s < 0) throw std::out_of_range("");
       } else {
         err = a +
-              ": unknown kvtc flag (--kvtc-calib, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, --kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
+              ": unknown kvtc flag (--kvtc-calib, --kvtc-calib-tokens, --kvtc-calib-share, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, "
+              "--kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
               "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-redis-user, --kvtc-redis-password-file, --kvtc-secret-file, "
               "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-no-prefetch, --kvtc-restore-max-cost, --kvtc-tenant-from-api-key)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
     } catch (const std::exception&) {
-      err = a + ": bad value '" + val + "' (ratio in [1, 4096], restore cost in (0, 1e9], sizes and threads whole numbers >= 0)";
+      err = a + ": bad value '" + val +
+            "' (ratio in [1, 4096], restore cost in (0, 1e9], calibration tokens >= 64, share in (0, 1000], sizes and threads whole numbers >= 0)";
       return false;
     }
   }
@@ -468,7 +529,7 @@ void kvtc_prompt_cache::on_release(const server_prompt& prompt, llama_context* c
     std::lock_guard<std::mutex> g(p->pf_mu);
     p->idle[id_slot] = {slot_tenant(id_slot), prompt.tokens.get_text_tokens()};
   }
-  if (p->opt.redis_url.empty() && p->opt.redis_cluster.empty()) return;
+  if (!p->live || (p->opt.redis_url.empty() && p->opt.redis_cluster.empty())) return;
   (void)save(prompt, ctx, id_slot);
 }
 
@@ -489,6 +550,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   const std::string& tenant = slot_tenant(id_slot);
   // This request's prefetch, if it ran: the store was asked already, off the loop.
   std::optional<impl::Prefetched> pf;
+  uint64_t saves_now = 0;
   {
     std::lock_guard<std::mutex> g(p->pf_mu);
     p->idle.erase(id_slot);  // busy until released
@@ -504,6 +566,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   {
     std::lock_guard<std::mutex> g(p->mu);
     sample_prefill(p->times, ctx);
+    saves_now = p->times.saves;
     // No prefetch ran (--kvtc-no-prefetch, or it was dropped): the choice is made here.
     if (!pf && !restore_pays(p->times, kvtc_server_config().restore_max_cost)) return true;
   }
@@ -519,9 +582,13 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
       m = std::move(pf->m);
       prefetched = true;
       off_loop_ms = pf->ms;
-    } else if (have >= pf->held) {
-      return true;  // nothing stored beats the slot's own: the prefetch asked the store
+    } else if (have >= pf->held && saves_now == pf->saves_at) {
+      return true;  // nothing stored beats the slot's own: the prefetch asked the store, and nothing was saved since
     }
+    // Else the store is asked again here: a prompt saved after the prefetch
+    // (its own previous turn, when the request came before that turn's slot
+    // was released and then taken by another task) would otherwise be
+    // recomputed (seen in the two-slot test under load: 1 run in 8).
   }
   try {
     if (!m) {
@@ -560,12 +627,269 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   return true;
 }
 
-void kvtc_prompt_cache::update() {
+bool kvtc_prompt_cache::learning() const {
+  return !p->live.load(std::memory_order_relaxed);  // the loop sets it
+}
+
+bool kvtc_prompt_cache::raw_cache_allowed(int32_t id_slot) const {
+  return slot_tenant(id_slot).empty();
+}
+
+bool kvtc_prompt_cache::learn(const server_prompt& prompt, llama_context* ctx, int32_t id_slot) {
+  const bool raw_ok = slot_tenant(id_slot).empty();
+  Learner& L = *p->learner;
+  llama_tokens tokens = prompt.tokens.get_text_tokens();
+  std::vector<uint8_t> buf;
+  {
+    std::lock_guard<std::mutex> g(L.mu);
+    if (L.state != "learning" || tokens.size() < 64) return raw_ok;  // less than one run: nothing to learn
+    if (L.has_job) {
+      ++L.busy;  // the previous one is still being learned from
+      return raw_ok;
+    }
+    buf = std::move(L.spare);
+  }
+  // The copy holds the loop (~1 ms for 10 MiB into a kept buffer); the
+  // parsing and learning run on the learner's thread.
+  const auto t0 = Clock::now();
+  const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
+  buf.resize(size);
+  if (llama_state_seq_get_data_ext(ctx, buf.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) return raw_ok;
+  const double ms = ms_since(t0);
+  {
+    std::lock_guard<std::mutex> g(L.mu);
+    L.blob = std::move(buf);
+    L.tokens = std::move(tokens);
+    L.has_job = true;
+    L.loop_ms += ms;
+    L.loop_max_ms = std::max(L.loop_max_ms, ms);
+  }
+  L.cv.notify_one();
+  return raw_ok;
+}
+
+bool kvtc_prompt_cache::update(std::list<server_prompt_cache_state>& raw) {
+  if (!p->live) {
+    std::unique_ptr<kvtc::PromptStore> ready;
+    {
+      std::lock_guard<std::mutex> g(p->learner->mu);
+      ready = std::move(p->learner->ready);
+    }
+    if (!ready) return false;  // still learning (or failed): upstream's cache serves
+    p->store = std::move(ready);
+    p->live.store(true, std::memory_order_release);
+    // What upstream's cache held moves into the store, compressed by the
+    // worker like any save (learn() let it keep no tenant's prompt).
+    uint64_t moved = 0, bytes = 0;
+    for (server_prompt_cache_state& st : raw) {
+      llama_tokens tokens = st.prompt.tokens.get_text_tokens();
+      const size_t n = st.data.main.size();
+      if (n == 0 || !st.data.drft.empty() || !p->store->wants(tokens, n, "")) continue;
+      p->store->put_state(std::move(tokens), std::move(st.data.main), "");
+      ++moved;
+      bytes += n;
+    }
+    raw.clear();
+    {
+      std::lock_guard<std::mutex> g(p->learner->mu);
+      p->learner->state = "live";
+      p->learner->moved = moved;
+    }
+    SRV_INF("kvtc: --kvtc-calib auto: the compressed store is in place; %llu raw prompts (%.1f MiB) moved into it\n", (unsigned long long)moved,
+            bytes / 1048576.0);
+  }
   const kvtc::StoreStats s = p->store->stats();
   SRV_INF("kvtc: %llu prompts in RAM (%llu chunks, %.2f MiB compressed), %llu on disk (%.2f MiB), %llu queued\n", (unsigned long long)s.entries,
           (unsigned long long)s.chunks, s.ram_bytes / 1048576.0, (unsigned long long)s.disk_entries, s.disk_bytes / 1048576.0,
           (unsigned long long)s.pending);
+  return true;
 }
+
+namespace {
+
+// The store over `cal`, with its start-up lines in the log. `name`: where
+// the calibration came from (a file), named in its errors.
+std::unique_ptr<kvtc::PromptStore> open_store(const kvtc_prompt_cache::impl& I, const kvtc::Calibration& cal, const std::string& name) {
+  const kvtc_server_params& cfg = kvtc_server_config();
+  const kvtc::StoreOptions& o = I.opt;
+  std::unique_ptr<kvtc::PromptStore> store;
+  try {
+    store = std::make_unique<kvtc::PromptStore>(cal, I.geom, o);
+  } catch (const kvtc::Error& e) {
+    const std::string w = e.what();
+    throw kvtc::Error(w.rfind("redis", 0) == 0 ? w : name + ": " + w);  // a bad --kvtc-redis names itself
+  }
+  const kvtc::StoreStats s = store->stats();
+  if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
+  if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");
+  SRV_INF(
+      "kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %.0f MiB; pending budget %.0f MiB; disk tier "
+      "%s%s\n",
+      o.ratio, name.c_str(), cal.id.c_str(), store->fingerprint().c_str(), o.ram_bytes / 1048576.0, o.max_pending_bytes / 1048576.0,
+      cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
+      s.disk_enabled ? (" (" + std::to_string(s.disk_scan_pending) + " entry files found: prompts read back in the background)").c_str()
+                     : s.disk_error.c_str());
+  SRV_INF("kvtc: the store's keys name the context's settings: %s\n", o.kv_settings.text().c_str());
+  // What protects the values outside the process (never the secret: its
+  // key id names it, so replicas that print the same id share a store).
+  const std::string& prot = store->protection();
+  if (!prot.empty())
+    SRV_INF("kvtc: secret %s (key id %s): every value on disk and in Redis is %s and bound to its key; foreign values are dropped\n",
+            cfg.secret_file.c_str(), prot.substr(prot.find("key=") + 4).c_str(),
+            o.encrypt ? "encrypted and authenticated (AES-256-GCM)" : "authenticated (HMAC-SHA256), not encrypted");
+  else if (!cfg.disk.empty() || s.redis_enabled)
+    SRV_INF("%s\n",
+            "kvtc: no --kvtc-secret-file: values on disk and in Redis are neither authenticated nor encrypted (whoever can write there "
+            "can plant KV this server serves; docs/server.md)");
+  if (s.redis_enabled)
+    SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(),
+            s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
+  return store;
+}
+
+// The store keeps only the keys derived from the secret; no other copy of
+// it or of the Redis password (its client keeps its own) stays here once
+// the store is built.
+void wipe_secrets(kvtc_prompt_cache::impl& I) {
+  auto wipe = [](auto& v) {
+    if (!v.empty()) explicit_bzero(v.data(), v.size());
+    v.clear();
+  };
+  wipe(I.opt.secret);
+  wipe(kvtc_server_config().secret);
+  wipe(I.opt.redis_password);
+  wipe(kvtc_server_config().redis_password);
+}
+
+// Where --kvtc-calib auto keeps what it learned: beside the disk tier's
+// store directories, one file per model file (docs/server.md).
+std::string learned_calibration_file(const std::string& disk, const kvtc::CacheGeometry& g) {
+  return (std::filesystem::path(disk) / ("calibration-auto-" + g.model_sha256.substr(0, 16) + ".safetensors")).string();
+}
+
+double thread_cpu_ms() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) * 1e3 + double(t.tv_nsec) / 1e6;
+}
+
+// The learner's thread: samples until enough tokens, then the fit, the
+// file, the store; the loop's update() puts the store in place.
+void learn_loop(kvtc_prompt_cache::impl* I, std::string file) {
+  const kvtc_server_params& cfg = kvtc_server_config();
+  Learner& L = *I->learner;
+  (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), 19);  // below inference and the compression worker (10)
+  auto fail = [&](const std::string& why) {
+    SRV_WRN("kvtc: --kvtc-calib auto: learning stopped (%s); prompts stay raw in upstream's cache\n", why.c_str());
+    std::lock_guard<std::mutex> g(L.mu);
+    L.state = "failed";
+    L.error = why;
+  };
+  std::unique_ptr<kvtc::OnlineCalibrator> cal;
+  try {
+    kvtc::OnlineCalibrationOptions o;
+    o.fit_tokens = uint64_t(cfg.calib_tokens);
+    o.fit.ratios = {8, 16, 32, 64};
+    // Components past the rows learned carry no variance: fewer tokens than
+    // features (a small --kvtc-calib-tokens) fit through the Gram matrix
+    // (1,404 tokens of SmolLM2: seconds, where the full eigensolver of the
+    // 5,760 x 5,760 covariance took 51 s at nice 19).
+    o.fit.rank_max = uint32_t(std::min<uint64_t>(I->geom.blocks[0].features(), o.fit_tokens - 1));
+    // The store codes at --kvtc-ratio: its table too, unless it is one of these.
+    if (std::find(o.fit.ratios.begin(), o.fit.ratios.end(), cfg.ratio) == o.fit.ratios.end()) o.fit.ratios.push_back(cfg.ratio);
+    cal = std::make_unique<kvtc::OnlineCalibrator>(I->geom, o);
+    std::lock_guard<std::mutex> g(L.mu);
+    L.fit_target = cal->fit_target();
+    L.held_target = cal->heldout_target();
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+  for (;;) {
+    std::vector<uint8_t> blob;
+    llama_tokens tokens;
+    uint32_t stride = 1;
+    {
+      std::unique_lock<std::mutex> lk(L.mu);
+      L.cv.wait(lk, [&] { return L.stop || L.has_job; });
+      if (L.stop) return;
+      blob = std::move(L.blob);
+      tokens = std::move(L.tokens);
+      stride = L.stride;
+    }
+    const double c0 = thread_cpu_ms();
+    uint64_t rows = 0;
+    std::string refused;
+    try {
+      rows = cal->add(kvtc::capture_from_state(blob, I->geom, "kvtc: a slot's state"), tokens, stride);
+    } catch (const std::exception& e) {
+      refused = e.what();  // a shifted slot's cache, say: not a prompt's
+    }
+    const double ms = thread_cpu_ms() - c0;
+    double prefill = 0;
+    {
+      std::lock_guard<std::mutex> g(I->mu);
+      prefill = I->times.prefill_ms_per_token();
+    }
+    const bool enough = cal->enough();
+    {
+      std::lock_guard<std::mutex> g(L.mu);
+      L.spare = std::move(blob);  // its pages stay mapped for the next copy
+      L.has_job = false;
+      ++L.samples;
+      if (!refused.empty()) ++L.refused;
+      L.cpu_ms += ms;
+      L.seen = cal->seen_tokens();
+      L.fresh = cal->new_tokens();
+      L.fit = cal->fit_tokens();
+      L.held = cal->heldout_tokens();
+      // Every stride-th new token is learned so that learning costs at most
+      // --kvtc-calib-share of the prefill of the tokens it learns from:
+      // learning a row costs ~2 p^2 flops for K and V (SmolLM2, p = 5,760:
+      // ~0.7 ms on one EPYC core) where prefill costs ~3 ms per token on 2.
+      if (rows > 0) L.row_ms = L.row_ms > 0 ? 0.75 * L.row_ms + 0.25 * ms / double(rows) : ms / double(rows);
+      if (L.row_ms > 0 && prefill > 0) L.stride = uint32_t(std::clamp(std::ceil(L.row_ms / (cfg.calib_share * prefill)), 1.0, 4096.0));
+      if (enough) L.state = "fitting";
+    }
+    if (!refused.empty()) SRV_WRN("kvtc: --kvtc-calib auto: a sample not learned from: %s\n", refused.c_str());
+    if (enough) break;
+  }
+  try {
+    SRV_INF("kvtc: --kvtc-calib auto: %llu tokens learned (%llu held out); fitting in the background\n", (unsigned long long)cal->fit_tokens(),
+            (unsigned long long)cal->heldout_tokens());
+    const auto t0 = Clock::now();
+    kvtc::Calibration c = cal->finish();
+    cal.reset();  // the covariances' memory
+    const double fit_s = ms_since(t0) / 1e3;
+    if (!file.empty()) {
+      std::filesystem::create_directories(std::filesystem::path(file).parent_path());
+      kvtc::calibration_save(file, c);  // atomically: a temporary file, then rename
+    }
+    std::unique_ptr<kvtc::PromptStore> store = open_store(*I, c, file.empty() ? "the calibration learned (kept in memory only)" : file);
+    wipe_secrets(*I);
+    SRV_INF("kvtc: --kvtc-calib auto: calibration %.16s fitted in %.1f s%s; prompts are stored compressed from the next slot change\n", c.id.c_str(),
+            fit_s, file.empty() ? " (no --kvtc-disk: not written, learned again at the next start)" : (", written to " + file).c_str());
+    std::lock_guard<std::mutex> g(L.mu);
+    L.fit_s = fit_s;
+    L.file = file;
+    L.calib_id = c.id;
+    L.ready = std::move(store);
+    L.state = "ready";
+  } catch (const std::exception& e) {
+    fail(std::string("the fit failed: ") + e.what());
+  }
+}
+
+void start_learner(const std::shared_ptr<kvtc_prompt_cache::impl>& I, const std::string& file) {
+  I->learner = std::make_unique<Learner>();
+  I->learner->th = std::thread(learn_loop, I.get(), file);
+  SRV_INF(
+      "kvtc: --kvtc-calib auto: no calibration yet: prompts are kept raw (upstream's cache, --cache-ram) while %lld tokens of the prompts "
+      "served are learned (sampled to cost at most %.3g of their prefill time)%s\n",
+      (long long)kvtc_server_config().calib_tokens, kvtc_server_config().calib_share,
+      file.empty() ? "; no --kvtc-disk: the calibration will not be kept across restarts" : ("; then written to " + file).c_str());
+}
+
+}  // namespace
 
 bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, llama_context* ctx, const std::string& model_path,
                         int32_t cache_ram_mib, bool has_draft, bool has_mtmd, bool has_lora, bool has_kv_overrides, bool has_control_vectors,
@@ -593,7 +917,10 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
         I->idle.clear();
       }
       I->shifted.clear();  // the slots start empty
-      SRV_INF("kvtc: awake with the store kept (%llu prompts in RAM)\n", (unsigned long long)I->store->stats().entries);
+      if (I->live)
+        SRV_INF("kvtc: awake with the store kept (%llu prompts in RAM)\n", (unsigned long long)I->store->stats().entries);
+      else
+        SRV_INF("%s\n", "kvtc: awake, still learning the calibration (--kvtc-calib auto)");
     } catch (const std::exception& e) {
       SRV_WRN("kvtc: disabled after waking, serving without the compressed cache: %s\n", e.what());
       cache->kvtc.reset();
@@ -622,7 +949,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
   try {
     auto I = std::make_shared<kvtc_prompt_cache::impl>();
     I->calib_path = cfg.calib;
-    const kvtc::Calibration cal = kvtc::calibration_load(cfg.calib);
+    const bool learn = cfg.calib == "auto";
     const kvtc::CacheGeometry geom = kvtc::model_geometry(model, model_path);
     kvtc::StoreOptions& o = I->opt;
     o.ratio = cfg.ratio;
@@ -655,51 +982,41 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.max_pending_bytes = cfg.pending_mib > 0 ? uint64_t(cfg.pending_mib) << 20 : std::max({uint64_t(1) << 30, o.ram_bytes, 2 * context_full});
     o.log = [](const std::string& s) { SRV_WRN("%s\n", s.c_str()); };
     for (const std::string& w : cfg.warnings) SRV_WRN("kvtc: %s\n", w.c_str());
-    try {
-      I->store = std::make_unique<kvtc::PromptStore>(cal, geom, o);
-    } catch (const kvtc::Error& e) {
-      const std::string w = e.what();
-      throw kvtc::Error(w.rfind("redis", 0) == 0 ? w : cfg.calib + ": " + w);  // a bad --kvtc-redis names itself
-    }
-    // The store keeps only the keys derived from the secret; no other copy
-    // of it or of the Redis password (its client keeps its own) stays here.
-    auto wipe = [](auto& v) {
-      if (!v.empty()) explicit_bzero(v.data(), v.size());
-      v.clear();
-    };
-    wipe(o.secret);
-    wipe(kvtc_server_config().secret);
-    wipe(o.redis_password);
-    wipe(kvtc_server_config().redis_password);
     // The context's state layout (V transposed or not, streams per block),
     // which restores are written for; also refuses a quantized cache. The
     // slots have not started yet, so sequence 0 is free for the probe.
     I->geom = geom;
     I->layout = kvtc::context_state_layout(ctx, geom, 0);
-    const kvtc::StoreStats s = I->store->stats();
-    if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
-    if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");
-    SRV_INF(
-        "kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %d MiB; pending budget %.0f MiB; disk tier %s%s\n",
-        o.ratio, cfg.calib.c_str(), cal.id.c_str(), I->store->fingerprint().c_str(), cache_ram_mib, o.max_pending_bytes / 1048576.0,
-        cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
-        s.disk_enabled ? (" (" + std::to_string(s.disk_scan_pending) + " entry files found: prompts read back in the background)").c_str()
-                       : s.disk_error.c_str());
-    SRV_INF("kvtc: the store's keys name the context's settings: %s\n", o.kv_settings.text().c_str());
-    // What protects the values outside the process (never the secret: its
-    // key id names it, so replicas that print the same id share a store).
-    const std::string& prot = I->store->protection();
-    if (!prot.empty())
-      SRV_INF("kvtc: secret %s (key id %s): every value on disk and in Redis is %s and bound to its key; foreign values are dropped\n",
-              cfg.secret_file.c_str(), prot.substr(prot.find("key=") + 4).c_str(),
-              o.encrypt ? "encrypted and authenticated (AES-256-GCM)" : "authenticated (HMAC-SHA256), not encrypted");
-    else if (!cfg.disk.empty() || s.redis_enabled)
-      SRV_INF("%s\n",
-              "kvtc: no --kvtc-secret-file: values on disk and in Redis are neither authenticated nor encrypted (whoever can write there "
-              "can plant KV this server serves; docs/server.md)");
-    if (s.redis_enabled)
-      SRV_INF("kvtc: Redis tier %s: %s\n", s.redis_where.c_str(),
-              s.redis_up ? "connected" : ("unreachable for now (retrying): " + s.redis_error).c_str());
+    if (!learn) {
+      I->store = open_store(*I, kvtc::calibration_load(cfg.calib), cfg.calib);
+      wipe_secrets(*I);
+      I->live = true;
+    } else {
+      // A calibration this server learned before (beside the disk tier) is
+      // used as it is; else it is learned from the prompts served.
+      const std::string file = cfg.disk.empty() ? "" : learned_calibration_file(cfg.disk, geom);
+      std::optional<kvtc::Calibration> cal;
+      if (!file.empty() && std::filesystem::exists(file)) {
+        try {
+          cal = kvtc::calibration_load(file);
+          if (cal->geometry.model_sha256 != geom.model_sha256 || cal->blocks.size() != geom.blocks.size() ||
+              cal->blocks[0][0].p != geom.blocks[0].features())
+            throw kvtc::Error(file + ": fitted for another model or cache geometry");
+        } catch (const std::exception& e) {
+          SRV_WRN("kvtc: --kvtc-calib auto: not using the learned calibration: %s; learning a new one (it will replace the file)\n", e.what());
+          cal.reset();
+        }
+      }
+      if (cal) {
+        SRV_INF("kvtc: --kvtc-calib auto: the calibration learned before, %s (%.16s, %s tokens)\n", file.c_str(), cal->id.c_str(),
+                cal->meta.count("calib_tokens") ? cal->meta.at("calib_tokens").c_str() : "?");
+        I->store = open_store(*I, *cal, file);
+        wipe_secrets(*I);
+        I->live = true;
+      } else {
+        start_learner(I, file);
+      }
+    }
     cache->kvtc = std::make_unique<kvtc_prompt_cache>();
     cache->kvtc->p = I;
     std::lock_guard<std::mutex> g(g_mu);
@@ -717,7 +1034,7 @@ void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant
     std::lock_guard<std::mutex> g(g_mu);
     I = g_live.lock();
   }
-  if (!I) return;
+  if (!I || !I->live.load(std::memory_order_acquire)) return;  // no store yet (--kvtc-calib auto)
   const auto t0 = Clock::now();
   try {
     kvtc_prompt_cache::impl::Prefetched e;
@@ -755,10 +1072,11 @@ void kvtc_server_prefetch(const server_tokens& tokens, const std::string& tenant
       to = I->layout;
     }
     to.seq_id = 0;  // any slot's (Prefetched::m)
-    if (!e.recompute) {
+    {
       std::lock_guard<std::mutex> g(I->mu);
+      e.saves_at = I->times.saves;
       // Restoring measured slower than recomputing: the task's load() restores nothing.
-      e.recompute = !restore_pays(I->times, kvtc_server_config().restore_max_cost);
+      if (!e.recompute) e.recompute = !restore_pays(I->times, kvtc_server_config().restore_max_cost);
     }
     if (!e.recompute) e.m = I->store->take_state(best, e.tokens, to, tenant);
     if (e.m) e.bytes = e.m->state.size();
@@ -806,7 +1124,6 @@ std::string kvtc_server_metrics() {
     return "# HELP kvtc:disabled kvtc was disabled while the server ran on (the label says why)\n# TYPE kvtc:disabled gauge\nkvtc:disabled{error=\"" +
            disabled + "\"} 1\n";
   }
-  const kvtc::StoreStats s = I->store->stats();
   LoopTimes t;
   {
     std::lock_guard<std::mutex> g(I->mu);
@@ -816,6 +1133,30 @@ std::string kvtc_server_metrics() {
   auto item = [&](const char* name, const char* type, const char* help, double v, const std::string& labels = "") {
     o << "# HELP kvtc:" << name << " " << help << "\n# TYPE kvtc:" << name << " " << type << "\nkvtc:" << name << labels << " " << v << "\n";
   };
+  if (I->learner) {  // --kvtc-calib auto
+    Learner& L = *I->learner;
+    std::lock_guard<std::mutex> g(L.mu);
+    for (const char* st : {"learning", "fitting", "ready", "live", "failed"})
+      item("calib_state", "gauge", "--kvtc-calib auto: learning, fitting, ready (the store built), live (prompts stored compressed) or failed",
+           L.state == st ? 1 : 0, std::string("{state=\"") + st + "\"}");
+    item("calib_tokens_seen_total", "counter", "Tokens of the prompts handed to the learner", double(L.seen));
+    item("calib_tokens_new_total", "counter", "Of those, tokens past a prefix learned from before", double(L.fresh));
+    item("calib_fit_tokens", "gauge", "Tokens learned for the PCA", double(L.fit));
+    item("calib_fit_target", "gauge", "Tokens for the PCA the fit waits for (--kvtc-calib-tokens)", double(L.fit_target));
+    item("calib_heldout_tokens", "gauge", "Tokens held out for the block errors", double(L.held));
+    item("calib_heldout_target", "gauge", "Held-out tokens the fit waits for", double(L.held_target));
+    item("calib_stride", "gauge", "One new token in this many is learned (--kvtc-calib-share)", double(L.stride));
+    item("calib_samples_total", "counter", "Slot states learned from", double(L.samples));
+    item("calib_samples_busy_total", "counter", "Slot states not taken: the learner was busy with the previous one", double(L.busy));
+    item("calib_samples_refused_total", "counter", "Slot states not learned from (not a prompt's cache: shifted)", double(L.refused));
+    item("calib_learn_cpu_seconds_total", "counter", "The learner's CPU time (nice 19)", L.cpu_ms / 1e3);
+    item("calib_loop_seconds_total", "counter", "Time handing slot states to the learner held the loop (the copy)", L.loop_ms / 1e3);
+    item("calib_loop_seconds_max", "gauge", "Longest a hand-over held the loop", L.loop_max_ms / 1e3);
+    item("calib_fit_seconds", "gauge", "The fit's time (PCA, held-out errors, tables; 0 before)", L.fit_s);
+    item("calib_raw_prompts_moved", "gauge", "Prompts of upstream's raw cache moved into the store when it came in place", double(L.moved));
+  }
+  if (!I->live.load(std::memory_order_acquire)) return o.str();
+  const kvtc::StoreStats s = I->store->stats();
   item("ram_prompts", "gauge", "Prompts held compressed in RAM", double(s.entries));
   item("ram_chunks", "gauge", "Distinct prefix chunks held in RAM", double(s.chunks));
   item("ram_bytes", "gauge", "Compressed bytes held in RAM", double(s.ram_bytes));
@@ -949,7 +1290,15 @@ bool kvtc_server_switch_tenant(server_prompt_cache* cache, server_prompt& prompt
   if (held == tenant) return false;
   kvtc_prompt_cache* k = cache ? cache->kvtc.get() : nullptr;
   if (!prompt.tokens.empty()) {
-    if (k) (void)k->save(prompt, ctx, id_slot);  // under the tenant its cells belong to (held, still)
+    if (k && !k->learning()) {
+      (void)k->save(prompt, ctx, id_slot);  // under the tenant its cells belong to (held, still)
+    } else if (k && k->learn(prompt, ctx, id_slot)) {
+      // --kvtc-calib auto, still learning: no tenant's prompt, kept raw in
+      // upstream's cache as its prompt_save keeps one (server_slot::prompt_save).
+      const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
+      if (server_prompt_cache_state* cur = cache->alloc(prompt, size, 0))
+        llama_state_seq_get_data_ext(ctx, cur->data.main.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
+    }
     llama_memory_seq_rm(llama_get_memory(ctx), id_slot, -1, -1);
     prompt.clear();
     SRV_INF("kvtc: slot %d held another tenant's prompt: saved for that tenant, the slot emptied\n", id_slot);

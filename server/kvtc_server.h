@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
@@ -20,10 +21,13 @@ struct llama_context;
 struct llama_model;
 struct server_prompt;
 struct server_prompt_cache;
+struct server_prompt_cache_state;
 struct server_tokens;
 
 struct kvtc_server_params {
-  std::string calib;                       // --kvtc-calib FILE: enables kvtc
+  std::string calib;                       // --kvtc-calib FILE: enables kvtc; "auto": learned from the prompts served
+  int64_t calib_tokens = 32768;            // --kvtc-calib-tokens N: auto: tokens learned before the fit
+  double calib_share = 0.05;               // --kvtc-calib-share X: auto: learning's CPU time / the prefill time of what it learns from
   double ratio = 16;                       // --kvtc-ratio R
   std::string disk;                        // --kvtc-disk DIR: the disk tier
   int64_t disk_mib = 0;                    // --kvtc-disk-mib N: its budget (0: no limit)
@@ -77,8 +81,25 @@ class kvtc_prompt_cache {
   // now, not when the slot is next reused, as the conversation's next turn
   // may land on another replica. No-op without one.
   void on_release(const server_prompt& prompt, llama_context* ctx, int32_t id_slot);
-  // server_prompt_cache::update: logs the store's state.
-  void update();
+  // server_prompt_cache::update: logs the store's state; true while kvtc
+  // keeps the prompts. With --kvtc-calib auto, false while the calibration
+  // is learned (upstream's raw cache serves meanwhile, `raw` its prompts);
+  // the call that finds the fitted calibration's store ready puts it in
+  // place, moves the prompts of `raw` into it (compressed in the
+  // background) and empties `raw`. Loop thread.
+  bool update(std::list<server_prompt_cache_state>& raw);
+  // --kvtc-calib auto (docs/server.md "A calibration learned from the
+  // prompts served"): true until the learned calibration's store is in
+  // place; then save() and load() run as with a calibration file. Loop thread.
+  bool learning() const;
+  // While learning, llama-server's prompt_save: hands the slot's state to
+  // the learner (a copy on the loop, when it is not busy with the previous
+  // one) and says whether upstream's raw cache may keep the prompt: only
+  // when it is no tenant's (upstream's cache knows no tenants).
+  bool learn(const server_prompt& prompt, llama_context* ctx, int32_t id_slot);
+  // While learning, whether upstream's raw cache may restore into the slot
+  // (its new task is no tenant's): a tenant's task restores nothing.
+  bool raw_cache_allowed(int32_t id_slot) const;
   // A context shift in slot `id_slot` (llama-server's pre_decode): the
   // cells past n_keep were moved to other positions, so their K/V is no
   // longer what a prefill of the slot's tokens computes; the slot is not

@@ -324,3 +324,52 @@ TEST(Codec, StatsAndOptionsAreHonoured) {
   const LibraryInfo li = library_info();
   EXPECT_FALSE(li.version.empty());
 }
+
+// OnlineCalibrator (kvtc-server --kvtc-calib auto) on synthetic prompts
+// (the algorithm's bookkeeping, not a model): a prefix is learned once, in
+// whole 64-token runs; every stride-th token; held-out runs keep their
+// share; a cache that is not a prompt's (shifted positions) is refused.
+TEST(OnlineCalibration, EachPrefixOnceWholeRunsAndTheHeldOutShare) {
+  OnlineCalibrationOptions o;
+  o.fit_tokens = 600;
+  o.fit.ratios = {4, 8};
+  OnlineCalibrator cal(lowrank_geometry(), o);
+  EXPECT_EQ(cal.heldout_target(), 600u / 16);
+  const std::vector<int32_t> a = seq(1000, 200);  // 3 whole runs and 8 tokens
+  uint64_t rows = cal.add(prompt_capture(a), a);
+  EXPECT_EQ(cal.seen_tokens(), 200u);
+  EXPECT_EQ(cal.new_tokens(), 192u);
+  // The first run is held out (the held-out share is behind), the next two fit;
+  // positions 0-3 (sinks) are left out of the first run's rows.
+  EXPECT_EQ(cal.heldout_tokens(), 60u);
+  EXPECT_EQ(cal.fit_tokens(), 128u);
+  EXPECT_EQ(rows, 188u);
+  // The same prompt again adds nothing; its next turn only the runs past it.
+  EXPECT_EQ(cal.add(prompt_capture(a), a), 0u);
+  std::vector<int32_t> a2 = a;
+  for (int32_t t = 0; t < 100; ++t) a2.push_back(5000 + t);  // 300 tokens: run 3 (192-255) is new, 256-299 not whole
+  cal.add(prompt_capture(a2), a2);
+  EXPECT_EQ(cal.new_tokens(), 192u + 64u);
+  EXPECT_EQ(cal.fit_tokens(), 192u);
+  EXPECT_FALSE(cal.enough());
+  // stride 4: a quarter of the new runs' tokens.
+  const std::vector<int32_t> b = seq(90000, 256);
+  cal.add(prompt_capture(b), b, 4);
+  EXPECT_EQ(cal.fit_tokens() + cal.heldout_tokens(), 192u + 60u + 63u);  // 64 rows, less position 0 (a sink)
+  for (int i = 0; i < 8 && !cal.enough(); ++i) {
+    const std::vector<int32_t> c = seq(200000 + 1000 * i, 256);
+    cal.add(prompt_capture(c), c);
+  }
+  ASSERT_TRUE(cal.enough());
+  EXPECT_GE(cal.heldout_tokens(), cal.heldout_target());
+  EXPECT_LE(cal.heldout_tokens() * 16, cal.fit_tokens() + 16 * 64);  // one run past its share at most
+  const Calibration c = cal.finish();
+  EXPECT_NE(c.meta.at("source").find("served prompts"), std::string::npos);
+  EXPECT_EQ(c.meta.at("calib_tokens"), std::to_string(cal.fit_tokens()));
+  // A cache whose positions are not 0..n-1 (a shifted slot) is refused.
+  KvCapture shifted = prompt_capture(a);
+  shifted.blocks[0].pos[10] = 99;
+  OnlineCalibrator other(lowrank_geometry(), o);
+  EXPECT_THROW(other.add(shifted, a), Error);
+  EXPECT_THROW(other.add(prompt_capture(a), std::span<const int32_t>(a).first(100)), Error);
+}

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import unittest
 
-from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, read_safetensors, run, run_lab
+from kvtc_testlib import GEMMA, SMOL, eval_doc, load_f16, read_safetensors, run, run_lab, small_calibration
 
 TOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,10 +29,11 @@ class Codec(unittest.TestCase):
         cls.tmp = tempfile.mkdtemp(prefix="kvtc-codec-")
         cls.cal = os.path.join(cls.tmp, "cal.safetensors")
         cls.cal2 = os.path.join(cls.tmp, "cal2.safetensors")
-        # Small but real: 3,000 calibration tokens, top 512 components.
-        p = run("calibrate", "-m", SMOL, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512",
-                "--ratios", "8", "16", "32", "64", "-o", cls.cal, "--json", check=0)
-        cls.summary = json.loads(p.stdout)
+        # Small but real: 3,000 calibration tokens, top 512 components, 8x-64x
+        # (the tests' shared one: kvtc_testlib.SMALL_CALIBRATION).
+        small_calibration(cls.cal)
+        with open(cls.cal + ".json") as f:
+            cls.summary = json.load(f)
         # The second one also exercises the no-RoPE-removal ablation.
         run("calibrate", "-m", SMOL, "--tokens", "1500", "--heldout", "256", "--doc-tokens", "1024", "--rank-max", "64",
             "--ratios", "16", "--keep-rope", "-o", cls.cal2, check=0)

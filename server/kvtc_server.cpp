@@ -767,6 +767,39 @@ std::string learned_calibration_file(const std::string& disk, const kvtc::CacheG
   return (std::filesystem::path(disk) / ("calibration-auto-" + g.model_sha256.substr(0, 16) + ".safetensors")).string();
 }
 
+// --kvtc-calib auto with Redis and a secret: one calibration for every
+// replica, through Redis (kvtc::publish_shared_calibration).
+bool shares_calibration(const kvtc_prompt_cache::impl& I) {
+  return (!I.opt.redis_url.empty() || !I.opt.redis_cluster.empty()) && !I.opt.secret.empty();
+}
+
+bool fits_model(const kvtc::Calibration& c, const kvtc::CacheGeometry& g) {
+  return c.geometry.model_sha256 == g.model_sha256 && c.blocks.size() == g.blocks.size() && !c.blocks.empty() &&
+         c.blocks[0][0].p == g.blocks[0].features();
+}
+
+// The fleet's calibration from Redis (nullopt: none yet, or not this model's).
+std::optional<kvtc::Calibration> fetch_fleet(const kvtc_prompt_cache::impl& I) {
+  std::optional<kvtc::Calibration> c = kvtc::fetch_shared_calibration(I.opt, I.geom.model_sha256);
+  if (c && !fits_model(*c, I.geom)) {
+    SRV_WRN("%s\n", "kvtc: --kvtc-calib auto: the calibration in Redis is not this model's; not used");
+    c.reset();
+  }
+  return c;
+}
+
+// Writes `c` to `file` (atomically) unless it holds it already.
+void keep_locally(const std::string& file, const kvtc::Calibration& c) {
+  if (file.empty()) return;
+  try {
+    if (std::filesystem::exists(file) && kvtc::calibration_load(file, /*decoder_only=*/true).id == c.id) return;
+  } catch (const std::exception&) {
+    // damaged: replaced below
+  }
+  std::filesystem::create_directories(std::filesystem::path(file).parent_path());
+  kvtc::calibration_save(file, c);  // a temporary file, then rename
+}
+
 double thread_cpu_ms() {
   timespec t{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -804,14 +837,26 @@ void learn_loop(kvtc_prompt_cache::impl* I, std::string file) {
   } catch (const std::exception& e) {
     return fail(e.what());
   }
+  const bool share = shares_calibration(*I);
+  std::optional<kvtc::Calibration> fleet;  // another replica's, published while this one learned
+  auto next_poll = Clock::now() + std::chrono::seconds(10);
   for (;;) {
     std::vector<uint8_t> blob;
     llama_tokens tokens;
     uint32_t stride = 1;
     {
       std::unique_lock<std::mutex> lk(L.mu);
-      L.cv.wait(lk, [&] { return L.stop || L.has_job; });
+      if (share)
+        L.cv.wait_until(lk, next_poll, [&] { return L.stop || L.has_job; });
+      else
+        L.cv.wait(lk, [&] { return L.stop || L.has_job; });
       if (L.stop) return;
+      if (!L.has_job) {  // time to look in Redis: a replica that finished first published its calibration there
+        lk.unlock();
+        next_poll = Clock::now() + std::chrono::seconds(10);
+        if ((fleet = fetch_fleet(*I))) break;
+        continue;
+      }
       blob = std::move(L.blob);
       tokens = std::move(L.tokens);
       stride = L.stride;
@@ -854,20 +899,38 @@ void learn_loop(kvtc_prompt_cache::impl* I, std::string file) {
     if (enough) break;
   }
   try {
-    SRV_INF("kvtc: --kvtc-calib auto: %llu tokens learned (%llu held out); fitting in the background\n", (unsigned long long)cal->fit_tokens(),
-            (unsigned long long)cal->heldout_tokens());
-    const auto t0 = Clock::now();
-    kvtc::Calibration c = cal->finish();
-    cal.reset();  // the covariances' memory
-    const double fit_s = ms_since(t0) / 1e3;
-    if (!file.empty()) {
-      std::filesystem::create_directories(std::filesystem::path(file).parent_path());
-      kvtc::calibration_save(file, c);  // atomically: a temporary file, then rename
+    kvtc::Calibration c;
+    double fit_s = 0;
+    std::string how;
+    if (fleet) {
+      c = std::move(*fleet);
+      cal.reset();
+      how = "adopted from Redis (another replica's)";
+    } else {
+      SRV_INF("kvtc: --kvtc-calib auto: %llu tokens learned (%llu held out); fitting in the background\n", (unsigned long long)cal->fit_tokens(),
+              (unsigned long long)cal->heldout_tokens());
+      const auto t0 = Clock::now();
+      c = cal->finish();
+      cal.reset();  // the covariances' memory
+      fit_s = ms_since(t0) / 1e3;
+      how = string_format("fitted in %.1f s", fit_s);
+      if (share) {
+        // SET NX: the first replica's is the fleet's; a later one takes it
+        // instead of its own, so every replica keys the same store.
+        std::optional<kvtc::Calibration> w = kvtc::publish_shared_calibration(I->opt, I->geom.model_sha256, c);
+        if (w && w->id != c.id && fits_model(*w, I->geom)) {
+          how += string_format(", then %.16s taken instead (published first by another replica)", w->id.c_str());
+          c = std::move(*w);
+        } else if (w) {
+          how += ", published to Redis for the other replicas";
+        }
+      }
     }
+    keep_locally(file, c);
     std::unique_ptr<kvtc::PromptStore> store = open_store(*I, c, file.empty() ? "the calibration learned (kept in memory only)" : file);
     wipe_secrets(*I);
-    SRV_INF("kvtc: --kvtc-calib auto: calibration %.16s fitted in %.1f s%s; prompts are stored compressed from the next slot change\n", c.id.c_str(),
-            fit_s, file.empty() ? " (no --kvtc-disk: not written, learned again at the next start)" : (", written to " + file).c_str());
+    SRV_INF("kvtc: --kvtc-calib auto: calibration %.16s %s%s; prompts are stored compressed from the next slot change\n", c.id.c_str(), how.c_str(),
+            file.empty() ? " (no --kvtc-disk: not written)" : (", written to " + file).c_str());
     std::lock_guard<std::mutex> g(L.mu);
     L.fit_s = fit_s;
     L.file = file;
@@ -996,7 +1059,17 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
       // used as it is; else it is learned from the prompts served.
       const std::string file = cfg.disk.empty() ? "" : learned_calibration_file(cfg.disk, geom);
       std::optional<kvtc::Calibration> cal;
-      if (!file.empty() && std::filesystem::exists(file)) {
+      std::string from = file;
+      const bool share = shares_calibration(*I);
+      if (!share && (!o.redis_url.empty() || !o.redis_cluster.empty()))
+        SRV_WRN("%s\n",
+                "kvtc: --kvtc-calib auto: without --kvtc-secret-file the calibration is not shared through Redis (a value anybody who can "
+                "write there could set would choose every replica's); each replica learns its own, and they share no prompts");
+      if (share && (cal = fetch_fleet(*I))) {
+        from = "Redis (the fleet's)";
+        keep_locally(file, *cal);
+      }
+      if (!cal && !file.empty() && std::filesystem::exists(file)) {
         try {
           cal = kvtc::calibration_load(file);
           if (cal->geometry.model_sha256 != geom.model_sha256 || cal->blocks.size() != geom.blocks.size() ||
@@ -1007,10 +1080,20 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
           cal.reset();
         }
       }
+      if (cal && share && from == file) {
+        // Learned here before; the fleet has none yet: it is offered (the
+        // first replica's wins, this one takes that one if it lost).
+        std::optional<kvtc::Calibration> w = kvtc::publish_shared_calibration(I->opt, geom.model_sha256, *cal);
+        if (w && w->id != cal->id && fits_model(*w, geom)) {
+          cal = std::move(w);
+          from = "Redis (the fleet's)";
+          keep_locally(file, *cal);
+        }
+      }
       if (cal) {
-        SRV_INF("kvtc: --kvtc-calib auto: the calibration learned before, %s (%.16s, %s tokens)\n", file.c_str(), cal->id.c_str(),
+        SRV_INF("kvtc: --kvtc-calib auto: the calibration learned before, from %s (%.16s, %s tokens)\n", from.c_str(), cal->id.c_str(),
                 cal->meta.count("calib_tokens") ? cal->meta.at("calib_tokens").c_str() : "?");
-        I->store = open_store(*I, *cal, file);
+        I->store = open_store(*I, *cal, from);
         wipe_secrets(*I);
         I->live = true;
       } else {

@@ -103,6 +103,66 @@ class KvtcServerRedis(unittest.TestCase):
         keys = r.cli("KEYS", "kvtc:*").split()
         self.assertTrue(any(":e:" in k for k in keys) and any(":c:" in k for k in keys), keys)
 
+    def test_one_learned_calibration_for_the_fleet(self):
+        # --kvtc-calib auto with Redis and a secret (docs/server.md "A
+        # calibration learned from the prompts served", store.md "Shared
+        # calibration"): B learns beside A but gets no traffic; A fits first
+        # and publishes (SET NX); B finds it by its 10 s poll and takes it
+        # instead of learning its own; C, started after, takes it at start.
+        # All three key one store: A's conversation resumes on B from Redis.
+        r = self.redis("fleet")
+        secret = os.path.join(self.tmp, "fleet-secret")
+        with open(secret, "wb") as f:
+            f.write(os.urandom(32))
+        os.chmod(secret, 0o600)
+
+        def auto(name):
+            s = Server(SERVER, SMOL, ["--kvtc-calib", "auto", "--kvtc-calib-tokens", "512", "--kvtc-calib-share", "1000", "--cache-ram", "64",
+                                      "--parallel", "1", "--kvtc-redis", r.url, "--kvtc-secret-file", secret,
+                                      "--kvtc-disk", os.path.join(self.tmp, name + "-disk")],
+                       os.path.join(self.tmp, name + ".log"))
+            self.assertTrue(s.wait_ready(), s.log()[-3000:])
+            self.addCleanup(s.stop)
+            return s
+
+        a, b = auto("fleet-a"), auto("fleet-b")
+        for d in docs("prose", 10, 1000, 2600)[4:]:
+            if a.metrics()['kvtc:calib_state{state="learning"}'] == 0:
+                break
+            a.chat(conversation(d), max_tokens=2)
+
+        def state(s, want, timeout=120):
+            t0 = time.time()
+            while time.time() - t0 < timeout:
+                m = s.metrics()
+                if m[f'kvtc:calib_state{{state="{want}"}}'] or m['kvtc:calib_state{state="failed"}']:
+                    return m
+                time.sleep(0.2)
+            self.fail(f"not {want} after {timeout} s: {s.log()[-2000:]}")
+
+        state(a, "ready")
+        self.assertIn("published to Redis", a.log())
+        keys = r.cli("KEYS", "kvtc:calib:*").split()
+        self.assertEqual(len(keys), 1, keys)
+        m_b = state(b, "ready", timeout=60)  # B's poll: every 10 s
+        self.assertEqual(m_b['kvtc:calib_state{state="failed"}'], 0, b.log()[-2000:])
+        self.assertIn("adopted from Redis", b.log())
+        self.assertEqual(m_b["kvtc:calib_fit_tokens"], 0, m_b)  # B learned nothing (no traffic) and fitted nothing
+
+        def calib_id(s):
+            line = next(x for x in s.log().splitlines() if "prompt cache compressed" in x)
+            return line.split("(calibration ")[1].split(",")[0]
+
+        self.assertEqual(calib_id(a), calib_id(b))
+        c = auto("fleet-c")
+        self.assertIn("from Redis (the fleet's)", c.log())
+        self.assertEqual(calib_id(c), calib_id(a))
+        # One store: A's turn resumes on B (its first request puts the store in place).
+        b.chat([{"role": "user", "content": "Say hello."}], max_tokens=2)
+        t1, t2, r2, ref = self.two_turns(a, b, self.docs[1])
+        self.assertGreaterEqual(t2["cache_n"], t1["prompt_n"], (t2, b.log()[-2000:]))
+        self.assertEqual(b.metrics()['kvtc:hits_total{tier="redis"}'], 1)
+
     def test_turn_two_on_another_replica_through_a_cluster(self):
         cl = RedisCluster(os.path.join(self.tmp, "cluster"))
         self.addCleanup(cl.stop)

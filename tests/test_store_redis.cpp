@@ -1106,3 +1106,62 @@ TEST(StoreRedis, EncryptedValuesHoldNoTokensAndRestoreTheSame) {
     EXPECT_NE(e3.at(k).substr(0, 12), v.substr(0, 12)) << k << ": a nonce repeated";
   }
 }
+
+// ---- one calibration for a fleet (docs/store.md "Shared calibration") ----------
+
+// The first publish wins (SET NX) and every later one gets that one back;
+// the key and value follow the spec (K_chain HMAC, sealed kind 'k'); another
+// secret reads nothing; a changed byte is refused, never returned; without
+// a secret nothing is shared.
+TEST(StoreRedis, OneSharedCalibrationTheFirstPublished) {
+  RedisServer redis(tmp("shared-calib"));
+  StoreOptions o = on(redis);
+  o.secret = secret_of(7);
+  o.redis_ttl_s = 600;
+  std::vector<std::string> logged;
+  o.log = [&](const std::string& s) { logged.push_back(s); };
+  const std::string sha = lowrank_geometry().model_sha256;
+  EXPECT_FALSE(fetch_shared_calibration(o, sha));  // none yet
+  const Calibration first = cal();
+  FitOptions fo;
+  fo.ratios = {4};
+  const Calibration other = fit_calibration({lowrank_capture(300, 77)}, {lowrank_capture(100, 78)}, fo);
+  ASSERT_NE(first.id, other.id);
+  auto w1 = publish_shared_calibration(o, sha, first);
+  ASSERT_TRUE(w1);
+  EXPECT_EQ(w1->id, first.id);
+  auto w2 = publish_shared_calibration(o, sha, other);  // lost the race: gets the first back
+  ASSERT_TRUE(w2);
+  EXPECT_EQ(w2->id, first.id);
+  auto got = fetch_shared_calibration(o, sha);
+  ASSERT_TRUE(got);
+  EXPECT_EQ(got->id, first.id);
+  EXPECT_EQ(got->blocks[0][0].tables.size(), first.blocks[0][0].tables.size());
+  // The key: kvtc:calib:1: + 32 hex of HMAC-SHA256(K_chain, "kvtc shared calibration 1\n" sha "\n" settings).
+  const std::string key = shared_calibration_key(o, sha);
+  const std::vector<uint8_t> kc = store::hkdf_sha256(o.secret, std::span(reinterpret_cast<const uint8_t*>("kvtc-store-secret/1"), 19),
+                                                     std::span(reinterpret_cast<const uint8_t*>("kvtc key chain"), 14), 32);
+  const std::string what = "kvtc shared calibration 1\n" + sha + "\n" + o.kv_settings.text();
+  const std::vector<uint8_t> h = store::hmac_sha256(kc, std::span(reinterpret_cast<const uint8_t*>(what.data()), what.size()));
+  EXPECT_EQ(key, "kvtc:calib:1:" + store::hex(std::span(h).first(16)));
+  const auto ttl = redis.cmd({"TTL", key});
+  EXPECT_GT(ttl.integer, 0);
+  EXPECT_LE(ttl.integer, 600);
+  // Another secret: another key, nothing there.
+  StoreOptions o2 = o;
+  o2.secret = secret_of(99);
+  EXPECT_NE(shared_calibration_key(o2, sha), key);
+  EXPECT_FALSE(fetch_shared_calibration(o2, sha));
+  // A flipped byte: refused (logged), not returned.
+  std::string v = redis.cmd({"GET", key}).str;
+  v[v.size() / 2] = char(v[v.size() / 2] ^ 0x20);
+  redis.cmd({"SET", key, v});
+  logged.clear();
+  EXPECT_FALSE(fetch_shared_calibration(o, sha));
+  ASSERT_FALSE(logged.empty());
+  EXPECT_NE(logged.back().find("not used"), std::string::npos) << logged.back();
+  // No secret: refused outright.
+  StoreOptions o3 = on(redis);
+  EXPECT_THROW(fetch_shared_calibration(o3, sha), Error);
+  EXPECT_THROW(publish_shared_calibration(o3, sha, first), Error);
+}

@@ -328,6 +328,27 @@ class PromptStore {
   std::unique_ptr<Impl> impl_;
 };
 
+// ---- one calibration for a fleet (kvtc-server --kvtc-calib auto with Redis) ----
+// A calibration shared through the Redis tier the options name
+// (redis_url or redis_cluster, AUTH, timeouts), under a key that names the
+// model file, the context's settings (kv_settings) and the secret's key id,
+// its value sealed with the secret like the tier's (docs/store.md "Shared
+// calibration"). Both need StoreOptions::secret: without one anybody who can
+// write to Redis would choose every replica's calibration (Error).
+// Thread safety: reentrant; each call opens its own connection.
+//
+// The calibration under the key, or nullopt when there is none, Redis cannot
+// be reached, or the value does not open or parse (logged through o.log;
+// never returned). A hit renews the key's time to live (redis_ttl_s).
+std::optional<Calibration> fetch_shared_calibration(const StoreOptions& o, const std::string& model_sha256);
+// Publishes `cal` unless the key holds one already (SET NX, with the TTL),
+// and returns what the key holds then: `cal`, or the calibration another
+// process published first (the caller uses that one: the fleet keeps one
+// id, so one cache). nullopt when Redis failed (logged).
+std::optional<Calibration> publish_shared_calibration(const StoreOptions& o, const std::string& model_sha256, const Calibration& cal);
+// The Redis key (kvtc:calib:1:<32 hex>).
+std::string shared_calibration_key(const StoreOptions& o, const std::string& model_sha256);
+
 // A store secret file (StoreOptions::secret; kvtc-server's
 // --kvtc-secret-file): all its bytes, a trailing newline included. Error
 // naming the file when it cannot be read, is empty or shorter than 32

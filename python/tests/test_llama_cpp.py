@@ -127,7 +127,8 @@ def test_compressed_cache_answers_the_follow_up_within_budget(smol_calibration, 
         # by CPU; a codec twice as lossy does not pass.
         kls, agree = kl_while_agreeing(kept[2], logits)
         mean_kl = sum(kls) / len(kls)
-        print(f"turn 2 after a 16x restore: mean KL {mean_kl:.4f} over {len(kls)} positions {kls}, {agree} of 12 greedy tokens agree")
+        print(f"turn 2 after a 16x restore: mean KL {mean_kl:.4f} over {len(kls)} positions {kls}, {agree} of 12 greedy tokens agree; "
+              f"store {({k: v for k, v in s.items() if k in ('hits_ram', 'hits_pending', 'tokens_restored', 'puts', 'chunks_written', 'chunks_shared', 'entries')})}")
         assert mean_kl < 0.03, (kls, agree)
         # More conversations than the budget holds: the least recent go, the budget holds.
         for i in range(3):

@@ -4,8 +4,11 @@
 
 #include <cmath>
 #include <random>
+#include <thread>
+#include <vector>
 
 #include "calib/pca.h"
+#include "core/parallel.h"
 
 using namespace kvtc;
 
@@ -215,4 +218,27 @@ TEST(Pca, GramRouteMatchesCovariance) {
   EXPECT_FALSE(kf.gram);
   EXPECT_EQ(kf.variance, sf.variance);
   EXPECT_EQ(kf.basis, sf.basis);
+}
+
+// parallel_for holds OpenBLAS to one thread while its region runs and gives
+// the count back after. OpenBLAS's count is one per process: two threads in
+// parallel_for at once (a server's compression worker beside a restore, or
+// beside the learner's fit with --kvtc-calib auto) must still leave it as it
+// was, not at the 1 that one of them read while the other held it: every
+// later BLAS call would then run on one thread, and a calibration's bytes
+// depend on that count (docs/calibration-format.md "Reproducible calibration").
+extern "C" int openblas_get_num_threads(void) __attribute__((weak));
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+TEST(Parallel, ConcurrentRegionsGiveOpenBlasItsThreadsBack) {
+  if (!openblas_get_num_threads || !openblas_set_num_threads) GTEST_SKIP() << "not linked with OpenBLAS";
+  openblas_set_num_threads(2);
+  const int before = openblas_get_num_threads();
+  ASSERT_EQ(before, 2);
+  std::vector<std::thread> ts;
+  for (int k = 0; k < 2; ++k)
+    ts.emplace_back([] {
+      for (int i = 0; i < 2000; ++i) kvtc::detail::parallel_for(2, 2, [](size_t) {});
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(openblas_get_num_threads(), before);
 }

@@ -1238,7 +1238,12 @@ std::string kvtc_server_metrics() {
     item("calib_fit_seconds", "gauge", "The fit's time (PCA, held-out errors, tables; 0 before)", L.fit_s);
     item("calib_raw_prompts_moved", "gauge", "Prompts of upstream's raw cache moved into the store when it came in place", double(L.moved));
   }
-  if (!I->live.load(std::memory_order_acquire)) return o.str();
+  if (!I->live.load(std::memory_order_acquire)) {
+    // What the learner's stride follows (the store's own lines come once it is in place).
+    item("prefill_ms_per_token", "gauge", "llama.cpp's measured prompt processing per token (decayed mean; 0 before the first sample)",
+         t.prefill_ms_per_token());
+    return o.str();
+  }
   const kvtc::StoreStats s = I->store->stats();
   item("ram_prompts", "gauge", "Prompts held compressed in RAM", double(s.entries));
   item("ram_chunks", "gauge", "Distinct prefix chunks held in RAM", double(s.chunks));

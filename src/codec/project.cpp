@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "core/util.h"
 #include "kvtc/error.h"
@@ -59,11 +60,18 @@ using tag = dnnl::memory::format_tag;
 
 // Encode: src [m][k] bf16, weights the basis [n][k] read as k x n, dst f32.
 // Decode: src [m][k] bf16, weights the basis [k][n], bias mu [n], dst f32.
+// The scratchpad is the caller's (run(): one per thread): in oneDNN's
+// default "library" mode, a build without DNNL_ENABLE_CONCURRENT_EXEC (the
+// default) shares one scratchpad between primitives, and the codec runs
+// distinct primitives at once (chunks in parallel_for, the store's worker
+// beside a restore), which then may overwrite each other's.
 dnnl::matmul::primitive_desc make_pd(bool decode, uint32_t m, uint32_t n, uint32_t k) {
   using D = dnnl::memory::dims;
   dnnl::memory::desc src(D{m, k}, dt::bf16, tag::ab), wei(D{k, n}, dt::bf16, decode ? tag::ab : tag::ba), dst(D{m, n}, dt::f32, tag::ab);
-  if (decode) return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dnnl::memory::desc(D{1, n}, dt::f32, tag::ab), dst), engine());
-  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), engine());
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (decode) return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dnnl::memory::desc(D{1, n}, dt::f32, tag::ab), dst), attr, engine());
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), attr, engine());
 }
 
 // oneDNN falls back to reference C++ loops ("ref:any", ~100x slower) where
@@ -102,6 +110,12 @@ void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, con
                                                {DNNL_ARG_WEIGHTS, dnnl::memory(pd.weights_desc(), engine(), const_cast<uint16_t*>(b))},
                                                {DNNL_ARG_DST, dnnl::memory(pd.dst_desc(), engine(), c)}};
     if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias)));
+    const size_t scratch = pd.scratchpad_desc().get_size();
+    if (scratch > 0) {
+      thread_local std::vector<uint8_t> pad;
+      if (pad.size() < scratch) pad.resize(scratch);
+      args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(pd.scratchpad_desc(), engine(), pad.data()));
+    }
     mm.prim.execute(s, args);
     s.wait();
   } catch (const dnnl::error& e) {

@@ -795,6 +795,16 @@ std::optional<kvtc::Calibration> fetch_fleet(const kvtc_prompt_cache::impl& I) {
   return c;
 }
 
+// Offers `c` to the fleet (SET NX: the first replica's wins). Returns the
+// fleet's calibration when another replica's won, else nullopt; `published`:
+// `c` is the fleet's now (false also when Redis failed).
+std::optional<kvtc::Calibration> offer_to_fleet(const kvtc_prompt_cache::impl& I, const kvtc::Calibration& c, bool* published = nullptr) {
+  std::optional<kvtc::Calibration> w = kvtc::publish_shared_calibration(I.opt, I.geom.model_sha256, c);
+  if (published) *published = w && w->id == c.id;
+  if (w && w->id != c.id && fits_model(*w, I.geom)) return w;
+  return std::nullopt;
+}
+
 // Writes `c` to `file` (atomically) unless it holds it already.
 void keep_locally(const std::string& file, const kvtc::Calibration& c) {
   if (file.empty()) return;
@@ -924,11 +934,11 @@ void learn_loop(kvtc_prompt_cache::impl* I, std::string file) {
       if (share) {
         // SET NX: the first replica's is the fleet's; a later one takes it
         // instead of its own, so every replica keys the same store.
-        std::optional<kvtc::Calibration> w = kvtc::publish_shared_calibration(I->opt, I->geom.model_sha256, c);
-        if (w && w->id != c.id && fits_model(*w, I->geom)) {
+        bool published = false;
+        if (std::optional<kvtc::Calibration> w = offer_to_fleet(*I, c, &published)) {
           how += string_format(", then %.16s taken instead (published first by another replica)", w->id.c_str());
           c = std::move(*w);
-        } else if (w) {
+        } else if (published) {
           how += ", published to Redis for the other replicas";
         }
       }
@@ -1079,9 +1089,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
       if (!cal && !file.empty() && std::filesystem::exists(file)) {
         try {
           cal = kvtc::calibration_load(file);
-          if (cal->geometry.model_sha256 != geom.model_sha256 || cal->blocks.size() != geom.blocks.size() ||
-              cal->blocks[0][0].p != geom.blocks[0].features())
-            throw kvtc::Error(file + ": fitted for another model or cache geometry");
+          if (!fits_model(*cal, geom)) throw kvtc::Error(file + ": fitted for another model or cache geometry");
         } catch (const std::exception& e) {
           SRV_WRN("kvtc: --kvtc-calib auto: not using the learned calibration: %s; learning a new one (it will replace the file)\n", e.what());
           cal.reset();
@@ -1090,8 +1098,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
       if (cal && share && from == file) {
         // Learned here before; the fleet has none yet: it is offered (the
         // first replica's wins, this one takes that one if it lost).
-        std::optional<kvtc::Calibration> w = kvtc::publish_shared_calibration(I->opt, geom.model_sha256, *cal);
-        if (w && w->id != cal->id && fits_model(*w, geom)) {
+        if (std::optional<kvtc::Calibration> w = offer_to_fleet(*I, *cal)) {
           cal = std::move(w);
           from = "Redis (the fleet's)";
           keep_locally(file, *cal);

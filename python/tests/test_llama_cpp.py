@@ -333,7 +333,8 @@ def test_two_processes_share_a_redis_tier(smol_calibration, work):
         # above). Measured 0.0235 here, 0.0249 as an AVX2 machine runs it
         # (4 of 4 tokens agree in both); bound 0.05, 2x (see there).
         kls, agree = kl_while_agreeing(ref, got)
-        print(f"turn 2 on B after a 16x restore from Redis: mean KL {sum(kls) / len(kls):.4f} over {len(kls)} positions {kls}, {agree} of 4 agree")
+        print(f"turn 2 on B after a 16x restore from Redis: mean KL {sum(kls) / len(kls):.4f} over {len(kls)} positions {kls}, {agree} of 4 agree; "
+              f"B's store {dict((k, s[k]) for k in ('hits_redis', 'hits_ram', 'misses', 'tokens_restored'))}")
         assert sum(kls) / len(kls) < 0.05, (kls, agree)
         r.stop()
         llm_c = make_llm()

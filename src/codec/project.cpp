@@ -215,15 +215,16 @@ Precision resolve_precision(Precision requested, const char* who) {
 }
 
 namespace {
-// Rounded bases by (calibration id, the transform's basis address and shape,
-// rows): the id names the content (a freed calibration's address reused by
-// another has another id), the address tells apart a calibration's
-// transforms. Newest first; 8 at most (2 per block and ratio in use) and
-// 256 MiB (SmolLM2's 5,760 features: 1,000 rows are 11 MiB).
+// Rounded bases by transform (transform_key: calibration id, block, K or
+// V), shape and rows. Newest first; 8 at most (2 per block and ratio in use)
+// and 256 MiB (SmolLM2's 5,760 features: 1,000 rows are 11 MiB). `probe`,
+// 16 of the f32 entries, guards against a key that does not name the
+// content (a Calibration whose bases were changed after its id was set).
+constexpr size_t kProbe = 16;
 struct RoundedBasis {
-  std::string id;
-  const float* basis;
+  std::string key;
   uint32_t p, ru;
+  std::array<float, kProbe> probe;
   std::shared_ptr<const std::vector<uint16_t>> rows;
 };
 std::mutex g_rounded_mu;
@@ -236,20 +237,37 @@ std::shared_ptr<const std::vector<uint16_t>> round_basis(const Transform& T, uin
   sub_to_bf16(T.basis.data(), nullptr, rows->data(), rows->size());
   return rows;
 }
+
+std::array<float, kProbe> probe_of(const Transform& T, uint32_t ru) {
+  std::array<float, kProbe> a{};
+  const size_t n = size_t(ru) * T.p;
+  for (size_t i = 0; i < kProbe; ++i) a[i] = T.basis[(n - 1) * i / (kProbe - 1)];
+  return a;
+}
 }  // namespace
 
-Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& cal_id) : T_(T), ru_(ru), prec_(resolved) {
+std::string transform_key(const Calibration& cal, size_t block, int kv) {
+  if (cal.id.empty()) return {};
+  return cal.id + "/" + std::to_string(block) + (kv ? "/v" : "/k");
+}
+
+Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key) : T_(T), ru_(ru), prec_(resolved) {
   require(prec_ != Precision::kAuto, "Projector: unresolved precision");
   if (prec_ != Precision::kBF16 || ru_ == 0) return;
   require(size_t(ru_) * T.p <= T.basis.size(), "Projector: more rows than the basis holds");
-  if (cal_id.empty()) {
+  if (key.empty()) {
     basis_bf16_ = round_basis(T, ru_);
     return;
   }
+  const std::array<float, kProbe> probe = probe_of(T, ru_);
   {
     std::lock_guard<std::mutex> g(g_rounded_mu);
     for (auto it = g_rounded.begin(); it != g_rounded.end(); ++it)
-      if (it->ru == ru_ && it->p == T.p && it->basis == T.basis.data() && it->id == cal_id) {
+      if (it->ru == ru_ && it->p == T.p && it->key == key) {
+        if (std::memcmp(it->probe.data(), probe.data(), sizeof probe) != 0) {
+          g_rounded.erase(it);  // not what the key names (anymore): rounded again below
+          break;
+        }
         basis_bf16_ = it->rows;
         g_rounded.splice(g_rounded.begin(), g_rounded, it);
         return;
@@ -257,7 +275,7 @@ Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const 
   }
   basis_bf16_ = round_basis(T, ru_);  // outside the lock: two threads may both round it once
   std::lock_guard<std::mutex> g(g_rounded_mu);
-  g_rounded.push_front({cal_id, T.basis.data(), T.p, ru_, basis_bf16_});
+  g_rounded.push_front({key, T.p, ru_, probe, basis_bf16_});
   size_t bytes = 0, kept = 0;
   for (auto it = g_rounded.begin(); it != g_rounded.end(); ++it, ++kept) {
     bytes += it->rows->size() * 2;

@@ -20,17 +20,26 @@ namespace kvtc::detail {
 // kF16), is an Error naming `who`.
 Precision resolve_precision(Precision requested, const char* who);
 
+// The name of calibration `cal`'s transform (block, kv: 0 keys, 1 values)
+// for Projector's cache: the calibration id (SHA-256 of every mean and
+// basis) names the content of all its transforms together, so the
+// transform's place in it must be part of the name. ("" when cal.id is.)
+std::string transform_key(const Calibration& cal, size_t block, int kv);
+
 // One transform's first `ru` basis rows, ready for either precision. Made
 // once per codec call and shared read-only by the worker threads; for bf16
 // the rows are rounded (ru x p bf16: 11.8 MB for 1024 x 5760, ~5 ms) once
-// per calibration: with `cal_id` (Calibration::id, the SHA-256 of its means
-// and bases) the rounded rows are kept in a process-wide cache of 8 and
-// shared by later calls. The prompt store codes each 256-token piece in a
-// call of its own: without the cache a 1.8K-token SmolLM2 restore rounded
-// both bases 7 times. An empty `cal_id` rounds them here, uncached.
+// per transform: with `key` (transform_key()) the rounded rows are kept in a
+// process-wide cache of 8 and shared by later calls. The prompt store codes
+// each 256-token piece in a call of its own: without the cache a 1.8K-token
+// SmolLM2 restore rounded both bases 7 times. An empty `key` rounds them
+// here, uncached. Never keyed by address: a calibration freed and loaded
+// again may put its value basis where its key basis was (the Python tests'
+// KvtcCaches did, and coded values on the keys' rows: KL 0.8-1.6 after a
+// restore instead of 0.024).
 class Projector {
  public:
-  Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& cal_id = {});
+  Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key = {});
 
   // D[n][ru] = (X[n][p] - mu) B[:ru]'. X is clobbered (centred in place on
   // the f32 path). Times the centring and the GEMM into `clk`.

@@ -234,32 +234,41 @@ class KvtcServer(unittest.TestCase):
         self.assertEqual(j_a2["choices"][0]["logprobs"], j_r2["choices"][0]["logprobs"])  # every logprob, bit for bit
 
     def test_restart_reads_the_disk_tier_back(self):
+        # Turn 2 of A is asked twice: in the first server, restored from its
+        # RAM tier, and after a restart, restored from the disk tier by
+        # another process. The same entry's bytes decode to the same state,
+        # so the two replies and every logprob must be equal bit for bit.
+        # (Not a bound against a recompute: on this document the first
+        # token is a near-tie that the codec's rounding decides: 8 of 8
+        # tokens agreed with the recompute, mean |logprob difference| 0.138,
+        # on an AVX512-BF16 CPU, 0 of 8 (0.736) with AMX or f32 on a Xeon
+        # with AMX: the same codec error, rel. 0.032 K / 0.186 V either way.
+        # test_second_turn_restores_from_the_compressed_ram_tier bounds
+        # the drift.)
         store = os.path.join(self.tmp, "store-restart")
         s = self.start("restart-1", self.kvtc("--kvtc-disk", store))
         a = conversation(self.docs[2])
         a1, t_a1, _ = s.chat(a)
-        s.chat(conversation(self.docs[3]))
+        s.chat(conversation(self.docs[3]))  # takes the only slot: A is saved
         m = s.wait_saved()
         self.assertEqual(m["kvtc:disk_enabled"], 1)
         self.assertGreaterEqual(m["kvtc:disk_prompts"], 1)
+        a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}]
+        r2, t_r2, j_r2 = s.chat(a2_msgs, **LOGPROBS)  # restored from RAM; B is saved
+        m = s.wait_saved()
+        self.assertEqual(m['kvtc:hits_total{tier="ram"}'], 1, kvtc_lines(s.log()))
         self.assertEqual(s.stop(), 0)
-        self.assertEqual(len(glob.glob(os.path.join(store, "*", "entries", "*.kvse"))), 1)  # A (B was still in the slot)
+        self.assertEqual(len(glob.glob(os.path.join(store, "*", "entries", "*.kvse"))), 2)  # A and B (A's turn 2 was still in the slot)
         s2 = self.start("restart-2", self.kvtc("--kvtc-disk", store))
         self.assertIn("prompts read back", s2.log())
-        self.assertEqual(s2.wait_scanned()["kvtc:disk_prompts"], 1)  # read back in the background
-        a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And in a few words?"}]
+        self.assertEqual(s2.wait_scanned()["kvtc:disk_prompts"], 2)  # read back in the background
         a2, t_a2, j_a2 = s2.chat(a2_msgs, **LOGPROBS)
         self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
+        self.assertEqual((t_a2["cache_n"], t_a2["prompt_n"]), (t_r2["cache_n"], t_r2["prompt_n"]))  # the same prefix restored
         m = s2.metrics()
-        self.assertEqual(m['kvtc:hits_total{tier="disk"}'], 1)
-        # Read back from disk by another process, it continues as a
-        # recompute does (drift(), as in the RAM tier's test): 8 of 8 tokens
-        # agreeing, mean 0.138 here, 0.157 as an AVX2 machine runs it. Bound
-        # 0.28, 2x (see there).
-        ref, _, j_ref = s2.chat(a2_msgs, cache_prompt=False, **LOGPROBS)
-        agree, mean, d = drift(j_a2, j_ref)
-        print(f"second turn after a restart, from disk: {agree} of 8 tokens agree, mean |logprob difference| {mean:.3f} {d}")
-        self.assertLess(mean, 0.28, (a2, ref, agree, d))
+        self.assertEqual(m['kvtc:hits_total{tier="disk"}'], 1, kvtc_lines(s2.log()))
+        self.assertEqual(a2, r2)
+        self.assertEqual(j_a2["choices"][0]["logprobs"], j_r2["choices"][0]["logprobs"])  # every logprob, bit for bit
 
     def test_a_calibration_learned_from_the_prompts_served(self):
         # --kvtc-calib auto (docs/server.md "A calibration learned from the

@@ -24,6 +24,7 @@
 #   make calibrate-qwen  the large model's calibration (160K tokens, ~1 h)
 #   make bench-ratio-qwen    ratio and error on its caches   -> bench/results/ratio-qwen.md
 #   make bench-calib-curve-qwen  error and bytes by calibration tokens (8K-160K) -> bench/results/calibration-qwen-curve.md
+#   make bench-calib-curve       the same on SmolLM2                   -> bench/results/calibration-smollm2-curve.md
 #   make bench-quality-qwen  its quality, resumable (hours)  -> bench/results/quality-qwen.md
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
@@ -35,7 +36,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -122,6 +123,12 @@ QWEN_SIZE_CALIBS := $(foreach n,8 16 32 64,.deps/calib/qwen-$(n)k.safetensors)
 bench-calib-curve-qwen: $(QWEN_CALIB) $(QWEN_SIZE_CALIBS) build
 	python3 bench/calib_curve.py --model qwen --ref $(QWEN_CALIB) --calib $(QWEN_SIZE_CALIBS) --name calibration-qwen-curve
 
+# The same on the default model (SmolLM2-135M): 8K-64K tokens beside the
+# 160K one (~35 min on 2 cores with every fit) -> bench/results/calibration-smollm2-curve.md.
+SMOL_CURVE_CALIBS := $(foreach n,8 16 32 64,.deps/calib/smollm2-$(n)k.safetensors)
+bench-calib-curve: $(CALIB) $(SMOL_CURVE_CALIBS) build
+	python3 bench/calib_curve.py --model smollm2 --ref $(CALIB) --calib $(SMOL_CURVE_CALIBS) --name calibration-smollm2-curve
+
 # The serving benchmark scored by answers (bench/serve.sh) on Qwen2.5-Coder-1.5B
 # -> bench/results/serve.md: SERVE_BLOCKS blocks of 12 six-turn sessions
 # (~1.5 h a block on 2 cores; resumable: a rerun runs only the runs the
@@ -163,7 +170,10 @@ SIZE_CALIBS := $(foreach n,2 4 8 64,.deps/calib/smollm2-$(n)k.safetensors)
 QUICK_CALIB := .deps/calib/smollm2-quick16k.safetensors
 DOMAIN_KINDS := prose docs code math
 DOMAIN_CALIBS := $(foreach k,$(DOMAIN_KINDS),.deps/calib/smollm2-16k-$(k).safetensors)
-$(SIZE_CALIBS): .deps/calib/smollm2-%k.safetensors: | build $(CORPUS)
+# N*1000 tokens, the full calibration's settings otherwise: analyze's sizes
+# and the token curve's (bench-calib-curve).
+SMOL_SIZE_CALIBS := $(foreach n,2 4 8 16 32 64,.deps/calib/smollm2-$(n)k.safetensors)
+$(SMOL_SIZE_CALIBS): .deps/calib/smollm2-%k.safetensors: | build $(CORPUS)
 	@mkdir -p .deps/calib
 	$(BUILD)/kvtc calibrate --tokens $*000 -o $@ --json > $(@:.safetensors=.json)
 $(QUICK_CALIB): | build $(CORPUS)

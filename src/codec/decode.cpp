@@ -37,7 +37,8 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
   const Precision prec = detail::resolve_precision(opt.precision, origin.c_str());
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
-    for (int kv = 0; kv < 2; ++kv) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], D.r_used[b][kv], prec, detail::transform_key(cal, b, kv));
+    for (int kv = 0; kv < 2; ++kv)
+      proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], D.r_used[b][kv], prec, detail::transform_key(cal, b, kv));
   detail::StageClock clk;
   detail::StageClock* ck = opt.stats ? &clk : nullptr;
   const int threads = detail::resolve_threads(opt.threads, jobs.size());

@@ -278,7 +278,8 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
-      if (!is_ecsq(alloc[b][kv])) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec, detail::transform_key(cal, b, kv));
+      if (!is_ecsq(alloc[b][kv]))
+        proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], r_used(alloc[b][kv].blocks), prec, detail::transform_key(cal, b, kv));
   std::vector<std::vector<uint8_t>> made(plan.size());
   const int threads = detail::resolve_threads(opt.threads, plan.size());
   bool any_ecsq = false, any_dp = false;

@@ -34,6 +34,10 @@
 
 #include "kvtc/error.h"
 
+namespace kvtc {
+struct StoreOptions;
+}
+
 namespace kvtc::detail {
 
 struct RedisError : Error {
@@ -67,6 +71,11 @@ struct RedisOptions {
   int timeout_ms = 2000;         // the deadline of one run(): the whole exchange
   int retry_ms = 1000;           // after a failure, calls fail fast this long
 };
+
+// The store's Redis settings (redis_url or redis_cluster, AUTH, connect
+// timeout, redis_retry_ms); timeout_ms is left for the caller to set per use
+// (lookups, writes, the shared calibration). Defined in redis_tier.cpp.
+RedisOptions redis_options(const StoreOptions& o);
 
 class Redis {
  public:

@@ -91,13 +91,7 @@ class RedisTier final : public Tier {
             "redis: redis_lookup_timeout_ms, redis_timeout_ms and redis_connect_timeout_ms must be positive, redis_retry_ms not negative");
     require(o.redis_min_mib_s > 0, "redis: redis_min_mib_s must be positive");
     require(o.redis_ttl_s >= 0, "redis: redis_ttl_s must not be negative (0: keys never expire)");
-    detail::RedisOptions ro;
-    ro.url = o.redis_url;
-    ro.cluster = o.redis_cluster;
-    ro.user = o.redis_user;
-    ro.password = o.redis_password;
-    ro.connect_timeout_ms = o.redis_connect_timeout_ms;
-    ro.retry_ms = o.redis_retry_ms;
+    detail::RedisOptions ro = detail::redis_options(o);
     ro.timeout_ms = o.redis_lookup_timeout_ms;
     take_ = std::make_unique<detail::Redis>(ro);  // Error on a malformed URL: refused at start
     ro.timeout_ms = o.redis_timeout_ms;
@@ -667,3 +661,18 @@ std::unique_ptr<Tier> make_redis_tier(const TierContext& ctx) {
 }
 
 }  // namespace kvtc::store
+
+namespace kvtc::detail {
+
+RedisOptions redis_options(const StoreOptions& o) {
+  RedisOptions ro;
+  ro.url = o.redis_url;
+  ro.cluster = o.redis_cluster;
+  ro.user = o.redis_user;
+  ro.password = o.redis_password;
+  ro.connect_timeout_ms = o.redis_connect_timeout_ms;
+  ro.retry_ms = o.redis_retry_ms;
+  return ro;
+}
+
+}  // namespace kvtc::detail

@@ -36,12 +36,7 @@ std::string key_of(const StoreOptions& o, const std::string& model_sha256, const
 // rate (redis_min_mib_s), as the tier's own writes have.
 detail::Redis connect(const StoreOptions& o, uint64_t bytes) {
   require(!o.redis_url.empty() || !o.redis_cluster.empty(), "kvtc store: a shared calibration needs redis_url or redis_cluster");
-  detail::RedisOptions ro;
-  ro.url = o.redis_url;
-  ro.cluster = o.redis_cluster;
-  ro.user = o.redis_user;
-  ro.password = o.redis_password;
-  ro.connect_timeout_ms = o.redis_connect_timeout_ms;
+  detail::RedisOptions ro = detail::redis_options(o);
   ro.retry_ms = 0;
   ro.timeout_ms = o.redis_timeout_ms + int(double(bytes) / (o.redis_min_mib_s * 1048576.0) * 1e3);
   return detail::Redis(ro);

@@ -28,7 +28,8 @@ set(KVTC_FIT_SOURCES src/calib/pca.cpp src/calib/fit.cpp src/calib/online.cpp)
 set(KVTC_CALIB_SOURCES ${KVTC_ALLOC_SOURCES} ${KVTC_FIT_SOURCES})
 # the prompt store: tiers of compressed prompt caches (encoder + decoder)
 set(KVTC_STORE_SOURCES src/store/store.cpp src/store/keys.cpp src/store/pieces.cpp src/store/queue.cpp src/store/ram_tier.cpp src/store/disk_tier.cpp
-                        src/store/redis_tier.cpp src/store/redis.cpp src/store/seal.cpp src/store/shared_calib.cpp)
+                        src/store/redis_tier.cpp src/store/redis.cpp src/store/seal.cpp src/store/shared_calib.cpp
+                        src/store/learner.cpp)
 foreach(_l KVTC_CORE_SOURCES KVTC_DECODER_SOURCES KVTC_ENCODER_SOURCES KVTC_ALLOC_SOURCES KVTC_FIT_SOURCES KVTC_CALIB_SOURCES KVTC_STORE_SOURCES)
   list(TRANSFORM ${_l} PREPEND "${_kvtc_src_root}/")
 endforeach()

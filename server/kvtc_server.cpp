@@ -164,41 +164,14 @@ std::string api_key_of(const std::map<std::string, std::string>& headers) {
 
 }  // namespace
 
-// --kvtc-calib auto: the statistics of the prompts served, on a thread of
-// its own (nice 19), then the fit and the store it enables. The loop hands
-// it one slot state at a time (learn()); one that comes while it is busy is
-// not learned from. Fields under mu.
-struct Learner {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool stop = false, has_job = false;
-  std::vector<uint8_t> blob, spare;  // the job's state; the buffer kept for the next copy
-  llama_tokens tokens;
-  std::string state = "learning";  // learning, fitting, ready (the store built, the loop switches), live, failed
-  std::string error, file, calib_id;
-  uint64_t seen = 0, fresh = 0, fit = 0, held = 0, fit_target = 0, held_target = 0;
-  uint64_t samples = 0, busy = 0, refused = 0, moved = 0;
-  uint32_t stride = 1;
-  double cpu_ms = 0, row_ms = 0;  // learning's thread CPU time; its decayed cost per row
-  double loop_ms = 0, loop_max_ms = 0, fit_s = 0;
-  std::unique_ptr<kvtc::PromptStore> ready;
-  std::thread th;
-};
-
 struct kvtc_prompt_cache::impl {
-  ~impl() {
-    if (learner && learner->th.joinable()) {
-      {
-        std::lock_guard<std::mutex> g(learner->mu);
-        learner->stop = true;
-      }
-      learner->cv.notify_all();
-      learner->th.join();  // a fit under way finishes first (CalibrationFitter::finish has no cancel)
-    }
-  }
+  // The learner's thread reads the members below (mu, times, ready): it
+  // stops first (a fit under way finishes: CalibrationFitter::finish has no cancel).
+  ~impl() { learner.reset(); }
   // --kvtc-calib auto: the learner, and whether the store is in place (set
   // once, by the loop, after `store`; read by HTTP threads before they touch it).
-  std::unique_ptr<Learner> learner;
+  std::unique_ptr<kvtc::CalibrationLearner> learner;
+  std::unique_ptr<kvtc::PromptStore> ready;  // built by the learner's on_ready, off the loop; update() puts it in place (under mu)
   std::atomic<bool> live{false};
   // A slot whose cells a context shift moved: its tokens from n_keep on
   // (at most kShiftWindow of them) right after the shift. While the slot's
@@ -637,41 +610,23 @@ bool kvtc_prompt_cache::raw_cache_allowed(int32_t id_slot) const {
 
 bool kvtc_prompt_cache::learn(const server_prompt& prompt, llama_context* ctx, int32_t id_slot) {
   const bool raw_ok = slot_tenant(id_slot).empty();
-  Learner& L = *p->learner;
   llama_tokens tokens = prompt.tokens.get_text_tokens();
-  std::vector<uint8_t> buf;
-  {
-    std::lock_guard<std::mutex> g(L.mu);
-    if (L.state != "learning" || tokens.size() < 64) return raw_ok;  // less than one run: nothing to learn
-    if (L.has_job) {
-      ++L.busy;  // the previous one is still being learned from
-      return raw_ok;
-    }
-    buf = std::move(L.spare);
-  }
+  std::optional<std::vector<uint8_t>> buf = p->learner->begin(tokens.size());
+  if (!buf) return raw_ok;  // not learning, busy, or less than one run
   // The copy holds the loop (~1 ms for 10 MiB into a kept buffer); the
   // parsing and learning run on the learner's thread.
   const auto t0 = Clock::now();
   const size_t size = llama_state_seq_get_size_ext(ctx, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE);
-  if (buf.capacity() < size) {
+  if (buf->capacity() < size) {
     // Half as much again, as the store's save buffers (a conversation's next
     // turn still fits), and no copy of the old bytes: Qwen's 1.5K-token
     // states (~42 MiB) held the loop 19-34 ms when the kept one grew.
-    buf = std::vector<uint8_t>();
-    buf.reserve(size + size / 2);
+    *buf = std::vector<uint8_t>();
+    buf->reserve(size + size / 2);
   }
-  buf.resize(size);
-  if (llama_state_seq_get_data_ext(ctx, buf.data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) return raw_ok;
-  const double ms = ms_since(t0);
-  {
-    std::lock_guard<std::mutex> g(L.mu);
-    L.blob = std::move(buf);
-    L.tokens = std::move(tokens);
-    L.has_job = true;
-    L.loop_ms += ms;
-    L.loop_max_ms = std::max(L.loop_max_ms, ms);
-  }
-  L.cv.notify_one();
+  buf->resize(size);
+  if (llama_state_seq_get_data_ext(ctx, buf->data(), size, id_slot, LLAMA_STATE_SEQ_FLAGS_NONE) != size) buf->clear();
+  p->learner->submit(std::move(*buf), std::move(tokens), ms_since(t0));
   return raw_ok;
 }
 
@@ -679,8 +634,8 @@ bool kvtc_prompt_cache::update(std::list<server_prompt_cache_state>& raw) {
   if (!p->live) {
     std::unique_ptr<kvtc::PromptStore> ready;
     {
-      std::lock_guard<std::mutex> g(p->learner->mu);
-      ready = std::move(p->learner->ready);
+      std::lock_guard<std::mutex> g(p->mu);
+      ready = std::move(p->ready);
     }
     if (!ready) return false;  // still learning (or failed): upstream's cache serves
     p->store = std::move(ready);
@@ -697,11 +652,7 @@ bool kvtc_prompt_cache::update(std::list<server_prompt_cache_state>& raw) {
       bytes += n;
     }
     raw.clear();
-    {
-      std::lock_guard<std::mutex> g(p->learner->mu);
-      p->learner->state = "live";
-      p->learner->moved = moved;
-    }
+    p->learner->mark_live(moved);
     SRV_INF("kvtc: --kvtc-calib auto: the compressed store is in place; %llu raw prompts (%.1f MiB) moved into it\n", (unsigned long long)moved,
             bytes / 1048576.0);
   }
@@ -768,200 +719,43 @@ void wipe_secrets(kvtc_prompt_cache::impl& I) {
   wipe(kvtc_server_config().redis_password);
 }
 
-// Where --kvtc-calib auto keeps what it learned: beside the disk tier's
-// store directories, one file per model file (docs/server.md).
-std::string learned_calibration_file(const std::string& disk, const kvtc::CacheGeometry& g) {
-  return (std::filesystem::path(disk) / ("calibration-auto-" + g.model_sha256.substr(0, 16) + ".safetensors")).string();
-}
-
-// --kvtc-calib auto with Redis and a secret: one calibration for every
-// replica, through Redis (kvtc::publish_shared_calibration).
-bool shares_calibration(const kvtc_prompt_cache::impl& I) {
-  return (!I.opt.redis_url.empty() || !I.opt.redis_cluster.empty()) && !I.opt.secret.empty();
-}
-
-bool fits_model(const kvtc::Calibration& c, const kvtc::CacheGeometry& g) {
-  return c.geometry.model_sha256 == g.model_sha256 && c.blocks.size() == g.blocks.size() && !c.blocks.empty() &&
-         c.blocks[0][0].p == g.blocks[0].features();
-}
-
-// The fleet's calibration from Redis (nullopt: none yet, or not this model's).
-std::optional<kvtc::Calibration> fetch_fleet(const kvtc_prompt_cache::impl& I) {
-  std::optional<kvtc::Calibration> c = kvtc::fetch_shared_calibration(I.opt, I.geom.model_sha256);
-  if (c && !fits_model(*c, I.geom)) {
-    SRV_WRN("%s\n", "kvtc: --kvtc-calib auto: the calibration in Redis is not this model's; not used");
-    c.reset();
-  }
-  return c;
-}
-
-// Offers `c` to the fleet (SET NX: the first replica's wins). Returns the
-// fleet's calibration when another replica's won, else nullopt; `published`:
-// `c` is the fleet's now (false also when Redis failed).
-std::optional<kvtc::Calibration> offer_to_fleet(const kvtc_prompt_cache::impl& I, const kvtc::Calibration& c, bool* published = nullptr) {
-  std::optional<kvtc::Calibration> w = kvtc::publish_shared_calibration(I.opt, I.geom.model_sha256, c);
-  if (published) *published = w && w->id == c.id;
-  if (w && w->id != c.id && fits_model(*w, I.geom)) return w;
-  return std::nullopt;
-}
-
-// Writes `c` to `file` (atomically) unless it holds it already.
-void keep_locally(const std::string& file, const kvtc::Calibration& c) {
-  if (file.empty()) return;
-  try {
-    if (std::filesystem::exists(file) && kvtc::calibration_load(file, /*decoder_only=*/true).id == c.id) return;
-  } catch (const std::exception&) {
-    // damaged: replaced below
-  }
-  std::filesystem::create_directories(std::filesystem::path(file).parent_path());
-  kvtc::calibration_save(file, c);  // a temporary file, then rename
-}
-
-double thread_cpu_ms() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return double(t.tv_sec) * 1e3 + double(t.tv_nsec) / 1e6;
-}
-
-// The learner's thread: samples until enough tokens, then the fit, the
-// file, the store; the loop's update() puts the store in place.
-void learn_loop(kvtc_prompt_cache::impl* I, std::string file) {
+// --kvtc-calib auto's options for kvtc::find_learned_calibration and the
+// learner: the file beside the disk tier, the fleet through Redis, the
+// stride following the loop's measured prefill, the server's log.
+kvtc::LearnerOptions learner_options(const std::shared_ptr<kvtc_prompt_cache::impl>& I) {
   const kvtc_server_params& cfg = kvtc_server_config();
-  Learner& L = *I->learner;
-  (void)::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), 19);  // below inference and the compression worker (10)
-  auto fail = [&](const std::string& why) {
-    SRV_WRN("kvtc: --kvtc-calib auto: learning stopped (%s); prompts stay raw in upstream's cache\n", why.c_str());
-    std::lock_guard<std::mutex> g(L.mu);
-    L.state = "failed";
-    L.error = why;
+  kvtc::LearnerOptions lo;
+  lo.tokens = uint64_t(cfg.calib_tokens);
+  lo.share = cfg.calib_share;
+  lo.ratio = cfg.ratio;
+  lo.file = cfg.disk.empty() ? "" : kvtc::learned_calibration_file(cfg.disk, I->geom.model_sha256);
+  lo.fleet = I->opt;
+  lo.fleet.log = [](const std::string& s) { SRV_WRN("%s\n", s.c_str()); };
+  kvtc_prompt_cache::impl* raw = I.get();  // the learner stops before impl's other members go (~impl)
+  lo.prefill_ms_per_token = [raw] {
+    std::lock_guard<std::mutex> g(raw->mu);
+    return raw->times.prefill_ms_per_token();
   };
-  std::unique_ptr<kvtc::OnlineCalibrator> cal;
-  try {
-    kvtc::OnlineCalibrationOptions o;
-    o.fit_tokens = uint64_t(cfg.calib_tokens);
-    o.fit.ratios = {8, 16, 32, 64};
-    // Components past the rows learned carry no variance: fewer tokens than
-    // features (a small --kvtc-calib-tokens) fit through the Gram matrix
-    // (1,404 tokens of SmolLM2: seconds, where the full eigensolver of the
-    // 5,760 x 5,760 covariance took 51 s at nice 19).
-    o.fit.rank_max = uint32_t(std::min<uint64_t>(I->geom.blocks[0].features(), o.fit_tokens - 1));
-    // The store codes at --kvtc-ratio: its table too, unless it is one of these.
-    if (std::find(o.fit.ratios.begin(), o.fit.ratios.end(), cfg.ratio) == o.fit.ratios.end()) o.fit.ratios.push_back(cfg.ratio);
-    cal = std::make_unique<kvtc::OnlineCalibrator>(I->geom, o);
-    std::lock_guard<std::mutex> g(L.mu);
-    L.fit_target = cal->fit_target();
-    L.held_target = cal->heldout_target();
-  } catch (const std::exception& e) {
-    return fail(e.what());
-  }
-  const bool share = shares_calibration(*I);
-  std::optional<kvtc::Calibration> fleet;  // another replica's, published while this one learned
-  auto next_poll = Clock::now() + std::chrono::seconds(10);
-  for (;;) {
-    std::vector<uint8_t> blob;
-    llama_tokens tokens;
-    uint32_t stride = 1;
-    {
-      std::unique_lock<std::mutex> lk(L.mu);
-      if (share)
-        L.cv.wait_until(lk, next_poll, [&] { return L.stop || L.has_job; });
-      else
-        L.cv.wait(lk, [&] { return L.stop || L.has_job; });
-      if (L.stop) return;
-      if (!L.has_job) {  // time to look in Redis: a replica that finished first published its calibration there
-        lk.unlock();
-        next_poll = Clock::now() + std::chrono::seconds(10);
-        if ((fleet = fetch_fleet(*I))) break;
-        continue;
-      }
-      blob = std::move(L.blob);
-      tokens = std::move(L.tokens);
-      stride = L.stride;
-    }
-    const double c0 = thread_cpu_ms();
-    uint64_t rows = 0;
-    std::string refused;
-    try {
-      rows = cal->add(kvtc::capture_from_state(blob, I->geom, "kvtc: a slot's state"), tokens, stride);
-    } catch (const std::exception& e) {
-      refused = e.what();  // a shifted slot's cache, say: not a prompt's
-    }
-    const double ms = thread_cpu_ms() - c0;
-    double prefill = 0;
-    {
-      std::lock_guard<std::mutex> g(I->mu);
-      prefill = I->times.prefill_ms_per_token();
-    }
-    const bool enough = cal->enough();
-    {
-      std::lock_guard<std::mutex> g(L.mu);
-      L.spare = std::move(blob);  // its pages stay mapped for the next copy
-      L.has_job = false;
-      ++L.samples;
-      if (!refused.empty()) ++L.refused;
-      L.cpu_ms += ms;
-      L.seen = cal->seen_tokens();
-      L.fresh = cal->new_tokens();
-      L.fit = cal->fit_tokens();
-      L.held = cal->heldout_tokens();
-      // Every stride-th new token is learned so that learning costs at most
-      // --kvtc-calib-share of the prefill of the tokens it learns from:
-      // learning a row costs ~2 p^2 flops for K and V (SmolLM2, p = 5,760:
-      // ~0.7 ms on one EPYC core) where prefill costs ~3 ms per token on 2.
-      if (rows > 0) L.row_ms = L.row_ms > 0 ? 0.75 * L.row_ms + 0.25 * ms / double(rows) : ms / double(rows);
-      if (L.row_ms > 0 && prefill > 0) L.stride = uint32_t(std::clamp(std::ceil(L.row_ms / (cfg.calib_share * prefill)), 1.0, 4096.0));
-      if (enough) L.state = "fitting";
-    }
-    if (!refused.empty()) SRV_WRN("kvtc: --kvtc-calib auto: a sample not learned from: %s\n", refused.c_str());
-    if (enough) break;
-  }
-  try {
-    kvtc::Calibration c;
-    double fit_s = 0;
-    std::string how;
-    if (fleet) {
-      c = std::move(*fleet);
-      cal.reset();
-      how = "adopted from Redis (another replica's)";
-    } else {
-      SRV_INF("kvtc: --kvtc-calib auto: %llu tokens learned (%llu held out); fitting in the background\n", (unsigned long long)cal->fit_tokens(),
-              (unsigned long long)cal->heldout_tokens());
-      const auto t0 = Clock::now();
-      c = cal->finish();
-      cal.reset();  // the covariances' memory
-      fit_s = ms_since(t0) / 1e3;
-      how = string_format("fitted in %.1f s", fit_s);
-      if (share) {
-        // SET NX: the first replica's is the fleet's; a later one takes it
-        // instead of its own, so every replica keys the same store.
-        bool published = false;
-        if (std::optional<kvtc::Calibration> w = offer_to_fleet(*I, c, &published)) {
-          how += string_format(", then %.16s taken instead (published first by another replica)", w->id.c_str());
-          c = std::move(*w);
-        } else if (published) {
-          how += ", published to Redis for the other replicas";
-        }
-      }
-    }
-    keep_locally(file, c);
-    std::unique_ptr<kvtc::PromptStore> store = open_store(*I, c, file.empty() ? "the calibration learned (kept in memory only)" : file);
-    wipe_secrets(*I);
-    SRV_INF("kvtc: --kvtc-calib auto: calibration %.16s %s%s; prompts are stored compressed from the next slot change\n", c.id.c_str(), how.c_str(),
-            file.empty() ? " (no --kvtc-disk: not written)" : (", written to " + file).c_str());
-    std::lock_guard<std::mutex> g(L.mu);
-    L.fit_s = fit_s;
-    L.file = file;
-    L.calib_id = c.id;
-    L.ready = std::move(store);
-    L.state = "ready";
-  } catch (const std::exception& e) {
-    fail(std::string("the fit failed: ") + e.what());
-  }
+  lo.log = [](bool warning, const std::string& s) {
+    if (warning)
+      SRV_WRN("%s\n", s.c_str());
+    else
+      SRV_INF("%s\n", s.c_str());
+  };
+  return lo;
 }
 
-void start_learner(const std::shared_ptr<kvtc_prompt_cache::impl>& I, const std::string& file) {
-  I->learner = std::make_unique<Learner>();
-  I->learner->th = std::thread(learn_loop, I.get(), file);
+void start_learner(const std::shared_ptr<kvtc_prompt_cache::impl>& I, kvtc::LearnerOptions lo) {
+  const std::string file = lo.file;
+  kvtc_prompt_cache::impl* raw = I.get();
+  // The store is opened on the learner's thread, off the loop; update() puts it in place.
+  lo.on_ready = [raw](const kvtc::Calibration& c, const std::string& name) {
+    std::unique_ptr<kvtc::PromptStore> store = open_store(*raw, c, name);
+    wipe_secrets(*raw);
+    std::lock_guard<std::mutex> g(raw->mu);
+    raw->ready = std::move(store);
+  };
+  I->learner = std::make_unique<kvtc::CalibrationLearner>(I->geom, std::move(lo));
   SRV_INF(
       "kvtc: --kvtc-calib auto: no calibration yet: prompts are kept raw (upstream's cache, --cache-ram) while %lld tokens of the prompts "
       "served are learned (sampled to cost at most %.3g of their prefill time)%s\n",
@@ -1072,46 +866,20 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
       wipe_secrets(*I);
       I->live = true;
     } else {
-      // A calibration this server learned before (beside the disk tier) is
-      // used as it is; else it is learned from the prompts served.
-      const std::string file = cfg.disk.empty() ? "" : learned_calibration_file(cfg.disk, geom);
-      std::optional<kvtc::Calibration> cal;
-      std::string from = file;
-      const bool share = shares_calibration(*I);
-      if (!share && (!o.redis_url.empty() || !o.redis_cluster.empty()))
-        SRV_WRN("%s\n",
-                "kvtc: --kvtc-calib auto: without --kvtc-secret-file the calibration is not shared through Redis (a value anybody who can "
-                "write there could set would choose every replica's); each replica learns its own, and they share no prompts");
-      if (share && (cal = fetch_fleet(*I))) {
-        from = "Redis (the fleet's)";
-        keep_locally(file, *cal);
-      }
-      if (!cal && !file.empty() && std::filesystem::exists(file)) {
-        try {
-          cal = kvtc::calibration_load(file);
-          if (!fits_model(*cal, geom)) throw kvtc::Error(file + ": fitted for another model or cache geometry");
-        } catch (const std::exception& e) {
-          SRV_WRN("kvtc: --kvtc-calib auto: not using the learned calibration: %s; learning a new one (it will replace the file)\n", e.what());
-          cal.reset();
-        }
-      }
-      if (cal && share && from == file) {
-        // Learned here before; the fleet has none yet: it is offered (the
-        // first replica's wins, this one takes that one if it lost).
-        if (std::optional<kvtc::Calibration> w = offer_to_fleet(*I, *cal)) {
-          cal = std::move(w);
-          from = "Redis (the fleet's)";
-          keep_locally(file, *cal);
-        }
-      }
-      if (cal) {
+      // A calibration this server learned before (beside the disk tier,
+      // or the fleet's in Redis) is used as it is; else it is learned from
+      // the prompts served.
+      kvtc::LearnerOptions lo = learner_options(I);
+      std::string from;
+      if (std::optional<kvtc::Calibration> cal = kvtc::find_learned_calibration(geom, lo, &from)) {
         SRV_INF("kvtc: --kvtc-calib auto: the calibration learned before, from %s (%.16s, %s tokens)\n", from.c_str(), cal->id.c_str(),
                 cal->meta.count("calib_tokens") ? cal->meta.at("calib_tokens").c_str() : "?");
         I->store = open_store(*I, *cal, from);
         wipe_secrets(*I);
+        lo.wipe_secrets();  // the options' copies
         I->live = true;
       } else {
-        start_learner(I, file);
+        start_learner(I, std::move(lo));
       }
     }
     cache->kvtc = std::make_unique<kvtc_prompt_cache>();
@@ -1231,8 +999,7 @@ std::string kvtc_server_metrics() {
     o << "# HELP kvtc:" << name << " " << help << "\n# TYPE kvtc:" << name << " " << type << "\nkvtc:" << name << labels << " " << v << "\n";
   };
   if (I->learner) {  // --kvtc-calib auto
-    Learner& L = *I->learner;
-    std::lock_guard<std::mutex> g(L.mu);
+    const kvtc::LearnerStatus L = I->learner->status();
     for (const char* st : {"learning", "fitting", "ready", "live", "failed"})
       item("calib_state", "gauge", "--kvtc-calib auto: learning, fitting, ready (the store built), live (prompts stored compressed) or failed",
            L.state == st ? 1 : 0, std::string("{state=\"") + st + "\"}");

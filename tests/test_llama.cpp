@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/state_blob.h"
@@ -92,6 +93,64 @@ TEST(Model, GemmaMetadataFromItsOwnGguf) {
   EXPECT_EQ(g.blocks[0].rope.layout, RopeLayout::kNeox);
   EXPECT_EQ(g.blocks[1].rope.freq_base, mi.rope_freq_base_swa);  // the sliding-window layers' own base
   EXPECT_NE(g.blocks[0].rope.freq_base, g.blocks[1].rope.freq_base);
+}
+
+// kvtc::geometry_from_facts (the Python KvtcCache("auto") path): the facts
+// as kvtc.llama_cpp.model_facts writes them give the geometry
+// model_geometry() reads, exactly (Rope's ==: base, scale, factors).
+TEST(Model, FactsGiveTheModelsGeometry) {
+  const ModelInfo& mi = smol().info();
+  auto g9 = [](double x) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.9g", x);
+    return std::string(b);
+  };
+  std::map<std::string, std::string> f = {{"model_sha256", smol().sha256()},
+                                          {"n_layer", std::to_string(mi.n_layer)},
+                                          {"n_head_kv", std::to_string(mi.n_head_kv)},
+                                          {"head_dim", std::to_string(mi.head_dim_k)},
+                                          {"n_swa", "0"},
+                                          {"rope_type", mi.rope_type},
+                                          {"n_rot", std::to_string(mi.n_rot)},
+                                          {"rope_freq_base", g9(mi.rope_freq_base)},
+                                          {"rope_freq_scale", g9(mi.rope_freq_scale)},
+                                          {"rope_scaling_type", "none"},
+                                          {"rope_freq_factors", "[]"}};
+  const CacheGeometry from_facts = geometry_from_facts(f, "facts"), want = smol().geometry();
+  EXPECT_EQ(from_facts.model_sha256, want.model_sha256);
+  ASSERT_EQ(from_facts.blocks.size(), 1u);
+  EXPECT_TRUE(from_facts.blocks[0] == want.blocks[0]);
+  // Llama 3's factors and a linear scaling come through as a file's metadata does.
+  auto g = f;
+  g["rope_freq_factors"] = "[" + std::string("1,1,1,1,1,1,1,1,2,2,2,2,2,2,2,2,4,4,4,4,4,4,4,4,8,8,8,8,8,8,8,8") + "]";
+  g["rope_scaling_type"] = "linear";
+  g["rope_freq_scale"] = "0.25";
+  const Rope r = geometry_from_facts(g, "facts").blocks[0].rope;
+  EXPECT_TRUE(r.unsupported.empty()) << r.unsupported;
+  EXPECT_EQ(r.freq_factors.size(), 32u);
+  EXPECT_EQ(r.freq_factors[31], 8.0f);
+  EXPECT_EQ(r.freq_scale, 0.25f);
+  g["rope_scaling_type"] = "yarn";
+  EXPECT_NE(geometry_from_facts(g, "facts").blocks[0].rope.unsupported.find("YaRN not yet"), std::string::npos);
+  // Refused, naming the fact.
+  auto refused = [&](const std::string& key, const std::string& value, const std::string& want) {
+    auto h = f;
+    if (value.empty())
+      h.erase(key);
+    else
+      h[key] = value;
+    try {
+      (void)geometry_from_facts(h, "facts");
+      ADD_FAILURE() << key << "=" << value << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  refused("n_layer", "", "'n_layer' is missing");
+  refused("n_head_kv", "-3", "'n_head_kv' is '-3', expected an integer >= 1");
+  refused("head_dim", "64.5", "expected an integer");
+  refused("n_swa", "512", "sliding-window (iSWA) model");
+  refused("model_sha256", "ABC", "64 lowercase hex digits");
 }
 
 TEST(Model, BadModelFilesAreRefused) {

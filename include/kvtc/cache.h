@@ -110,6 +110,19 @@ KvCapture capture_parse(std::span<const uint8_t> bytes, const std::string& origi
 // otherwise.
 KvCapture capture_from_state(std::span<const uint8_t> blob, const CacheGeometry& g, const std::string& origin);
 
+// A model's cache geometry from the facts another llama.cpp binding reads
+// of it (the Python KvtcCache("auto") through llama-cpp-python; kvtc's own
+// llama integration reads the same facts in model_geometry(), <kvtc/llama.h>),
+// as strings: model_sha256 (64 hex), n_layer, n_head_kv, head_dim (keys
+// and values alike), n_swa (0: no sliding-window layers), and the RoPE keys
+// of a capture file's metadata (docs/capture-format.md): rope_type (norm,
+// neox, none, or what llama.cpp calls another), n_rot, rope_freq_base,
+// rope_freq_scale, rope_scaling_type, rope_freq_factors (a JSON list; "[]"
+// or absent: none). One block; a sliding-window model is refused (its
+// layer pattern is not among the facts). Error names `origin` and the fact;
+// a rotation kvtc cannot undo comes back in Rope::unsupported, as from a file.
+CacheGeometry geometry_from_facts(const std::map<std::string, std::string>& facts, const std::string& origin);
+
 // What the destination context expects of a blob: streams per block (1
 // with llama.cpp's unified cache), the V layout (v_trans = 1 without flash
 // attention) and the sequence id the cells are tagged with.

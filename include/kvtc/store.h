@@ -349,6 +349,107 @@ std::optional<Calibration> publish_shared_calibration(const StoreOptions& o, con
 // The Redis key (kvtc:calib:1:<32 hex>).
 std::string shared_calibration_key(const StoreOptions& o, const std::string& model_sha256);
 
+// ---- a calibration learned from the prompts served ---------------------------
+// What kvtc-server's --kvtc-calib auto and the Python KvtcCache("auto")
+// share (docs/server.md "A calibration learned from the prompts served"):
+// where a learned calibration is kept, how one is found at start, and the
+// learner thread that samples prompt states, fits, writes and publishes.
+
+struct LearnerOptions {
+  uint64_t tokens = 32768;  // rows for the PCA before the fit (held out: tokens / 16 more)
+  // Learning's CPU time at most this share of the prefill time of the
+  // tokens it learns from (the stride follows prefill_ms_per_token; 1 or
+  // more: every token).
+  double share = 0.05;
+  double ratio = 16;  // the store's ratio: its DP table is fitted beside 8, 16, 32 and 64
+  // Where the calibration is kept (learned_calibration_file()), written
+  // atomically after the fit; "": memory only.
+  std::string file;
+  // The Redis tier and secret it is shared through (learner_shares()); the
+  // learner keeps a copy until it has published, then wipes its secret.
+  StoreOptions fleet;
+  // llama.cpp's measured prompt processing per token, in ms (0: not known
+  // yet: every token is learned). Called on the learner's thread.
+  std::function<double()> prefill_ms_per_token;
+  // Info (warning = false) and warning lines, from any thread.
+  std::function<void(bool warning, const std::string&)> log;
+  // Called on the learner's thread with the calibration once fitted (or
+  // adopted from the fleet) and written, before the state becomes "ready":
+  // kvtc-server opens its store there, off its loop. An exception fails
+  // the learner (state "failed", its message the error).
+  std::function<void(const Calibration&, const std::string& from)> on_ready;
+  // Overwrites this copy's secret and Redis password (once handed to the
+  // learner, or after find_learned_calibration), so no stray copy stays in memory.
+  void wipe_secrets();
+};
+
+struct LearnerStatus {
+  std::string state;  // learning, fitting, ready (calibration() holds it), live (mark_live()), failed
+  std::string error, file, calib_id;
+  uint64_t seen = 0, fresh = 0, fit = 0, held = 0, fit_target = 0, held_target = 0;  // tokens (OnlineCalibrator's counts)
+  uint64_t samples = 0;                                                              // states learned from
+  uint64_t busy = 0;                                                                 // states not taken: the learner was busy with the previous one
+  uint64_t refused = 0;                                                              // states not learned from (not a prompt's cache: shifted, say)
+  uint64_t moved = 0;                                                                // raw prompts moved into the store (mark_live)
+  uint32_t stride = 1;                                                               // one new token in this many is learned
+  double cpu_ms = 0;                                                                 // the learner thread's CPU time learning (not fitting)
+  double loop_ms = 0, loop_max_ms = 0;                                               // the callers' hand-over copies (submit's copy_ms)
+  double fit_s = 0;                                                                  // the fit's time (0: adopted, or not yet)
+};
+
+// Where a learned calibration is kept: beside a disk tier's store
+// directories, one file per model file ("calibration-auto-<16 hex>.safetensors").
+std::string learned_calibration_file(const std::string& disk_dir, const std::string& model_sha256);
+// Whether calibrations are shared through Redis: a Redis tier and a secret.
+bool learner_shares(const StoreOptions& o);
+// Whether `c` was fitted for `g` (its model file, blocks and features).
+bool calibration_fits(const Calibration& c, const CacheGeometry& g);
+// The calibration learned before: the fleet's (Redis, when learner_shares),
+// else o.file's when it fits `g` (one that does not is logged and ignored:
+// a new one will replace it). One found only in the file is offered to the
+// fleet (the first replica's wins: this one takes that one if it lost); one
+// from the fleet is written to o.file. nullopt: learn one. `from` names
+// where it came from.
+std::optional<Calibration> find_learned_calibration(const CacheGeometry& g, const LearnerOptions& o, std::string* from = nullptr);
+
+// The learner: a thread (nice 19) holding an OnlineCalibrator for `g`
+// (single-block caches only). The caller hands it whole prompt states (a
+// llama.cpp sequence or context state of tokens at positions 0..n-1); one
+// that comes while it is busy is not learned from. With enough tokens it
+// fits on the same thread, writes o.file, publishes to the fleet and calls
+// o.on_ready; with a fleet, it also looks every 10 s for a calibration
+// another replica published, and adopts it instead of fitting. Memory:
+// the OnlineCalibrator's (411 MB for Qwen2.5-1.5B) until the fit is done.
+// Thread safety: every member may be called from any thread; the
+// destructor waits for a fit under way (no cancel).
+class CalibrationLearner {
+ public:
+  CalibrationLearner(const CacheGeometry& g, LearnerOptions o);
+  ~CalibrationLearner();
+  CalibrationLearner(const CalibrationLearner&) = delete;
+  CalibrationLearner& operator=(const CalibrationLearner&) = delete;
+
+  // A buffer for the next hand-over (the one kept from the last: its pages
+  // stay mapped, so the copy into it is the caller's only cost), or nullopt
+  // when the learner is not learning, is busy (counted) or `n_tokens` is
+  // less than a run (64). Every begin() that returns a buffer is followed
+  // by a submit().
+  std::optional<std::vector<uint8_t>> begin(size_t n_tokens);
+  // The state of `tokens` copied into the buffer begin() gave; an empty
+  // state gives the buffer back unused. copy_ms: what the copy held the caller.
+  void submit(std::vector<uint8_t>&& state, std::vector<int32_t>&& tokens, double copy_ms = 0);
+  // The calibration once fitted or adopted (state ready or live), else null.
+  std::shared_ptr<const Calibration> calibration() const;
+  // The caller stores compressed now; `moved` raw prompts moved into its store.
+  void mark_live(uint64_t moved);
+  LearnerStatus status() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 // A store secret file (StoreOptions::secret; kvtc-server's
 // --kvtc-secret-file): all its bytes, a trailing newline included. Error
 // naming the file when it cannot be read, is empty or shorter than 32

@@ -20,6 +20,7 @@ from ._kvtc import (  # noqa: F401
     CONTAINER_VERSION,
     Calibration,
     Error,
+    Learner,
     PromptStore,
     __version__,
     inspect,
@@ -27,4 +28,4 @@ from ._kvtc import (  # noqa: F401
     state_layout,
 )
 
-__all__ = ["CONTAINER_VERSION", "Calibration", "Error", "PromptStore", "__version__", "inspect", "library_info", "state_layout"]
+__all__ = ["CONTAINER_VERSION", "Calibration", "Error", "Learner", "PromptStore", "__version__", "inspect", "library_info", "state_layout"]

@@ -7,6 +7,8 @@ A drop-in for llama_cpp.LlamaRAMCache (llama-cpp-python 0.3.35):
 
     llm = Llama(model_path=..., n_ctx=4096)
     llm.set_cache(KvtcCache("calibration.safetensors", llm, capacity_bytes=256 << 20))
+    # or, with no calibration step: learned from the prompts it stores
+    llm.set_cache(KvtcCache("auto", llm, capacity_bytes=256 << 20, disk_dir="kvtc-cache"))
 
 Where LlamaRAMCache keeps every state raw (the whole f16 KV cache of each
 prompt), KvtcCache keeps it compressed by kvtc's prompt store
@@ -54,14 +56,15 @@ import json
 import logging
 import os
 import tempfile
+import time
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import llama_cpp
 import llama_cpp.llama
-from llama_cpp.llama_cache import BaseLlamaCache
+from llama_cpp.llama_cache import BaseLlamaCache, LlamaRAMCache
 
-from . import Calibration, Error, PromptStore, state_layout
+from . import Calibration, Error, Learner, PromptStore, state_layout
 
 log = logging.getLogger("kvtc")
 
@@ -167,10 +170,133 @@ def context_kv_settings(llm: llama_cpp.Llama) -> Dict[str, float]:
                                                 "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow")}
 
 
+# ---- what KvtcCache("auto") learns for: the model's cache geometry ----------------------
+
+# GGUF value types (ggml's gguf.h) and the getters of the numbers among them.
+_GGUF_NUMBER_GETTERS = {0: ("gguf_get_val_u8", ctypes.c_uint8), 1: ("gguf_get_val_i8", ctypes.c_int8),
+                        2: ("gguf_get_val_u16", ctypes.c_uint16), 3: ("gguf_get_val_i16", ctypes.c_int16),
+                        4: ("gguf_get_val_u32", ctypes.c_uint32), 5: ("gguf_get_val_i32", ctypes.c_int32),
+                        6: ("gguf_get_val_f32", ctypes.c_float), 10: ("gguf_get_val_u64", ctypes.c_uint64),
+                        11: ("gguf_get_val_i64", ctypes.c_int64), 12: ("gguf_get_val_f64", ctypes.c_double)}
+_GGUF_TYPE_STRING, _GGML_TYPE_F32 = 8, 0
+
+
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+def _gguf_facts(path: str, arch: str) -> Dict[str, object]:
+    """What kvtc's own llama integration reads from a GGUF header for the
+    cache geometry (read_gguf_info in src/llama/llama_session.cpp), read
+    with the same parser: ggml's gguf functions in the pinned libllama.
+    Numbers come back exactly (an f32 as the float it is); absent keys are
+    left out."""
+    lib = llama_cpp.llama_cpp._lib
+
+    def fn(name, restype, *argtypes):
+        try:
+            f = getattr(lib, name)
+        except AttributeError:
+            raise Error(f"KvtcCache('auto'): this libllama does not export {name} (not the pinned llama.cpp 4df29be4f)") from None
+        f.restype, f.argtypes = restype, list(argtypes)
+        return f
+
+    init = fn("gguf_init_from_file", ctypes.c_void_p, ctypes.c_char_p, _GgufInitParams)
+    free = fn("gguf_free", None, ctypes.c_void_p)
+    find_key = fn("gguf_find_key", ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p)
+    kv_type = fn("gguf_get_kv_type", ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+    get_str = fn("gguf_get_val_str", ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64)
+    find_tensor = fn("gguf_find_tensor", ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p)
+    tensor_type = fn("gguf_get_tensor_type", ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+    tensor_size = fn("gguf_get_tensor_size", ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64)
+    data_offset = fn("gguf_get_data_offset", ctypes.c_size_t, ctypes.c_void_p)
+    tensor_offset = fn("gguf_get_tensor_offset", ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int64)
+    g = init(os.fsencode(path), _GgufInitParams(True, None))
+    if not g:
+        raise Error(f"{path}: the GGUF header could not be parsed")
+    out: Dict[str, object] = {}
+    try:
+        for name in ("rope.dimension_count", "rope.freq_base", "rope.scaling.type", "attention.key_length", "attention.value_length"):
+            i = find_key(g, f"{arch}.{name}".encode())
+            if i < 0:
+                continue
+            t = kv_type(g, i)
+            if t == _GGUF_TYPE_STRING:
+                out[name] = get_str(g, i).decode()
+            elif t in _GGUF_NUMBER_GETTERS:
+                getter, ctype = _GGUF_NUMBER_GETTERS[t]
+                out[name] = fn(getter, ctype, ctypes.c_void_p, ctypes.c_int64)(g, i)
+        t = find_tensor(g, b"rope_freqs.weight")
+        if t >= 0:
+            if tensor_type(g, t) != _GGML_TYPE_F32:
+                raise Error(f"{path}: tensor rope_freqs.weight is not F32")
+            n = tensor_size(g, t) // 4
+            if not 0 < n <= 65536:
+                raise Error(f"{path}: tensor rope_freqs.weight has an implausible length")
+            with open(path, "rb") as f:
+                f.seek(data_offset(g) + tensor_offset(g, t))
+                raw = f.read(n * 4)
+            if len(raw) != n * 4:
+                raise Error(f"{path}: cannot read tensor rope_freqs.weight")
+            out["rope_freqs"] = np.frombuffer(raw, dtype="<f4").tolist()
+    finally:
+        free(g)
+    return out
+
+
+def model_facts(llm: llama_cpp.Llama) -> Dict[str, str]:
+    """The facts kvtc.Learner takes for `llm`'s model (kvtc::geometry_from_facts):
+    what kvtc's own model_geometry() reads, from the same places: the GGUF
+    header through ggml's parser, the rest from llama.cpp's model getters,
+    so a calibration learned here fits kvtc-server's model and the reverse."""
+    model = llm.model
+    arch = (llm.metadata or {}).get("general.architecture", "")
+    g = _gguf_facts(llm.model_path, arch)
+    n_head = llama_cpp.llama_model_n_head(model)
+    n_embd = llama_cpp.llama_model_n_embd(model)
+    head_k = int(g.get("attention.key_length") or (n_embd // n_head if n_head else 0))
+    head_v = int(g.get("attention.value_length") or (n_embd // n_head if n_head else 0))
+    if head_k != head_v:
+        raise Error(f"{llm.model_path}: K head_dim {head_k} differs from V head_dim {head_v}; kvtc does not code such caches")
+    rope_names = {llama_cpp.LLAMA_ROPE_TYPE_NONE: "none", llama_cpp.LLAMA_ROPE_TYPE_NORM: "norm", llama_cpp.LLAMA_ROPE_TYPE_NEOX: "neox"}
+    rope = llama_cpp.llama_model_rope_type(model)
+    factors = g.get("rope_freqs", [])
+    return {
+        "model_sha256": model_sha256(llm.model_path),
+        "n_layer": str(llama_cpp.llama_model_n_layer(model)),
+        "n_head_kv": str(llama_cpp.llama_model_n_head_kv(model)),
+        "head_dim": str(head_k),
+        "n_swa": str(max(0, llama_cpp.llama_model_n_swa(model))),
+        "rope_type": rope_names.get(rope, f"llama.cpp rope type {rope}"),
+        "n_rot": str(int(g.get("rope.dimension_count") or head_k)),
+        "rope_freq_base": "%.9g" % float(g.get("rope.freq_base", 10000.0)),
+        "rope_freq_scale": "%.9g" % llama_cpp.llama_model_rope_freq_scale_train(model),
+        "rope_scaling_type": str(g.get("rope.scaling.type") or "none"),
+        "rope_freq_factors": "[" + ",".join("%.9g" % x for x in factors) + "]",
+    }
+
+
 class KvtcCache(BaseLlamaCache):
     """LlamaRAMCache's interface over kvtc's compressed prompt store.
 
-    calibration: a kvtc.Calibration or the path of one, of the Llama's model.
+    calibration: a kvtc.Calibration or the path of one, of the Llama's model;
+      or "auto": learned from the prompts this cache stores, as kvtc-server's
+      --kvtc-calib auto (docs/server.md "A calibration learned from the
+      prompts served"). Until it is fitted, states are kept raw in a
+      LlamaRAMCache of capacity_bytes (raw bytes) and handed to a learner
+      thread (nice 19) that gathers calib_tokens tokens of their keys and
+      values (held out: 1/16 more), every stride-th new token so that its
+      CPU time stays within calib_share of the prefill time of the tokens it
+      learns from (llama_perf_context; a prefix seen before is not learned
+      again). Then it fits in the background (seconds for SmolLM2 at 1K
+      tokens; ~4 min at the default 32,768 on 2 cores), writes the file
+      into disk_dir (calibration-auto-<model sha256[:16]>.safetensors,
+      found at the next start), publishes it to Redis when redis_url and
+      secret_file are given (every process with the same Redis and secret
+      then shares one calibration, so one store), and the compressed store
+      takes over at the next call, with the raw states moved into it.
+      calibration_status() and wait_calibrated() follow it. Sliding-window
+      models are refused (the store keeps single-block caches).
     llm: the Llama this cache serves (optional but recommended): its
       attention layout, architecture, context and vocabulary sizes are read
       from it, so that stored states (disk, Redis) can be restored before the
@@ -197,6 +323,7 @@ class KvtcCache(BaseLlamaCache):
     threads: coding threads (0: all).
     cache_salt: the tenant of every state this cache stores and restores
       (str or bytes, 1 to 256 bytes as kvtc-server's field; None: none).
+    calib_tokens, calib_share: calibration="auto" only (above).
     """
 
     def __init__(
@@ -224,6 +351,8 @@ class KvtcCache(BaseLlamaCache):
         threads: int = 0,
         async_puts: bool = True,
         cache_salt: Optional[Union[str, bytes]] = None,
+        calib_tokens: int = 32768,
+        calib_share: float = 0.05,
     ):
         super().__init__(capacity_bytes)
         if cache_salt is not None:
@@ -233,26 +362,12 @@ class KvtcCache(BaseLlamaCache):
             if not 1 <= n <= 256:  # kvtc-server's bounds for the same field
                 raise Error(f"KvtcCache: cache_salt: 1 to 256 bytes are expected, got {n}")
         self._tenant = cache_salt
-        if not isinstance(calibration, Calibration):
-            calibration = Calibration.load(os.fspath(calibration))
-        self.calibration = calibration
         if llm is None:
             raise Error("KvtcCache: give the Llama it serves (KvtcCache(calibration, llm, ...)): the store's keys name its "
                         "model file and its context's RoPE settings")
-        self._store = PromptStore(
-            calibration,
-            model_sha256=model_sha256(llm.model_path),
-            kv_settings=context_kv_settings(llm),
-            ratio=ratio,
-            raw=raw,
-            chunk_tokens=chunk_tokens,
-            sink=sink,
-            window=window,
-            ram_bytes=capacity_bytes,
-            disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
-            disk_bytes=disk_capacity_bytes,
-            async_puts=async_puts,
-            threads=threads,
+        kv_settings = context_kv_settings(llm)
+        fleet = dict(
+            kv_settings=kv_settings,
             redis_url=redis_url or "",
             redis_cluster=list(redis_cluster),
             redis_user=redis_user,
@@ -263,6 +378,44 @@ class KvtcCache(BaseLlamaCache):
             secret_file=os.fspath(secret_file) if secret_file is not None else "",
             encrypt=encrypt,
         )
+        self._store_args = dict(
+            fleet,
+            model_sha256=model_sha256(llm.model_path),
+            ratio=ratio,
+            raw=raw,
+            chunk_tokens=chunk_tokens,
+            sink=sink,
+            window=window,
+            ram_bytes=capacity_bytes,
+            disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
+            disk_bytes=disk_capacity_bytes,
+            async_puts=async_puts,
+            threads=threads,
+        )
+        self._store: Optional[PromptStore] = None
+        self._learner: Optional[Learner] = None
+        self._raw: Optional[LlamaRAMCache] = None  # while learning: llama-cpp-python's own cache, raw states
+        self._llm = llm
+        self.calibration: Optional[Calibration] = None
+        if isinstance(calibration, str) and calibration == "auto":
+            if raw:
+                raise Error("KvtcCache('auto'): raw=True stores f16 and needs no calibration; give any calibration of the model")
+            self._learner = Learner(model_facts(llm), tokens=calib_tokens, share=calib_share, ratio=ratio,
+                                    disk_dir=self._store_args["disk_dir"], **fleet)
+            found = self._learner.find()
+            self._forward_messages()
+            if found is not None:
+                log.info("kvtc: the calibration learned before, from %s (%.16s)", found.path, found.id)
+                self._open_store(found)
+            else:
+                self._learner.start()
+                self._raw = LlamaRAMCache(capacity_bytes)
+                log.info("kvtc: no calibration yet: prompts are kept raw (LlamaRAMCache, %d bytes) while %d tokens of them are learned%s",
+                         capacity_bytes, calib_tokens, "; then written to " + self._learner.file if self._learner.file else "")
+        else:
+            if not isinstance(calibration, Calibration):
+                calibration = Calibration.load(os.fspath(calibration))
+            self._open_store(calibration)
         # The context a restored state is written for: V layout (1: no flash
         # attention), architecture name, n_ctx (input_ids' length), n_vocab.
         self._v_trans: Optional[int] = None
@@ -271,8 +424,68 @@ class KvtcCache(BaseLlamaCache):
         self._n_vocab: Optional[int] = None
         self._seed = 0
         self._found: Optional[tuple] = None  # (key, state): a __contains__ hit for the __getitem__ that follows
-        if llm is not None:
-            self.bind(llm)
+        self.bind(llm)
+
+    def _open_store(self, calibration: Calibration) -> None:
+        self._store = PromptStore(calibration, **self._store_args)
+        self.calibration = calibration
+
+    # ---- KvtcCache("auto"): learning, then the switch to the compressed store ------------
+
+    def _learned(self) -> bool:
+        """True when states go to the compressed store (a calibration was
+        given, found, or has just been learned: then the store opens and the
+        raw states kept meanwhile move into it, compressed by its worker)."""
+        if self._store is not None:
+            return True
+        if self._learner is None:
+            raise Error("KvtcCache: closed")
+        cal = self._learner.calibration()
+        self._forward_messages()
+        if cal is None:
+            return False
+        self._open_store(cal)
+        moved = 0
+        for _key, state in list(self._raw.cache_state.items()):
+            n = int(state.n_tokens)
+            tokens = np.ascontiguousarray(state.input_ids[:n], dtype=np.int32)
+            if n > 0 and self._store.wants(tokens, tenant=self._tenant):
+                self._store.put_state(tokens, state.llama_state, tenant=self._tenant)
+                moved += 1
+        self._raw = None
+        self._learner.mark_live(moved)
+        log.info("kvtc: calibration %.16s learned (%s); the compressed store is in place, %d raw prompts moved into it", cal.id, cal.path, moved)
+        return True
+
+    def calibration_status(self) -> dict:
+        """KvtcCache('auto'): the learner's state ('learning', 'fitting', 'ready', 'live' or 'failed'), tokens learned and
+        targets, samples, stride, CPU and fit times; {'state': 'given'} for a cache made with a calibration."""
+        if self._learner is None:
+            return {"state": "given"}
+        self._learned()
+        st = self._learner.status()
+        if st["state"] == "not started":  # found at start: nothing to learn
+            st["state"] = "live"
+        return st
+
+    def wait_calibrated(self, timeout_s: float = 60.0) -> bool:
+        """Waits until the compressed store is in place (True), the learner failed, or timeout_s passed (False).
+        Learning needs prompts: while the learner still wants tokens, only a Llama that is used makes progress."""
+        deadline = time.monotonic() + timeout_s
+        while not self._learned():
+            if self._learner.status()["state"] == "failed" or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _prefill_ms_per_token(self) -> float:
+        """llama.cpp's prompt processing per token in this Llama's context so
+        far (llama_perf_context; 0 before any): what the learner's stride follows."""
+        try:
+            p = llama_cpp.llama_perf_context(self._llm.ctx)
+            return float(p.t_p_eval_ms) / p.n_p_eval if p.n_p_eval > 0 else 0.0
+        except Exception:  # a Llama made with no_perf, say: every token is learned
+            return 0.0
 
     # ---- the context states are written for ----------------------------------------------
 
@@ -300,7 +513,9 @@ class KvtcCache(BaseLlamaCache):
 
     @property
     def cache_size(self) -> int:
-        """Compressed bytes held in RAM, with raw states still queued for compression."""
+        """Compressed bytes held in RAM, with raw states still queued for compression (while learning: the raw states' bytes)."""
+        if not self._learned():
+            return self._raw.cache_size
         s = self._store.stats()
         self._forward_messages()
         return int(s["ram_bytes"] + s["pending_bytes"])
@@ -308,6 +523,14 @@ class KvtcCache(BaseLlamaCache):
     def __setitem__(self, key: Sequence[int], value: "llama_cpp.llama.LlamaState") -> None:
         n = int(value.n_tokens)
         if n <= 0:
+            return
+        if not self._learned():
+            # Kept raw, and handed to the learner (a copy, when it is not busy
+            # with the previous state; the statistics run on its thread).
+            self._raw[key] = value
+            tokens = np.ascontiguousarray(value.input_ids[:n], dtype=np.int32)
+            self._learner.offer(tokens, value.llama_state, self._prefill_ms_per_token())
+            self._forward_messages()
             return
         blob = value.llama_state
         if self._v_trans is None or self._arch is None:
@@ -325,6 +548,8 @@ class KvtcCache(BaseLlamaCache):
         self._forward_messages()
 
     def __getitem__(self, key: Sequence[int]) -> "llama_cpp.llama.LlamaState":
+        if self._raw is not None and not self._learned():
+            return self._raw[key]
         found, self._found = self._found, None
         if found is not None and found[0] == tuple(key):
             return found[1]
@@ -334,6 +559,8 @@ class KvtcCache(BaseLlamaCache):
         return state
 
     def __contains__(self, key: Sequence[int]) -> bool:
+        if not self._learned():
+            return key in self._raw
         state = self._take(key)
         self._found = (tuple(key), state) if state is not None else None
         return state is not None
@@ -366,17 +593,23 @@ class KvtcCache(BaseLlamaCache):
     # ---- beyond LlamaRAMCache ---------------------------------------------------------
 
     def stats(self) -> dict:
-        """The store's counters: entries, bytes per tier, hits per tier, misses, coding time."""
-        return self._store.stats()
+        """The store's counters: entries, bytes per tier, hits per tier, misses, coding time ({} while learning:
+        calibration_status() says how far)."""
+        return self._store.stats() if self._learned() else {}
 
     def flush(self) -> None:
-        """Waits until every stored state is compressed (and the disk tier's files, read back in the background at start, are)."""
-        self._store.flush()
+        """Waits until every stored state is compressed (and the disk tier's files, read back in the background at start, are).
+        Nothing to wait for while learning."""
+        if self._learned():
+            self._store.flush()
         self._forward_messages()
 
     def close(self) -> None:
-        """Finishes queued compressions and releases the store (disk and Redis tiers keep their data)."""
-        self._store.close()
+        """Finishes queued compressions and releases the store (disk and Redis tiers keep their data); a learner under way
+        stops (a fit under way finishes first)."""
+        if self._store is not None:
+            self._store.close()
+        self._learner = None
 
     def __enter__(self) -> "KvtcCache":
         return self
@@ -385,5 +618,12 @@ class KvtcCache(BaseLlamaCache):
         self.close()
 
     def _forward_messages(self) -> None:
-        for line in self._store.messages():
-            log.warning("kvtc: %s", line)
+        if self._store is not None:
+            for line in self._store.messages():
+                log.warning("kvtc: %s", line)
+        if self._learner is not None:
+            for line in self._learner.messages():
+                if line.startswith("warning: "):
+                    log.warning("%s", line[9:])
+                else:
+                    log.info("%s", line)

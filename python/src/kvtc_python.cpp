@@ -15,6 +15,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -309,6 +311,16 @@ class PyCalibration {
     return c;
   }
 
+  // One already in memory (a calibration learned, or the fleet's); `path`
+  // names it in errors (a file it was written to, or what it is).
+  static PyCalibration of(std::shared_ptr<const kvtc::Calibration> cal, const std::string& path) {
+    PyCalibration c;
+    c.cal_ = std::move(cal);
+    c.path_ = path;
+    c.allocs_ = std::make_shared<Allocs>();
+    return c;
+  }
+
   const kvtc::Calibration& cal() const { return *cal_; }
   const std::string& path() const { return path_; }
   bool decoder_only() const { return decoder_only_; }
@@ -547,6 +559,72 @@ std::string tenant_of(nb::handle h) {
   throw nb::type_error((std::string("tenant: expected str, bytes or None, got ") + nb::type_name(h.type()).c_str()).c_str());
 }
 
+// The store options PromptStore and Learner share: the context's settings
+// (part of every key), the Redis tier (with AUTH and deadlines) and the
+// secret. Lines to log (a password or secret file others can read) go to
+// `warnings`.
+kvtc::StoreOptions shared_options(nb::handle kv_settings, const std::string& redis_url, const std::vector<std::string>& redis_cluster,
+                                  const std::string& redis_user, const std::string& redis_password_file, int64_t redis_ttl_s,
+                                  int redis_lookup_timeout_ms, int redis_timeout_ms, const std::string& secret_file, bool encrypt,
+                                  std::vector<std::string>& warnings) {
+  kvtc::StoreOptions o;
+  if (!kv_settings.is_none()) {
+    if (!nb::isinstance<nb::dict>(kv_settings)) throw Error("kv_settings: a dict (kvtc.llama_cpp reads it from the context) or None");
+    nb::dict d = nb::borrow<nb::dict>(kv_settings);
+    auto num = [&](const char* key) {
+      if (!d.contains(key)) throw Error(std::string("kv_settings: '") + key + "' is missing");
+      return nb::cast<double>(d[key]);
+    };
+    kvtc::KvSettings& k = o.kv_settings;
+    k.rope_freq_base = float(num("rope_freq_base"));
+    k.rope_freq_scale = float(num("rope_freq_scale"));
+    k.n_ctx_orig_yarn = uint32_t(num("n_ctx_orig_yarn"));
+    k.yarn_ext_factor = float(num("yarn_ext_factor"));
+    k.yarn_attn_factor = float(num("yarn_attn_factor"));
+    k.yarn_beta_fast = float(num("yarn_beta_fast"));
+    k.yarn_beta_slow = float(num("yarn_beta_slow"));
+  }
+  o.redis_url = redis_url;
+  o.redis_cluster = redis_cluster;
+  if (!redis_url.empty() && !redis_cluster.empty()) throw Error("redis_url and redis_cluster: give one (a server or a cluster's seeds)");
+  std::string warning;
+  if (!redis_password_file.empty()) o.redis_password = kvtc::read_password_file(redis_password_file, &warning);
+  if (!warning.empty()) warnings.push_back("redis_password_file " + warning);
+  o.redis_user = redis_user;
+  if ((!o.redis_password.empty() || !redis_user.empty()) && redis_url.empty() && redis_cluster.empty())
+    throw Error("redis_password_file and redis_user need redis_url or redis_cluster");
+  if (!redis_user.empty() && o.redis_password.empty()) throw Error("redis_user needs redis_password_file (AUTH user password)");
+  o.redis_ttl_s = redis_ttl_s;
+  o.redis_lookup_timeout_ms = redis_lookup_timeout_ms;
+  o.redis_timeout_ms = redis_timeout_ms;
+  // The secret file's bytes (docs/store.md "Secrets"): Error naming the
+  // file when it is missing, empty or shorter than 32 bytes.
+  std::string secret_warning;
+  if (!secret_file.empty()) o.secret = kvtc::read_store_secret(secret_file, &secret_warning);
+  if (!secret_warning.empty()) warnings.push_back("secret_file " + secret_warning);
+  o.encrypt = encrypt;
+  return o;
+}
+
+// Lines logged on threads without the GIL, waiting for Python (messages()):
+// at most 1,000, the oldest dropped.
+// A warning's line starts "warning: " (the store's lines are all warnings).
+struct LogLines {
+  std::mutex mu;
+  std::deque<std::string> lines;
+  void add(const std::string& line) {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.push_back(line);
+    if (lines.size() > 1000) lines.pop_front();
+  }
+  std::vector<std::string> take() {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<std::string> out(lines.begin(), lines.end());
+    lines.clear();
+    return out;
+  }
+};
+
 class PyStore {
  public:
   PyStore(const PyCalibration& cal, double ratio, bool raw, uint32_t chunk_tokens, uint32_t sink, uint32_t window, uint64_t ram_bytes,
@@ -554,25 +632,11 @@ class PyStore {
           const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings, const std::string& secret_file,
           bool encrypt, const std::vector<std::string>& redis_cluster, const std::string& redis_user, const std::string& redis_password_file,
           int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms)
-      : cal_(cal), log_(std::make_shared<Log>()) {
+      : cal_(cal), log_(std::make_shared<LogLines>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
-    kvtc::StoreOptions o;
-    if (!kv_settings.is_none()) {
-      if (!nb::isinstance<nb::dict>(kv_settings)) throw Error("kv_settings: a dict (kvtc.llama_cpp reads it from the context) or None");
-      nb::dict d = nb::borrow<nb::dict>(kv_settings);
-      auto num = [&](const char* key) {
-        if (!d.contains(key)) throw Error(std::string("kv_settings: '") + key + "' is missing");
-        return nb::cast<double>(d[key]);
-      };
-      kvtc::KvSettings& k = o.kv_settings;
-      k.rope_freq_base = float(num("rope_freq_base"));
-      k.rope_freq_scale = float(num("rope_freq_scale"));
-      k.n_ctx_orig_yarn = uint32_t(num("n_ctx_orig_yarn"));
-      k.yarn_ext_factor = float(num("yarn_ext_factor"));
-      k.yarn_attn_factor = float(num("yarn_attn_factor"));
-      k.yarn_beta_fast = float(num("yarn_beta_fast"));
-      k.yarn_beta_slow = float(num("yarn_beta_slow"));
-    }
+    std::vector<std::string> warnings;
+    kvtc::StoreOptions o = shared_options(kv_settings, redis_url, redis_cluster, redis_user, redis_password_file, redis_ttl_s,
+                                          redis_lookup_timeout_ms, redis_timeout_ms, secret_file, encrypt, warnings);
     // The model the caches come from: its file's SHA-256 (the calibration's
     // model by default). A calibration of another file is refused below.
     kvtc::CacheGeometry geom = cal.cal().geometry;
@@ -589,35 +653,10 @@ class PyStore {
     o.async = async;
     o.threads = threads;
     o.restore_threads = restore_threads;
-    o.redis_url = redis_url;
-    o.redis_cluster = redis_cluster;
-    if (!redis_url.empty() && !redis_cluster.empty()) throw Error("redis_url and redis_cluster: give one (a server or a cluster's seeds)");
-    std::string warning;
-    if (!redis_password_file.empty()) o.redis_password = kvtc::read_password_file(redis_password_file, &warning);
-    o.redis_user = redis_user;
-    if ((!o.redis_password.empty() || !redis_user.empty()) && redis_url.empty() && redis_cluster.empty())
-      throw Error("redis_password_file and redis_user need redis_url or redis_cluster");
-    if (!redis_user.empty() && o.redis_password.empty()) throw Error("redis_user needs redis_password_file (AUTH user password)");
-    o.redis_ttl_s = redis_ttl_s;
-    o.redis_lookup_timeout_ms = redis_lookup_timeout_ms;
-    o.redis_timeout_ms = redis_timeout_ms;
     o.precision = kvtc::parse_precision(precision);
-    // The secret file's bytes (docs/store.md "Secrets"): Error naming the
-    // file when it is missing, empty or shorter than 32 bytes.
-    if (!warning.empty()) warning = "redis_password_file " + warning;
-    std::string secret_warning;
-    if (!secret_file.empty()) o.secret = kvtc::read_store_secret(secret_file, &secret_warning);
-    o.encrypt = encrypt;
-    // The store's threads log without the GIL: lines wait here for Python
-    // (messages()); at most 1,000, the oldest dropped.
-    std::shared_ptr<Log> log = log_;
-    o.log = [log](const std::string& line) {
-      std::lock_guard<std::mutex> lock(log->mu);
-      log->lines.push_back(line);
-      if (log->lines.size() > 1000) log->lines.pop_front();
-    };
-    if (!warning.empty()) o.log("kvtc store: " + warning);
-    if (!secret_warning.empty()) o.log("kvtc store: secret_file " + secret_warning);
+    std::shared_ptr<LogLines> log = log_;
+    o.log = [log](const std::string& line) { log->add(line); };
+    for (const std::string& w : warnings) o.log("kvtc store: " + w);
     nb::gil_scoped_release unlocked;
     store_ = std::make_unique<kvtc::PromptStore>(cal.cal(), geom, o);
     // The store keeps only the keys derived from it.
@@ -722,10 +761,7 @@ class PyStore {
   }
 
   std::vector<std::string> messages() {
-    std::lock_guard<std::mutex> lock(log_->mu);
-    std::vector<std::string> out(log_->lines.begin(), log_->lines.end());
-    log_->lines.clear();
-    return out;
+    return log_->take();
   }
 
   const std::string& fingerprint() const {
@@ -744,13 +780,143 @@ class PyStore {
   }
 
  private:
-  struct Log {
-    std::mutex mu;
-    std::deque<std::string> lines;
-  };
   PyCalibration cal_;  // keeps the calibration alive as long as the store
-  std::shared_ptr<Log> log_;
+  std::shared_ptr<LogLines> log_;
   std::unique_ptr<kvtc::PromptStore> store_;
+};
+
+// ---- a calibration learned from the prompts served -------------------------------
+
+// kvtc::CalibrationLearner for the Python KvtcCache("auto"): the model's
+// geometry from the facts llama-cpp-python reads (kvtc::geometry_from_facts),
+// the file and the fleet as kvtc-server's --kvtc-calib auto has them.
+class PyLearner {
+ public:
+  PyLearner(const std::map<std::string, std::string>& facts, uint64_t tokens, double share, double ratio, const std::string& disk_dir,
+            nb::handle kv_settings, const std::string& redis_url, const std::vector<std::string>& redis_cluster, const std::string& redis_user,
+            const std::string& redis_password_file, int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms,
+            const std::string& secret_file, bool encrypt)
+      : log_(std::make_shared<LogLines>()), prefill_(std::make_shared<std::atomic<double>>(0.0)) {
+    geom_ = kvtc::geometry_from_facts(facts, "KvtcCache('auto'): the model's facts");
+    std::vector<std::string> warnings;
+    opt_.fleet = shared_options(kv_settings, redis_url, redis_cluster, redis_user, redis_password_file, redis_ttl_s, redis_lookup_timeout_ms,
+                                redis_timeout_ms, secret_file, encrypt, warnings);
+    std::shared_ptr<LogLines> log = log_;
+    opt_.fleet.log = [log](const std::string& line) { log->add("warning: " + line); };
+    for (const std::string& w : warnings) log->add("warning: kvtc store: " + w);
+    opt_.tokens = tokens;
+    opt_.share = share;
+    opt_.ratio = ratio;
+    opt_.file = disk_dir.empty() ? "" : kvtc::learned_calibration_file(disk_dir, geom_.model_sha256);
+    std::shared_ptr<std::atomic<double>> prefill = prefill_;
+    opt_.prefill_ms_per_token = [prefill] { return prefill->load(); };
+    opt_.log = [log](bool warning, const std::string& line) { log->add(warning ? "warning: " + line : line); };
+  }
+  ~PyLearner() {
+    nb::gil_scoped_release unlocked;  // a fit under way finishes first
+    learner_.reset();
+    opt_.wipe_secrets();
+  }
+
+  // The calibration learned before (the fleet's, else the file's), or None.
+  std::optional<PyCalibration> find() {
+    std::optional<kvtc::Calibration> c;
+    std::string from;
+    {
+      nb::gil_scoped_release unlocked;
+      c = kvtc::find_learned_calibration(geom_, opt_, &from);
+    }
+    if (!c) return std::nullopt;
+    return PyCalibration::of(std::make_shared<const kvtc::Calibration>(std::move(*c)), from);
+  }
+
+  void start() {
+    if (learner_) throw Error("Learner.start: started already");
+    nb::gil_scoped_release unlocked;
+    learner_ = std::make_unique<kvtc::CalibrationLearner>(geom_, opt_);
+    opt_.wipe_secrets();  // the learner keeps its own copy until it has published
+  }
+
+  // Hands a prompt's state (a llama.cpp context or sequence state of
+  // `tokens` at positions 0..n-1) to the learner: copied into its kept
+  // buffer with the GIL released; False when it was not taken (busy, not
+  // learning, fewer than 64 tokens). prefill_ms_per_token: the caller's
+  // measured prompt processing per token (0: unknown), which the stride follows.
+  bool offer(nb::handle tokens, nb::handle state, double prefill_ms_per_token) {
+    kvtc::CalibrationLearner& L = learner();
+    std::vector<int32_t> t = int_vector(tokens, "tokens");
+    if (prefill_ms_per_token > 0 && std::isfinite(prefill_ms_per_token)) prefill_->store(prefill_ms_per_token);
+    std::optional<std::vector<uint8_t>> buf = L.begin(t.size());
+    if (!buf) return false;
+    const Bytes in(state, "offer");
+    const auto s = in.span();
+    nb::gil_scoped_release unlocked;
+    const auto t0 = std::chrono::steady_clock::now();
+    buf->assign(s.begin(), s.end());
+    L.submit(std::move(*buf), std::move(t), std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    return true;
+  }
+
+  std::optional<PyCalibration> calibration() const {
+    std::shared_ptr<const kvtc::Calibration> c = learner().calibration();
+    if (!c) return std::nullopt;
+    const kvtc::LearnerStatus st = learner().status();
+    return PyCalibration::of(std::move(c), st.file.empty() ? "the calibration learned (kept in memory only)" : st.file);
+  }
+
+  void mark_live(uint64_t moved) { learner().mark_live(moved); }
+
+  nb::dict status() const {
+    nb::dict d;
+    if (!learner_) {
+      d["state"] = "not started";
+      return d;
+    }
+    const kvtc::LearnerStatus s = learner_->status();
+    d["state"] = s.state;
+    d["error"] = s.error;
+    d["file"] = s.file;
+    d["calibration_id"] = s.calib_id;
+#define KVTC_STAT(f) d[#f] = s.f
+    KVTC_STAT(seen);
+    KVTC_STAT(fresh);
+    KVTC_STAT(fit);
+    KVTC_STAT(held);
+    KVTC_STAT(fit_target);
+    KVTC_STAT(held_target);
+    KVTC_STAT(samples);
+    KVTC_STAT(busy);
+    KVTC_STAT(refused);
+    KVTC_STAT(moved);
+    KVTC_STAT(stride);
+    KVTC_STAT(cpu_ms);
+    KVTC_STAT(loop_ms);
+    KVTC_STAT(loop_max_ms);
+    KVTC_STAT(fit_s);
+#undef KVTC_STAT
+    return d;
+  }
+
+  nb::dict geometry() const {
+    return geometry_dict(geom_.blocks.at(0));
+  }
+  const std::string& file() const {
+    return opt_.file;
+  }
+  std::vector<std::string> messages() {
+    return log_->take();
+  }
+
+ private:
+  kvtc::CalibrationLearner& learner() const {
+    if (!learner_) throw Error("the learner is not started (Learner.start)");
+    return *learner_;
+  }
+  kvtc::CacheGeometry geom_;
+  kvtc::LearnerOptions opt_;
+  std::shared_ptr<LogLines> log_;
+  std::shared_ptr<std::atomic<double>> prefill_;
+  std::unique_ptr<kvtc::CalibrationLearner> learner_;
 };
 
 }  // namespace
@@ -853,6 +1019,31 @@ NB_MODULE(_kvtc, m) {
         return d;
       },
       "The library's version, this CPU and the projection kernels it runs.");
+
+  nb::class_<PyLearner>(m, "Learner",
+                        "A calibration learned from the prompts served, on a thread of its own (KvtcCache('auto'); kvtc-server's\n"
+                        "--kvtc-calib auto, docs/server.md). Thread-safe.")
+      .def(nb::init<const std::map<std::string, std::string>&, uint64_t, double, double, const std::string&, nb::handle, const std::string&,
+                    const std::vector<std::string>&, const std::string&, const std::string&, int64_t, int, int, const std::string&, bool>(),
+           "facts"_a, nb::kw_only(), "tokens"_a = uint64_t(32768), "share"_a = 0.05, "ratio"_a = 16.0, "disk_dir"_a = "",
+           "kv_settings"_a = nb::none(), "redis_url"_a = "", "redis_cluster"_a = std::vector<std::string>{}, "redis_user"_a = "",
+           "redis_password_file"_a = "", "redis_ttl_s"_a = int64_t(86400), "redis_lookup_timeout_ms"_a = 100, "redis_timeout_ms"_a = 2000,
+           "secret_file"_a = "", "encrypt"_a = false,
+           "facts: the model's, as strings (model_sha256, n_layer, n_head_kv, head_dim, n_swa, rope_type, n_rot, rope_freq_base,\n"
+           "rope_freq_scale, rope_scaling_type, rope_freq_factors; kvtc.llama_cpp.model_facts reads them). tokens: rows for the\n"
+           "PCA before the fit (held out: tokens/16 more). share: learning's CPU time at most this share of the prefill time of the\n"
+           "tokens it learns from. disk_dir: the calibration is kept there (calibration-auto-<16 hex>.safetensors) and found at\n"
+           "the next start. The Redis and secret arguments as PromptStore's: with both, one calibration for every process.")
+      .def("find", &PyLearner::find, "The calibration learned before (the fleet's in Redis, else the one in disk_dir), or None.")
+      .def("start", &PyLearner::start, "Starts the learner's thread.")
+      .def("offer", &PyLearner::offer, "tokens"_a, "state"_a, "prefill_ms_per_token"_a = 0.0,
+           "Hands a prompt's llama.cpp state to the learner; False when not taken (busy, not learning, < 64 tokens).")
+      .def("calibration", &PyLearner::calibration, "The calibration once fitted or adopted, else None.")
+      .def("mark_live", &PyLearner::mark_live, "moved"_a, "The caller stores compressed now (`moved` raw prompts moved into its store).")
+      .def("status", &PyLearner::status, "state (learning, fitting, ready, live, failed), tokens learned and targets, samples, stride, times.")
+      .def("geometry", &PyLearner::geometry, "The cache geometry read from the facts (as Calibration.info()'s blocks).")
+      .def_prop_ro("file", &PyLearner::file, "Where the calibration is kept ('' without disk_dir).")
+      .def("messages", &PyLearner::messages, "What the learner logged since the last call (a warning's line starts 'warning: ').");
 
   nb::class_<PyStore>(m, "PromptStore",
                       "Compressed prompt caches in RAM, on disk and in Redis, keyed by token chunks (docs/store.md): what\n"

@@ -14,6 +14,7 @@ import pytest
 TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KVTC = os.environ.get("KVTC_BIN", os.path.join(TOP, "build", "kvtc"))
 SMOL = os.environ.get("KVTC_MODEL_SMOL", os.path.join(TOP, ".deps", "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+GEMMA = os.environ.get("KVTC_MODEL_GEMMA", os.path.join(TOP, ".deps", "models", "gemma-3-270m-q4_k_m.gguf"))
 CORPUS = os.environ.get("KVTC_CORPUS", os.path.join(TOP, ".deps", "corpus"))
 GOLDEN = os.path.join(TOP, "tests", "golden", "v1")
 os.environ.setdefault("LLAMA_CPP_LIB_PATH", os.path.join(TOP, ".deps", "llama-shared"))

@@ -195,6 +195,33 @@ void geometry_from_meta(const Meta& meta, CacheGeometry& g, const std::string& o
   }
 }
 
+CacheGeometry geometry_from_facts(const std::map<std::string, std::string>& facts, const std::string& origin) {
+  auto whole = [&](const char* key, uint32_t lo) {
+    auto it = facts.find(key);
+    require(it != facts.end(), origin + ": the fact '" + key + "' is missing");
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(it->second.c_str(), &end, 10);
+    require(!it->second.empty() && *end == '\0' && it->second[0] != '-' && v >= lo && v <= 1000000,
+            origin + ": the fact '" + key + "' is '" + it->second + "', expected an integer >= " + std::to_string(lo));
+    return uint32_t(v);
+  };
+  CacheGeometry g;
+  auto sha = facts.find("model_sha256");
+  require(sha != facts.end() && sha->second.size() == 64 && sha->second.find_first_not_of("0123456789abcdef") == std::string::npos,
+          origin + ": the fact 'model_sha256' must be 64 lowercase hex digits");
+  require(whole("n_swa", 0) == 0, origin + ": a sliding-window (iSWA) model: the prompt store keeps single-block caches only, for now");
+  BlockGeometry b;
+  const uint32_t n_layer = whole("n_layer", 1);
+  for (uint32_t il = 0; il < n_layer; ++il) b.layers.push_back(int32_t(il));
+  b.n_head_kv = whole("n_head_kv", 1);
+  b.head_dim = whole("head_dim", 1);
+  g.blocks.push_back(b);
+  Meta m(facts.begin(), facts.end());
+  if (auto ff = m.find("rope_freq_factors"); ff != m.end() && (ff->second.empty() || ff->second == "[]")) m.erase(ff);
+  geometry_from_meta(m, g, origin);
+  return g;
+}
+
 Meta meta_with_geometry(const Meta& provenance, const CacheGeometry& g) {
   Meta m = provenance;
   if (!g.model_sha256.empty()) m["model_sha256"] = g.model_sha256;

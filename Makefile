@@ -23,8 +23,8 @@
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make calibrate-qwen  the large model's calibration (160K tokens, ~1 h)
 #   make bench-ratio-qwen    ratio and error on its caches   -> bench/results/ratio-qwen.md
-#   make bench-calib-curve-qwen  error and bytes by calibration tokens (8K-160K) -> bench/results/calibration-qwen-curve.md
-#   make bench-calib-curve       the same on SmolLM2                   -> bench/results/calibration-smollm2-curve.md
+#   make bench-calib-curve-qwen  error and bytes by calibration tokens (8K-160K) -> bench/results/calibration-qwen-curve{,-ecsq}.md
+#   make bench-calib-curve       the same on SmolLM2                   -> bench/results/calibration-smollm2-curve{,-ecsq}.md
 #   make bench-quality-qwen  its quality, resumable (hours)  -> bench/results/quality-qwen.md
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
@@ -35,6 +35,10 @@ BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
+# The instruction set llama.cpp is built for (scripts/bootstrap.sh): v3
+# (x86-64-v3, the default) or avx512; empty: the last one chosen.
+LLAMA_CPU ?=
+export KVTC_LLAMA_CPU := $(LLAMA_CPU)
 
 .PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
 
@@ -122,12 +126,14 @@ QWEN_SIZE_CALIBS := $(foreach n,8 16 32 64,.deps/calib/qwen-$(n)k.safetensors)
 
 bench-calib-curve-qwen: $(QWEN_CALIB) $(QWEN_SIZE_CALIBS) build
 	python3 bench/calib_curve.py --model qwen --ref $(QWEN_CALIB) --calib $(QWEN_SIZE_CALIBS) --name calibration-qwen-curve
+	python3 bench/calib_curve.py --model qwen --ref $(QWEN_CALIB) --calib $(QWEN_SIZE_CALIBS) --name calibration-qwen-curve-ecsq --coding ecsq
 
 # The same on the default model (SmolLM2-135M): 8K-64K tokens beside the
 # 160K one (~35 min on 2 cores with every fit) -> bench/results/calibration-smollm2-curve.md.
 SMOL_CURVE_CALIBS := $(foreach n,8 16 32 64,.deps/calib/smollm2-$(n)k.safetensors)
 bench-calib-curve: $(CALIB) $(SMOL_CURVE_CALIBS) build
 	python3 bench/calib_curve.py --model smollm2 --ref $(CALIB) --calib $(SMOL_CURVE_CALIBS) --name calibration-smollm2-curve
+	python3 bench/calib_curve.py --model smollm2 --ref $(CALIB) --calib $(SMOL_CURVE_CALIBS) --name calibration-smollm2-curve-ecsq --coding ecsq
 
 # The serving benchmark scored by answers (bench/serve.sh) on Qwen2.5-Coder-1.5B
 # -> bench/results/serve.md: SERVE_BLOCKS blocks of 12 six-turn sessions

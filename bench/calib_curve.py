@@ -46,7 +46,7 @@ def run(kvtc, *args):
     return p.stdout
 
 
-def errors(kvtc, calib, caps, work):
+def errors(kvtc, calib, caps, work, coding="dp"):
     """{ratio: {"k": error, "v": error, "ratio": measured ratio on coded tokens}}: the mean of
     the captures' relative errors (equal token counts), and their bytes together."""
     out = {}
@@ -54,7 +54,7 @@ def errors(kvtc, calib, caps, work):
         ek, ev, f16, stored = [], [], 0, 0
         for cap in caps:
             cont = os.path.join(work, "curve.kvtc")
-            c = json.loads(run(kvtc, "compress", cap, "--calib", calib, "-r", str(r), "-o", cont, "--json"))
+            c = json.loads(run(kvtc, "compress", cap, "--calib", calib, "-r", str(r), "--coding", coding, "-o", cont, "--json"))
             e = json.loads(run(kvtc, "decompress", cont, "--calib", calib, "--reference", cap, "--json"))
             ek.append(e["rel_error_k"])
             ev.append(e["rel_error_v"])
@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--name", default="calibration-curve")
     ap.add_argument("--docs-per-kind", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--coding", choices=["dp", "ecsq"], default="dp", help="dp (container version 1) or the entropy-coded mode (version 2)")
     ap.add_argument("--work", default=os.path.join(TOP, "out", "bench-calib-curve"))
     ap.add_argument("--results", default=os.path.join(TOP, "bench", "results"))
     a = ap.parse_args()
@@ -112,7 +113,7 @@ def main():
         print(f"[curve] {os.path.basename(calib)}", file=sys.stderr, flush=True)
         rows.append({"calib": os.path.relpath(calib, TOP), "calibration_id": meta.get("calibration_id"),
                      "calib_tokens": int(meta.get("calib_tokens", 0)), "seconds": secs,
-                     "curve": errors(a.kvtc, calib, caps, work)})
+                     "curve": errors(a.kvtc, calib, caps, work, a.coding)})
     ref = rows[0]
     for row in rows:
         row["bytes_vs_ref"] = {}
@@ -122,10 +123,10 @@ def main():
                 row["bytes_vs_ref"][f"{kind}@{t}"] = (t / r) if r else None
     cmd = (f"python3 bench/calib_curve.py --model {a.model} --ref {os.path.relpath(a.ref, TOP)} --calib "
            + " ".join(os.path.relpath(c, TOP) for c in a.calib) + f" --name {a.name}"
-           + (f" --docs-per-kind {a.docs_per_kind}" if a.docs_per_kind != 1 else "") + (f" --tokens {a.tokens}" if a.tokens != 4096 else ""))
+           + (f" --docs-per-kind {a.docs_per_kind}" if a.docs_per_kind != 1 else "") + (f" --tokens {a.tokens}" if a.tokens != 4096 else "") + (f" --coding {a.coding}" if a.coding != "dp" else ""))
     result = {"command": cmd, "commit": provenance.result_commit(TOP),
               "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
-              "documents": [d["id"] for d in docs], "tokens_per_document": a.tokens, "ratios": RATIOS, "rows": rows}
+              "documents": [d["id"] for d in docs], "tokens_per_document": a.tokens, "coding": a.coding, "ratios": RATIOS, "rows": rows}
     out = os.path.join(a.results, a.name)
     with open(out + ".json.tmp", "w") as f:
         json.dump(result, f, indent=1)
@@ -140,7 +141,9 @@ def main():
     L = ["# How many calibration tokens are enough: " + a.model, "",
          f"- command: `{cmd}`", f"- commit: {result['commit']}", f"- machine: {result['machine']}",
          f"- data: {len(docs)} evaluation documents (first {a.tokens} tokens each: "
-         + ", ".join(d["id"] for d in docs) + "); the DP (container version 1), sink 4 and window 128 raw, DEFLATE 6",
+         + ", ".join(d["id"] for d in docs) + "); "
+         + ("the DP (container version 1), DEFLATE 6" if a.coding == "dp" else "the entropy-coded mode (container version 2, rANS, rate-controlled to each ratio)")
+         + ", sink 4 and window 128 raw",
          f"- reference: {os.path.basename(a.ref)} ({ref['calib_tokens']:,} tokens, id {str(ref['calibration_id'])[:16]}…)", "",
          "Relative squared error on the coded tokens (K as stored, with RoPE and bias; V), mean over the documents, "
          "at nominal 16x and 32x; bytes at equal error: the bytes a calibration needs for the reference's error "

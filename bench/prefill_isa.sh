@@ -19,6 +19,7 @@ reps=${1:-3}
 deps="$top/.deps"
 base="$deps/llama.cpp-4df29be4f"
 [ -f "$base/build/src/libllama.a" ] || { echo "run make build first" >&2; exit 1; }
+[ "$(cat "$deps/stamps/llama-cpu" 2>/dev/null || echo v3)" = v3 ] || { echo "the v3 row is build/kvtc: make build LLAMA_CPU=v3 first" >&2; exit 1; }
 # The bootstrap's flags, less its instruction-set choice.
 common="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON"
 v3="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
@@ -46,8 +47,9 @@ for v in avx512 native; do
     cmake -S "$dir/src" -B "$dir/build" $common ${flags[$v]} >"$dir/configure.log" 2>&1
     cmake --build "$dir/build" --target llama -j"$(nproc)" >"$dir/build.log" 2>&1
   fi
-  cmake -S "$top" -B "$top/build-$v" -DCMAKE_BUILD_TYPE=Release -DKVTC_LLAMA_DIR="$dir" >"$top/build-$v.configure.log" 2>&1
-  cmake --build "$top/build-$v" --target kvtc -j"$(nproc)" >"$top/build-$v.build.log" 2>&1
+  mkdir -p "$top/build-$v"
+  cmake -S "$top" -B "$top/build-$v" -DCMAKE_BUILD_TYPE=Release -DKVTC_LLAMA_DIR="$dir" >"$top/build-$v/configure.log" 2>&1
+  cmake --build "$top/build-$v" --target kvtc -j"$(nproc)" >"$top/build-$v/build.log" 2>&1
   bin[$v]="$top/build-$v/kvtc"
 done
 

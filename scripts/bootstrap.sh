@@ -215,12 +215,32 @@ fi
 # for x86-64-v3 (AVX2, FMA, F16C, BMI2) rather than -march=native so that the
 # binaries run on any user's CPU of the last decade; kvtc checks these
 # features at start-up and refuses with a clear message where they are absent.
+# KVTC_LLAMA_CPU=avx512 (make build LLAMA_CPU=avx512) adds AVX-512
+# F/CD/VL/DQ/BW, VBMI, VNNI and BF16 (ggml's "zen4" CPU variant: AMD Zen 4/5,
+# Intel Sapphire Rapids and later): prefill +30-37% on Qwen2.5-Coder-1.5B,
+# +2-3% on SmolLM2 (bench/results/prefill-isa.md), binaries that then run
+# only on such CPUs (kvtc refuses others, naming what they lack). The choice
+# is remembered in .deps/stamps/llama-cpu until given again (v3: back).
 llama_commit=4df29be4f
 llama_dir="$deps/llama.cpp-$llama_commit"
-llama_flags="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_OPENMP=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON"
+llama_cpu="${KVTC_LLAMA_CPU:-}"
+[ -n "$llama_cpu" ] || llama_cpu=$(cat "$deps/stamps/llama-cpu" 2>/dev/null || echo v3)
+isa_v3="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+case "$llama_cpu" in
+  v3) isa_flags="$isa_v3" ;;
+  avx512)
+    isa_flags="$isa_v3 -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+    for f in avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni avx512_bf16; do
+      grep -qw "$f" /proc/cpuinfo || die "KVTC_LLAMA_CPU=avx512 (LLAMA_CPU=avx512): this CPU lacks $f, which that build needs; use v3"
+    done ;;
+  *) die "KVTC_LLAMA_CPU (LLAMA_CPU)=$llama_cpu: expected v3 (the default: x86-64-v3) or avx512" ;;
+esac
+mkdir -p "$deps/stamps"
+echo "$llama_cpu" >"$deps/stamps/llama-cpu.part" && mv "$deps/stamps/llama-cpu.part" "$deps/stamps/llama-cpu"
+llama_flags="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF $isa_flags -DGGML_OPENMP=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON"
 llama_pin="${SHA[llama-cpp-python]} $llama_flags"
 if ! stamp_ok llama "$llama_pin" || [ ! -f "$llama_dir/build/src/libllama.a" ]; then
-  log "building llama.cpp $llama_commit (static; ~3 min on 2 cores)"
+  log "building llama.cpp $llama_commit for $llama_cpu (static; ~3 min on 2 cores)"
   rm -rf "$llama_dir"
   mkdir -p "$llama_dir"
   tar -xzf "$deps/dl/llama_cpp_python-0.3.35.tar.gz" -C "$llama_dir" --strip-components=3 \

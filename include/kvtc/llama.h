@@ -29,6 +29,10 @@ namespace kvtc {
 // The llama.cpp commit our static libraries are built from (the pin in
 // scripts/bootstrap.sh); recorded in every capture.
 constexpr const char* kLlamaCppCommit = "4df29be4f";
+// The instruction set the bundled llama.cpp's CPU code was built for
+// (scripts/bootstrap.sh, make build LLAMA_CPU=...): "x86-64-v3" or "avx512"
+// (x86-64-v3 plus AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16).
+std::string llama_cpu_build();
 
 void set_llama_verbose(bool on);
 

@@ -19,6 +19,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+
+#include <algorithm>
 #endif
 
 namespace kvtc {
@@ -200,6 +202,9 @@ const CpuFeatures& cpu_features() {
       c.avx512f = zmm && (b & (1u << 16));
       c.avx512bw = zmm && (b & (1u << 30));
       c.avx512vl = zmm && (b & (1u << 31));
+      c.avx512dq = zmm && (b & (1u << 17));
+      c.avx512cd = zmm && (b & (1u << 28));
+      c.avx512_vbmi = zmm && (cx & (1u << 1));
       c.avx512_vnni = zmm && (cx & (1u << 11));
       c.avx512_fp16 = zmm && (d & (1u << 23));
       c.amx_bf16 = tmm && (d & (1u << 22));
@@ -238,6 +243,9 @@ std::vector<std::string> cpu_feature_names(const CpuFeatures& f) {
   add(f.avx512f, "avx512f");
   add(f.avx512bw, "avx512bw");
   add(f.avx512vl, "avx512vl");
+  add(f.avx512cd, "avx512cd");
+  add(f.avx512dq, "avx512dq");
+  add(f.avx512_vbmi, "avx512_vbmi");
   add(f.avx512_vnni, "avx512_vnni");
   add(f.avx512_bf16, "avx512_bf16");
   add(f.avx512_fp16, "avx512_fp16");
@@ -245,6 +253,14 @@ std::vector<std::string> cpu_feature_names(const CpuFeatures& f) {
   add(f.amx_bf16, "amx_bf16");
   add(f.amx_int8, "amx_int8");
   return v;
+}
+
+std::string cpu_features_missing(const CpuFeatures& have, const CpuFeatures& need) {
+  const std::vector<std::string> h = cpu_feature_names(have);
+  std::string out;
+  for (const std::string& n : cpu_feature_names(need))
+    if (std::find(h.begin(), h.end(), n) == h.end()) out += (out.empty() ? "" : " ") + n;
+  return out;
 }
 
 }  // namespace kvtc

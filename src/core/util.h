@@ -51,11 +51,16 @@ std::string fmt_g9(double x);
 struct CpuFeatures {
   bool sse42 = false, avx = false, avx2 = false, fma = false, f16c = false, bmi2 = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512_bf16 = false, avx512_fp16 = false, avx512_vnni = false;
+  bool avx512cd = false, avx512dq = false, avx512_vbmi = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   std::string brand;  // CPUID brand string, trimmed
 };
 const CpuFeatures& cpu_features();
 // Names of the features present, in a fixed order.
 std::vector<std::string> cpu_feature_names(const CpuFeatures& f);
+// The names of the features `need` has and `have` lacks ("" when none), in
+// cpu_feature_names' order, space-separated: what a build for `need` would
+// fault on with SIGILL on a `have` CPU.
+std::string cpu_features_missing(const CpuFeatures& have, const CpuFeatures& need);
 
 }  // namespace kvtc

@@ -1,3 +1,4 @@
+#include <ggml-cpu.h>
 #include <gguf.h>
 #include <llama.h>
 
@@ -49,11 +50,26 @@ void backend_init_once() {
 
 // x86-64-v3 is what our llama.cpp build needs (scripts/bootstrap.sh);
 // refusing here beats an illegal-instruction crash inside ggml.
+// What the bundled llama.cpp's CPU code was compiled for (scripts/bootstrap.sh:
+// x86-64-v3, or with KVTC_LLAMA_CPU=avx512 AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI
+// and BF16 too): ggml_cpu_has_* report ggml's compile-time flags.
+CpuFeatures llama_build_features() {
+  CpuFeatures n;
+  n.sse42 = n.avx = n.avx2 = n.fma = n.f16c = n.bmi2 = true;  // x86-64-v3, always
+  n.avx512f = n.avx512cd = n.avx512vl = n.avx512dq = n.avx512bw = ggml_cpu_has_avx512() != 0;
+  n.avx512_vbmi = ggml_cpu_has_avx512_vbmi() != 0;
+  n.avx512_vnni = ggml_cpu_has_avx512_vnni() != 0;
+  n.avx512_bf16 = ggml_cpu_has_avx512_bf16() != 0;
+  return n;
+}
+
 void check_cpu() {
 #if defined(__x86_64__)
-  const CpuFeatures& f = cpu_features();
-  if (!(f.avx2 && f.fma && f.f16c && f.bmi2))
-    throw Error("this CPU lacks AVX2/FMA/F16C/BMI2, which the bundled llama.cpp build requires (x86-64-v3)");
+  const CpuFeatures need = llama_build_features();
+  const std::string miss = cpu_features_missing(cpu_features(), need);
+  if (!miss.empty())
+    throw Error("this CPU lacks " + miss + ", which the bundled llama.cpp build requires (" +
+                (need.avx512f ? "built with KVTC_LLAMA_CPU=avx512: rebuild with `make build LLAMA_CPU=v3` for this CPU" : "x86-64-v3") + ")");
 #endif
 }
 
@@ -187,6 +203,10 @@ void fill_from_model(const llama_model* md, uint32_t swa_period, ModelInfo& mi) 
 }
 
 }  // namespace
+
+std::string llama_cpu_build() {
+  return llama_build_features().avx512f ? "avx512" : "x86-64-v3";
+}
 
 std::vector<NamedModel> named_models() {
   const std::string dir = KVTC_MODELS_DIR;

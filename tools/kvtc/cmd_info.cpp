@@ -94,6 +94,7 @@ Action add_info(CLI::App& app) {
     const LibraryInfo li = library_info();
     j["kvtc_version"] = li.version;
     j["llama_cpp_commit"] = kLlamaCppCommit;
+    j["llama_cpp_cpu"] = llama_cpu_build();
     j["default_model"] = model_summary(*model);
     nlohmann::ordered_json named = nlohmann::ordered_json::array();
     for (const NamedModel& m : named_models())
@@ -105,7 +106,7 @@ Action add_info(CLI::App& app) {
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
-      std::printf("kvtc %s (llama.cpp %s)\n", li.version.c_str(), kLlamaCppCommit);
+      std::printf("kvtc %s (llama.cpp %s, built for %s)\n", li.version.c_str(), kLlamaCppCommit, llama_cpu_build().c_str());
       const auto& m = j["default_model"];
       std::printf("model   %s\n", m["path"].get<std::string>().c_str());
       if (m["exists"].get<bool>())

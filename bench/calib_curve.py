@@ -123,9 +123,11 @@ def main():
                 row["bytes_vs_ref"][f"{kind}@{t}"] = (t / r) if r else None
     cmd = (f"python3 bench/calib_curve.py --model {a.model} --ref {os.path.relpath(a.ref, TOP)} --calib "
            + " ".join(os.path.relpath(c, TOP) for c in a.calib) + f" --name {a.name}"
-           + (f" --docs-per-kind {a.docs_per_kind}" if a.docs_per_kind != 1 else "") + (f" --tokens {a.tokens}" if a.tokens != 4096 else "") + (f" --coding {a.coding}" if a.coding != "dp" else ""))
+           + (f" --docs-per-kind {a.docs_per_kind}" if a.docs_per_kind != 1 else "") + (f" --tokens {a.tokens}" if a.tokens != 4096 else "") + (f" --coding {a.coding}" if a.coding != "dp" else "")
+           + (f" --kvtc {os.path.relpath(a.kvtc, TOP)}" if os.path.abspath(a.kvtc) != os.path.join(TOP, "build", "kvtc") else ""))
     result = {"command": cmd, "commit": provenance.result_commit(TOP),
-              "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}",
+              "machine": f"{info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}; "
+                         f"llama.cpp {info['llama_cpp_commit']} built for {info.get('llama_cpp_cpu', 'x86-64-v3')}",
               "documents": [d["id"] for d in docs], "tokens_per_document": a.tokens, "coding": a.coding, "ratios": RATIOS, "rows": rows}
     out = os.path.join(a.results, a.name)
     with open(out + ".json.tmp", "w") as f:

@@ -11,7 +11,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <random>
+#include <thread>
 
 #include "codec/calibration_io.h"
 #include "core/state_blob.h"
@@ -372,4 +375,90 @@ TEST(OnlineCalibration, EachPrefixOnceWholeRunsAndTheHeldOutShare) {
   OnlineCalibrator other(lowrank_geometry(), o);
   EXPECT_THROW(other.add(shifted, a), Error);
   EXPECT_THROW(other.add(prompt_capture(a), std::span<const int32_t>(a).first(100)), Error);
+}
+
+// CalibrationLearner (kvtc-server --kvtc-calib auto, KvtcCache('auto')) on
+// synthetic prompt states (the bookkeeping, not a model): one hand-over at a
+// time (a second is counted busy), short and malformed states, the fit on
+// its thread, the file written and found again, a file of another model
+// ignored with a warning.
+TEST(OnlineCalibration, TheLearnerHandsOverFitsWritesAndFinds) {
+  const fs::path dir = fs::temp_directory_path() / ("kvtc-learner-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const CacheGeometry g = lowrank_geometry();
+  LearnerOptions o;
+  o.tokens = 600;
+  o.share = 1000;  // every new token
+  o.file = learned_calibration_file(dir.string(), g.model_sha256);
+  EXPECT_EQ(fs::path(o.file).filename().string(), "calibration-auto-synthetic-lowran.safetensors");
+  std::mutex mu;
+  std::vector<std::string> warnings;
+  o.log = [&](bool warning, const std::string& s) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (warning) warnings.push_back(s);
+  };
+  std::string ready_from;
+  o.on_ready = [&](const Calibration& c, const std::string& from) {
+    std::lock_guard<std::mutex> lk(mu);
+    EXPECT_TRUE(calibration_fits(c, g));
+    ready_from = from;
+  };
+  EXPECT_FALSE(find_learned_calibration(g, o));  // nothing learned yet
+  CalibrationLearner L(g, o);
+  auto wait_samples = [&](uint64_t n) {
+    for (int i = 0; i < 2000 && L.status().samples < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ASSERT_GE(L.status().samples, n);
+  };
+  EXPECT_FALSE(L.begin(63));  // less than a run
+  std::optional<std::vector<uint8_t>> buf = L.begin(200);
+  ASSERT_TRUE(buf);
+  EXPECT_FALSE(L.begin(200));  // handed out: busy
+  EXPECT_EQ(L.status().busy, 1u);
+  L.submit({}, {});  // given back unused
+  buf = L.begin(300);
+  ASSERT_TRUE(buf);
+  L.submit(std::vector<uint8_t>(100, 7), seq(1, 300), 0.5);  // not a state: refused, still learning
+  wait_samples(1);
+  EXPECT_EQ(L.status().refused, 1u);
+  EXPECT_EQ(L.status().state, "learning");
+  uint64_t fed = 1;
+  for (int i = 0; i < 12 && L.status().state == "learning"; ++i) {
+    const std::vector<int32_t> t = seq(10000 * (i + 1), 256);
+    buf = L.begin(t.size());
+    ASSERT_TRUE(buf);
+    *buf = state_from_capture(prompt_capture(t), StateLayout{});
+    L.submit(std::move(*buf), std::vector<int32_t>(t), 0.25);
+    wait_samples(++fed);
+  }
+  for (int i = 0; i < 2000 && L.status().state == "fitting"; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const LearnerStatus st = L.status();
+  ASSERT_EQ(st.state, "ready") << st.error;
+  EXPECT_GE(st.fit, 600u);
+  EXPECT_GE(st.held, 600u / 16);
+  EXPECT_DOUBLE_EQ(st.loop_max_ms, 0.5);
+  EXPECT_FALSE(L.begin(256));  // no longer learning
+  ASSERT_TRUE(L.calibration());
+  EXPECT_EQ(L.calibration()->id, st.calib_id);
+  EXPECT_EQ(ready_from, o.file);
+  L.mark_live(3);
+  EXPECT_EQ(L.status().state, "live");
+  EXPECT_EQ(L.status().moved, 3u);
+  // The next start finds the file.
+  std::string from;
+  const std::optional<Calibration> again = find_learned_calibration(g, o, &from);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->id, st.calib_id);
+  EXPECT_EQ(from, o.file);
+  // Another model's file under this model's name: ignored, with a warning.
+  CacheGeometry other = g;
+  other.model_sha256 = "synthetic-lowrank-other";
+  LearnerOptions o2 = o;
+  o2.file = o.file;
+  EXPECT_FALSE(find_learned_calibration(other, o2));
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    ASSERT_FALSE(warnings.empty());
+    EXPECT_NE(warnings.back().find("fitted for another model"), std::string::npos) << warnings.back();
+  }
+  fs::remove_all(dir);
 }

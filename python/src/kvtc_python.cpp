@@ -846,13 +846,18 @@ class PyLearner {
     kvtc::CalibrationLearner& L = learner();
     std::vector<int32_t> t = int_vector(tokens, "tokens");
     if (prefill_ms_per_token > 0 && std::isfinite(prefill_ms_per_token)) prefill_->store(prefill_ms_per_token);
+    const Bytes in(state, "offer");  // before begin(): a bad argument must not leave a buffer handed out
+    const auto s = in.span();
     std::optional<std::vector<uint8_t>> buf = L.begin(t.size());
     if (!buf) return false;
-    const Bytes in(state, "offer");
-    const auto s = in.span();
     nb::gil_scoped_release unlocked;
     const auto t0 = std::chrono::steady_clock::now();
-    buf->assign(s.begin(), s.end());
+    try {
+      buf->assign(s.begin(), s.end());
+    } catch (...) {
+      L.submit({}, {}, 0);  // the buffer back: begin() hands out one at a time
+      throw;
+    }
     L.submit(std::move(*buf), std::move(t), std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     return true;
   }

@@ -409,7 +409,9 @@ def test_a_calibration_learned_from_the_prompts_served(kept, work):
             if cache.calibration_status()["state"] != "learning":
                 break
             ask(llm, text + "\nSummary:", n=2)
-        assert cache.wait_calibrated(120), cache.calibration_status()
+        # The fit runs at nice 19: seconds alone (3.5-5.3 s here), 103 s beside a
+        # busy calibration; the bound is for a stuck learner, not a slow one.
+        assert cache.wait_calibrated(600), cache.calibration_status()
         st = cache.calibration_status()
         print(f"learned: {st['fit']} + {st['held']} held out of {st['fresh']} new / {st['seen']} seen tokens in {st['samples']} states "
               f"({st['busy']} not taken, busy); learner CPU {st['cpu_ms']:.0f} ms; copies {st['loop_ms']:.1f} ms; fit {st['fit_s']:.1f} s")

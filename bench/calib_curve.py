@@ -20,6 +20,7 @@ beside it (CAL.json), when there is one.
 Writes bench/results/NAME.{md,json}. Only the standard library.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -111,9 +112,21 @@ def main():
                 j = json.load(f)
             secs = {"total": j.get("seconds"), **(j.get("stage_seconds") or {})}
         print(f"[curve] {os.path.basename(calib)}", file=sys.stderr, flush=True)
+        # A calibration's curve is kept under --work by its id, the coding,
+        # the ratios and the captures: a rerun with one more calibration
+        # measures only that one.
+        key = json.dumps([meta.get("calibration_id"), a.coding, RATIOS, [os.path.basename(c) for c in caps], os.path.abspath(a.kvtc)])
+        kept = os.path.join(work, "curve-" + hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+        if os.path.exists(kept):
+            with open(kept) as f:
+                curve = {int(r): v for r, v in json.load(f).items()}
+        else:
+            curve = errors(a.kvtc, calib, caps, work, a.coding)
+            with open(kept + ".tmp", "w") as f:
+                json.dump(curve, f)
+            os.replace(kept + ".tmp", kept)
         rows.append({"calib": os.path.relpath(calib, TOP), "calibration_id": meta.get("calibration_id"),
-                     "calib_tokens": int(meta.get("calib_tokens", 0)), "seconds": secs,
-                     "curve": errors(a.kvtc, calib, caps, work, a.coding)})
+                     "calib_tokens": int(meta.get("calib_tokens", 0)), "seconds": secs, "curve": curve})
     ref = rows[0]
     for row in rows:
         row["bytes_vs_ref"] = {}

@@ -39,7 +39,7 @@ lines = [
     "",
     f"- command: `make check-long` (scripts/check_long.sh)",
     f"- commit: {commit}{' (with uncommitted changes)' if dirty else ''}",
-    f"- machine: {info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}; llama.cpp {info['llama_cpp_commit']} (x86-64-v3 build)",
+    f"- machine: {info['cpu']['brand']}, {os.cpu_count()} threads, {platform.system()} {platform.release()}; llama.cpp {info['llama_cpp_commit']} ({info.get('llama_cpp_cpu', 'x86-64-v3')} build)",
     f"- model: {m['name']} ({m['desc']}), {m['n_layer']} layers x {m['n_head_kv']} KV heads x {m['head_dim']} dims",
     f"- text: .deps/corpus/{doc} (evaluation split)",
     "",

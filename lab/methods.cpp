@@ -7,7 +7,8 @@
 namespace kvtc::lab {
 
 const char* const kMethodHelp =
-    "vanilla, kvtc-<R>x[-ecsq|-joint][-all][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, svd-<R>x, zstd, "
+    "vanilla, kvtc-<R>x[-ecsq|-joint][-all][-global|-window][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, "
+    "svd-<R>x, zstd, "
     "deflate";
 
 namespace {
@@ -34,12 +35,16 @@ bool starts(const std::string& s, const char* p) {
   return s.rfind(p, 0) == 0;
 }
 
-// kvtc-<R>x[-ecsq|-joint][-all][-f32|-bf16][@NAME], parsed. -ecsq: the
-// entropy-coded mode (container version 2) rate-controlled to R on the
-// coded tokens (the DP's R is nominal: it reaches ~1.13 R after DEFLATE).
+// kvtc-<R>x[-ecsq|-joint][-all][-global|-window][-f32|-bf16][@NAME],
+// parsed. -ecsq: the entropy-coded mode (container version 2)
+// rate-controlled to R on the coded tokens (the DP's R is nominal: it
+// reaches ~1.13 R after DEFLATE). -global / -window: a sliding-window
+// model's block 0 (the global layers) or block 1 (the window) alone is
+// coded, the other kept f16, to tell apart what each block costs.
 struct KvtcSpec {
   double ratio = 0;
   bool joint = false, all = false, ecsq = false;
+  int only_block = -1;  // -global: 0, -window: 1
   Precision precision = Precision::kAuto;
   std::string calib;
 };
@@ -62,6 +67,10 @@ KvtcSpec parse_kvtc(const std::string& name) {
     k.precision = Precision::kBF16;
   else if (strip("-f32"))
     k.precision = Precision::kF32;
+  if (strip("-global"))
+    k.only_block = 0;
+  else if (strip("-window"))
+    k.only_block = 1;
   k.all = strip("-all");
   k.ecsq = strip("-ecsq");
   k.joint = !k.ecsq && strip("-joint");
@@ -149,10 +158,40 @@ std::vector<uint8_t> kvtc_encode(const KvtcSpec& k, const KvCapture& c, const Ca
   return compress(c, cal, k.ecsq ? ecsq_allocation_set(cal, k.ratio) : allocation_set(cal, k.ratio, k.joint), opt);
 }
 
+// Block b of a capture or calibration alone, as a one-block one (its id kept).
+KvCapture block_alone(const KvCapture& c, size_t b) {
+  KvCapture o;
+  o.model_sha256 = c.model_sha256;
+  if (b == 0) o.tokens = c.tokens;  // the ids are block 0's tokens'
+  o.blocks.push_back(c.blocks.at(b));
+  return o;
+}
+Calibration block_alone(const Calibration& cal, size_t b) {
+  Calibration o = cal;
+  o.blocks = {cal.blocks.at(b)};
+  o.geometry.blocks = {cal.geometry.blocks.at(b)};
+  return o;
+}
+
 class Kvtc : public Method {
  public:
   Kvtc(const std::string& name, KvtcSpec k, const Calibration& cal) : Method(name), k_(std::move(k)), cal_(cal) {}
   KvCapture apply(const KvCapture& c, uint64_t* bytes) const override {
+    if (k_.only_block >= 0) {
+      const size_t b = size_t(k_.only_block);
+      require(c.blocks.size() == 2,
+              name() + ": -global and -window are for sliding-window models (two cache blocks); this cache has " + std::to_string(c.blocks.size()));
+      const Calibration one = block_alone(cal_, b);
+      KvtcSpec whole = k_;
+      whole.only_block = -1;
+      const std::vector<uint8_t> enc = kvtc_encode(whole, block_alone(c, b), one);
+      DecompressOptions dopt;
+      dopt.precision = k_.precision;
+      KvCapture out = c;
+      out.blocks[b] = std::move(decompress(enc, one, name(), dopt).blocks.at(0));
+      *bytes = enc.size() + block_alone(c, 1 - b).f16_bytes();
+      return out;
+    }
     const std::vector<uint8_t> enc = kvtc_encode(k_, c, cal_);
     *bytes = enc.size();
     DecompressOptions dopt;

@@ -24,6 +24,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -182,6 +183,10 @@ struct kvtc_prompt_cache::impl {
     std::vector<llama_token> after;
   };
   std::map<int32_t, Shift> shifted;  // loop thread only
+  // Slots whose cells the last load() restored (loop thread only): for a
+  // sliding-window model those hold exactly the window at the restored
+  // prompt's end (kvtc_server_window_restored).
+  std::set<int32_t> restored;
   std::unique_ptr<kvtc::PromptStore> store;
   kvtc::CacheGeometry geom;  // the model's, as the store keys it
   kvtc::StateLayout layout;  // of the server's context (seq_id set per restore); written under pf_mu after start
@@ -521,6 +526,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   } held{*p, t0};
   const llama_tokens want = tokens_new.get_text_tokens();
   const std::string& tenant = slot_tenant(id_slot);
+  p->restored.erase(id_slot);  // until a restore below writes its cells
   // This request's prefetch, if it ran: the store was asked already, off the loop.
   std::optional<impl::Prefetched> pf;
   uint64_t saves_now = 0;
@@ -582,6 +588,7 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   }
   prompt.tokens = server_tokens(m->tokens, false);
   prompt.checkpoints.clear();
+  p->restored.insert(id_slot);
   const double ms = ms_since(t0);
   {
     std::lock_guard<std::mutex> g(p->mu);
@@ -597,6 +604,23 @@ bool kvtc_prompt_cache::load(server_prompt& prompt, const server_tokens& tokens_
   const std::string loop = prefetched ? string_format("; decoded off the loop, which it held %.2f ms", ms) : "";
   SRV_INF("kvtc: restored %u tokens (common prefix) from the %s tier in %.2f ms%s%s\n", m->common_prefix, m->tier, off_loop_ms + ms, redis.c_str(),
           loop.c_str());
+  return true;
+}
+
+bool kvtc_server_window_restored(server_prompt_cache* cache, int32_t id_slot, int32_t pos_min, int32_t pos_next, int32_t n_swa, bool has_new_tokens) {
+  if (!cache || !cache->kvtc || n_swa <= 0) return false;
+  auto& restored = cache->kvtc->p->restored;
+  if (!restored.erase(id_slot)) return false;  // the slot's own cells: upstream's rule
+  // A token at position p reads the window positions (p - n_swa, p]
+  // (llama_hparams::is_masked_swa, standard windows): the first one
+  // computed, pos_next (or pos_next - 1 when the last prompt token is
+  // evaluated again), needs its cells from pos_next - n_swa + 1 on.
+  // Upstream asks its own cells for two more (pos_min < pos_next - n_swa),
+  // which a state never holds: llama.cpp writes only the window's n_swa
+  // cells (llama_kv_cache::state_write), so its own saved states fail it too.
+  const int32_t need = std::max<int32_t>(0, pos_next - n_swa + 1 - (has_new_tokens ? 0 : 1));
+  if (pos_min > need) return false;
+  SRV_DBG("kvtc: slot %d's restored window starts at %d; the next token reads from %d\n", id_slot, pos_min, need);
   return true;
 }
 
@@ -825,6 +849,11 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     I->calib_path = cfg.calib;
     const bool learn = cfg.calib == "auto";
     const kvtc::CacheGeometry geom = kvtc::model_geometry(model, model_path);
+    if (learn && geom.blocks.size() > 1)
+      return refuse(
+          "--kvtc-calib auto does not learn sliding-window (iSWA) models yet (their cache keeps two blocks): calibrate once with "
+          "`kvtc calibrate -m " +
+          model_path + " -o FILE` and pass --kvtc-calib FILE");
     kvtc::StoreOptions& o = I->opt;
     o.ratio = cfg.ratio;
     o.raw = cfg.raw;

@@ -114,7 +114,7 @@ class kvtc_prompt_cache {
 // given, attaches a kvtc store to `cache` (which must exist: --cache-ram
 // not 0). Loads and checks the calibration against the model and refuses
 // what kvtc cannot store (multimodal, a draft model, LoRA adapters, model
-// metadata overrides, control vectors, iSWA or recurrent caches, a
+// metadata overrides, control vectors, recurrent or hybrid caches, a
 // quantized cache type). The store's salt names the model file, the
 // calibration, the kvtc flags and the context's RoPE as llama.cpp resolved
 // it (docs/store.md "Keys"). False, with the reason logged, when the
@@ -173,3 +173,13 @@ std::string kvtc_server_request_tenant(const nlohmann::ordered_json& data, const
 // parent's cells (the same tenant's), and upstream empties a child's slot
 // when it ends (server_slot::release). Loop thread only.
 bool kvtc_server_switch_tenant(server_prompt_cache* cache, server_prompt& prompt, llama_context* ctx, int32_t id_slot, const std::string& tenant);
+
+// Sliding-window models (docs/store.md "Sliding-window models"): called
+// where llama-server finds too few window cells in a slot (pos_min >=
+// pos_next - n_swa, "forcing full prompt re-processing"). True when the
+// slot's cells are a state kvtc restored in its last load() and they hold
+// every window position the next token reads (from pos_next - n_swa + 1,
+// one earlier when the last prompt token is evaluated again): the restore
+// is used instead of recomputing the whole prompt. Consumes the slot's
+// mark; false otherwise (upstream's rule stands). Loop thread only.
+bool kvtc_server_window_restored(server_prompt_cache* cache, int32_t id_slot, int32_t pos_min, int32_t pos_next, int32_t n_swa, bool has_new_tokens);

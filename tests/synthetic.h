@@ -94,6 +94,67 @@ inline KvCapture prompt_capture(std::span<const int32_t> tokens) {
   return c;
 }
 
+inline std::vector<int32_t> seq_ids(int32_t first, size_t n) {
+  std::vector<int32_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = first + int32_t(i);
+  return v;
+}
+
+// A sliding-window (iSWA) model on the same pattern: block 0 as above
+// (the "global" layers), block 1 two more layers (2, 3) with a window of
+// n_swa tokens and their own RoPE (no factors, another base), whose rows
+// depend on the token's id and position only, like block 0's.
+inline CacheGeometry swa_geometry(uint32_t n_swa) {
+  CacheGeometry g = lowrank_geometry();
+  g.model_sha256 = "synthetic-swa";
+  BlockGeometry b = g.blocks[0];
+  b.layers = {2, 3};
+  b.sliding_window = n_swa;
+  b.rope.freq_factors.clear();
+  b.rope.freq_base = 5000.0f;
+  g.blocks.push_back(b);
+  return g;
+}
+
+// The cache llama.cpp keeps of a prompt for such a model: block 0 every
+// token, block 1 the window (positions [n - n_swa, n)), its cells in a
+// ring's order (rotated by `rotate`) as a state holds them.
+inline KvCapture swa_capture(std::span<const int32_t> tokens, uint32_t n_swa, uint32_t rotate = 0) {
+  const CacheGeometry g = swa_geometry(n_swa);
+  KvCapture c = prompt_capture(tokens);
+  c.model_sha256 = g.model_sha256;
+  const uint32_t n = uint32_t(tokens.size()), w0 = n > n_swa ? n - n_swa : 0, w = n - w0;
+  // Rows drawn like block 0's, from other seeds, then re-roped with block 1's RoPE.
+  std::vector<int32_t> shifted(tokens.begin(), tokens.end());
+  for (int32_t& t : shifted) t += 7919;
+  const KvCapture src = prompt_capture(shifted);
+  KvBlock b;
+  static_cast<BlockGeometry&>(b) = g.blocks[1];
+  for (uint32_t i = 0; i < w; ++i) b.pos.push_back(int32_t(w0 + (i + rotate) % w));
+  b.k.assign(b.numel(), 0);
+  b.v.assign(b.numel(), 0);
+  const uint32_t p = b.features();
+  for (int kv = 0; kv < 2; ++kv) {
+    std::vector<float> rows(size_t(w) * p);
+    for (uint32_t i = 0; i < w; ++i) {
+      const std::vector<float> r = feature_rows(src.blocks[0], kv == 0, /*derope=*/true, uint32_t(b.pos[i]), uint32_t(b.pos[i]) + 1);
+      std::copy(r.begin(), r.end(), rows.begin() + size_t(i) * p);
+    }
+    set_feature_rows(b, kv == 0, /*rerope=*/true, 0, w, std::move(rows));
+  }
+  c.blocks.push_back(std::move(b));
+  return c;
+}
+
+inline Calibration swa_fitted(uint32_t n_swa) {
+  FitOptions o;
+  o.ratios = {4, 8};
+  std::vector<KvCapture> fit, held;
+  for (uint32_t i = 0; i < 4; ++i) fit.push_back(swa_capture(seq_ids(20000 + 1000 * int32_t(i), 300), n_swa));
+  held.push_back(swa_capture(seq_ids(60000, 200), n_swa));
+  return fit_calibration(fit, held, o);
+}
+
 inline Calibration fitted() {
   FitOptions o;
   o.ratios = {4, 8};

@@ -8,7 +8,10 @@
 // a per-prompt *tail*: the last tokens, whose most recent `window` stay raw
 // (docs/method.md §6). Chunks are shared: twenty chats that open with the
 // same long system prompt store its chunks once. Prompts must sit at
-// positions 0..n-1 of a single-block cache (not iSWA models, for now).
+// positions 0..n-1. A sliding-window (iSWA) model's cache has a second
+// block, the window's last n_swa positions: it is kept in the tail, and such
+// a stored prompt is restored whole only (docs/store.md "Sliding-window
+// models").
 //
 // The lookup follows llama-server's prompt cache: an entry is a candidate
 // when its longest common prefix with the new prompt keeps at least 25% of
@@ -236,7 +239,8 @@ struct StoreStats {
 
 class PromptStore {
  public:
-  // The calibration must be of the geometry's model; a single-block cache.
+  // The calibration must be of the geometry's model and cover its blocks
+  // (a sliding-window model's two: not with entropy_coded).
   // Opens the disk tier when there is one and returns: its files are read
   // back by a background thread, and become hits as they are verified
   // (flush() waits for it). Error on bad options.

@@ -296,7 +296,9 @@ class KvtcCache(BaseLlamaCache):
       then shares one calibration, so one store), and the compressed store
       takes over at the next call, with the raw states moved into it.
       calibration_status() and wait_calibrated() follow it. Sliding-window
-      models are refused (the store keeps single-block caches).
+      models are refused in "auto" (the model facts carry no layer pattern
+      yet); with a calibration file they are stored (docs/store.md
+      "Sliding-window models": restored whole).
     llm: the Llama this cache serves (optional but recommended): its
       attention layout, architecture, context and vocabulary sizes are read
       from it, so that stored states (disk, Redis) can be restored before the

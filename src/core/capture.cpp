@@ -209,7 +209,12 @@ CacheGeometry geometry_from_facts(const std::map<std::string, std::string>& fact
   auto sha = facts.find("model_sha256");
   require(sha != facts.end() && sha->second.size() == 64 && sha->second.find_first_not_of("0123456789abcdef") == std::string::npos,
           origin + ": the fact 'model_sha256' must be 64 lowercase hex digits");
-  require(whole("n_swa", 0) == 0, origin + ": a sliding-window (iSWA) model: the prompt store keeps single-block caches only, for now");
+  // The facts carry no layer pattern (which layers are sliding-window),
+  // which llama.cpp derives per architecture: kvtc-server stores these
+  // models (from the model itself, model_geometry), the facts do not yet.
+  require(whole("n_swa", 0) == 0, origin +
+                                      ": a sliding-window (iSWA) model: its cache blocks cannot be told from these facts yet "
+                                      "(no layer pattern); kvtc-server stores such models");
   BlockGeometry b;
   const uint32_t n_layer = whole("n_layer", 1);
   for (uint32_t il = 0; il < n_layer; ++il) b.layers.push_back(int32_t(il));

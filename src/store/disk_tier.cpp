@@ -77,7 +77,7 @@ class DiskTier final : public Tier {
     for (const Entry& e : lru_) {
       if (e.root != root) continue;
       const size_t lcp = std::min(common_prefix(e.tokens, tokens), usable(e));
-      if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
+      if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key, 0, 0, 0, e.tokens.size()});
     }
     return out;
   }
@@ -165,9 +165,9 @@ class DiskTier final : public Tier {
   // them must go ahead, to rewrite that chunk.
   bool holds(std::span<const int32_t> tokens, const std::string& root) const override {
     std::lock_guard<std::mutex> g(mu_);
-    if (!missing_now_) return any_holds(lru_, tokens, root);
+    if (!missing_now_) return any_holds(lru_, *ctx_.codec, tokens, root);
     for (const Entry& e : lru_)
-      if (e.root == root && common_prefix(e.tokens, tokens) == tokens.size() && usable(e) >= tokens.size()) return true;
+      if (e.root == root && ctx_.codec->serves(e.tokens, tokens) && usable(e) >= tokens.size()) return true;
     return false;
   }
 
@@ -257,7 +257,7 @@ class DiskTier final : public Tier {
     // Entries of its tenant the new one contains, and an older copy of it
     // (whose file the new one just replaced: kept), go.
     for (auto it = lru_.begin(); it != lru_.end();)
-      it = it->root == p.root && common_prefix(it->tokens, p.tokens) == it->tokens.size() ? erase(it, it->key != p.key) : std::next(it);
+      it = it->root == p.root && ctx_.codec->serves(p.tokens, it->tokens) ? erase(it, it->key != p.key) : std::next(it);
     Entry e;
     static_cast<Piece&>(e) = p;
     e.file_bytes = ef.size();
@@ -614,7 +614,7 @@ class DiskTier final : public Tier {
 
   bool contained_in_a_put(const Entry& e) const {  // under mu_
     for (const Entry& x : lru_)
-      if (x.put_here && x.root == e.root && common_prefix(e.tokens, x.tokens) == e.tokens.size()) return true;
+      if (x.put_here && x.root == e.root && ctx_.codec->serves(x.tokens, e.tokens)) return true;
     return false;
   }
 

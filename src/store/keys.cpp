@@ -60,6 +60,7 @@ nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
   // Only a protected store names its protection: the JSON of the others
   // (store.json, entry headers) stays byte for byte what it was.
   if (!f.protection.empty()) j["protection"] = f.protection;
+  if (!f.swa.empty()) j["swa"] = f.swa;  // likewise: only an iSWA store has the field
   return j;
 }
 
@@ -93,6 +94,9 @@ Scheme::Scheme(const SchemeFields& f, std::vector<uint8_t> chain_key) : f_(f), c
                      "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
                      "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
                      "\nkv_settings=" + f.kv_settings + "\n";
+  // A sliding-window model's pieces hold another layout (the window's state
+  // in the tail); single-block stores keep version 2's text.
+  if (!f.swa.empty()) text += "swa=" + f.swa + "\n";
   // Another secret or mode names another store: another directory and
   // Redis namespace. Without one the text is version 2's, unchanged.
   if (!f.protection.empty()) text += "protection=" + f.protection + "\n";

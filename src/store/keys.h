@@ -57,6 +57,10 @@ struct SchemeFields {
   std::string ratio;  // ratio_key(ratio), "-ecsq" appended when entropy-coded, or "raw"
   uint32_t sink = 4, window = 128;
   std::string kv_settings;  // KvSettings::text(): the context's RoPE as llama.cpp resolved it
+  // Sliding-window (iSWA) models: "end;n_swa=<n_swa>" (docs/store.md
+  // "Sliding-window models": the window's state in the tail, the prompt's
+  // end only); "" for single-block caches (the salt is then unchanged).
+  std::string swa;
   // With a secret (store/seal.h): "hmac-sha256;key=<key id>" or
   // "aes-256-gcm;key=<key id>", the salt's last line; "" without one (the
   // salt is then exactly version 2's).

@@ -187,7 +187,7 @@ std::vector<Candidate> PutQueue::lookup(std::span<const int32_t> tokens, const s
   for (const auto& q : queue_) {
     if (q->root != root) continue;  // another tenant's
     const size_t lcp = common_prefix(q->tokens, tokens);
-    if (lcp) out.push_back({lcp, float(lcp) / float(q->tokens.size()), std::to_string(q->seq)});
+    if (lcp) out.push_back({lcp, float(lcp) / float(q->tokens.size()), std::to_string(q->seq), 0, 0, 0, q->tokens.size()});
   }
   return out;
 }
@@ -207,14 +207,15 @@ std::optional<Fetched> PutQueue::fetch(std::span<const int32_t>, const std::stri
   // The raw state, exact; a blob is parsed here, outside the lock.
   f.raw = q->blob.empty() ? std::shared_ptr<const KvCapture>(q, &q->cap)
                           : std::make_shared<const KvCapture>(capture_from_state(q->blob, ctx_.codec->geometry(), "kvtc store: pending put"));
-  require(f.raw->blocks.size() == 1 && f.raw->blocks[0].n_tokens() >= n, "kvtc store: the pending put holds too few tokens");
+  require(f.raw->blocks.size() == ctx_.codec->geometry().blocks.size() && f.raw->blocks[0].n_tokens() >= n,
+          "kvtc store: the pending put holds too few tokens or blocks");
   return f;
 }
 
 bool PutQueue::holds(std::span<const int32_t> tokens, const std::string& root) const {
   std::lock_guard<std::mutex> g(mu_);
   for (const auto& q : queue_)
-    if (q->root == root && common_prefix(q->tokens, tokens) == tokens.size()) return true;
+    if (q->root == root && ctx_.codec->serves(q->tokens, tokens)) return true;
   return false;
 }
 

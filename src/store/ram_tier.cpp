@@ -58,7 +58,7 @@ class RamTier final : public Tier {
 
   bool holds(std::span<const int32_t> tokens, const std::string& root) const override {
     std::lock_guard<std::mutex> g(mu_);
-    return any_holds(lru_, tokens, root);
+    return any_holds(lru_, *ctx_.codec, tokens, root);
   }
 
   BytesPtr chunk(const std::string& key) const override {
@@ -75,8 +75,7 @@ class RamTier final : public Tier {
     e.tail = c.tail;
     e.bytes = c.tail->size() + 4 * e.tokens.size();
     std::lock_guard<std::mutex> g(mu_);
-    for (auto it = lru_.begin(); it != lru_.end();)
-      it = it->root == e.root && common_prefix(it->tokens, e.tokens) == it->tokens.size() ? erase(it) : std::next(it);
+    for (auto it = lru_.begin(); it != lru_.end();) it = it->root == e.root && ctx_.codec->serves(e.tokens, it->tokens) ? erase(it) : std::next(it);
     uint64_t cost = e.bytes;  // chunks it shares cost nothing
     for (size_t i = 0; i < e.chunks.size(); ++i)
       if (!chunks_.count(e.chunks[i])) cost += c.chunks[i]->size();

@@ -178,7 +178,7 @@ class RedisTier final : public Tier {
           const size_t lcp = j * C + value_prefix(v, rest), whole = j * C + index_tokens(v);
           // The entry: its tokens as int32 and its tail, raw at most.
           const uint64_t entry = kEntryOverhead + 4 * whole + raw_per_token_ * index_tokens(v);
-          out.push_back({lcp, float(lcp) / float(whole), h[f].str, j, ms, upto[j] + entry});
+          out.push_back({lcp, float(lcp) / float(whole), h[f].str, j, ms, upto[j] + entry, whole});
         }
       }
       account(t0, true, "");
@@ -398,7 +398,9 @@ class RedisTier final : public Tier {
             q.push_back({"HDEL", rkey('x', level_key(p.root, p.chunks, j)), key});
             continue;
           }
-          if (index_tokens(v) <= rest.size() && value_prefix(v, rest) == index_tokens(v)) {
+          // (A sliding-window model's shorter prompt is not restored from
+          // this one, whose window state is at its end only: it stays.)
+          if (ctx_.codec->n_swa() == 0 && index_tokens(v) <= rest.size() && value_prefix(v, rest) == index_tokens(v)) {
             q.push_back({"HDEL", rkey('x', level_key(p.root, p.chunks, j)), key});
             q.push_back({"DEL", rkey('e', key)});
             ++dropped;

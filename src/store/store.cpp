@@ -151,6 +151,12 @@ struct PromptStore::Impl {
       r.n = std::min<uint32_t>(r.n, uint32_t(i * C));
     }
     r.parts.resize(std::min<size_t>(pieces, (r.n + C - 1) / C));  // n only shrinks
+    if (!codec->restorable(r.n, f.piece.tokens.size())) {
+      // A sliding-window model's match cut short (a piece gone or damaged):
+      // the window's state is at the prompt's end only, so nothing is restored.
+      r.n = 0;
+      r.parts.clear();
+    }
     return r;
   }
 
@@ -159,7 +165,7 @@ struct PromptStore::Impl {
   // candidate when its common prefix keeps >= 25% of it, and wins when it
   // beats the bar on both the kept share and the similarity to the new
   // prompt; the first one in order (the local tiers, oldest first) wins
-  // ties. The remote tiers are asked only when that leaves part of the
+  // ties (but the more similar of two that keep the same share). The remote tiers are asked only when that leaves part of the
   // prompt to compute: their longest candidate wins when it restores more
   // and beats the slot's own prompt. The winner is fetched and decoded; if
   // its pieces come back shorter than the next best (evicted, damaged),
@@ -182,8 +188,14 @@ struct PromptStore::Impl {
       float keep_best = keep_bar, sim_best = sim_bar;
       for (const auto& t : tiers) {
         if (t->remote()) continue;
+        // Between two stored prompts that keep the same share (a
+        // sliding-window model's turns, each kept whole: the older ones are
+        // not dropped) the one restoring more wins; upstream's rule, which
+        // keeps the first, never meets the tie otherwise (a prefix is dropped
+        // when a prompt containing it is stored).
         for (const Candidate& c : t->lookup(tokens, root))
-          if (c.keep >= 0.25f && keep_best < c.keep && sim_best < sim(c.lcp)) {
+          if (c.keep >= 0.25f && (keep_best < c.keep || (!choices.empty() && keep_best == c.keep)) && sim_best < sim(c.lcp) &&
+              codec->restorable(c.lcp, c.whole)) {
             keep_best = c.keep;
             sim_best = sim(c.lcp);
             if (choices.empty()) choices.push_back({t.get(), c});
@@ -195,7 +207,7 @@ struct PromptStore::Impl {
         if (!t->remote() || have >= tokens.size()) continue;
         std::optional<Candidate> best;
         for (const Candidate& c : t->lookup(tokens, root))
-          if (c.keep >= 0.25f && (!best || c.lcp > best->lcp)) best = c;
+          if (c.keep >= 0.25f && (!best || c.lcp > best->lcp) && codec->restorable(c.lcp, c.whole)) best = c;
         if (best && best->lcp > have && keep_bar < best->keep && sim_bar < sim(best->lcp)) choices.push_back({t.get(), *best});
       }
       bool gone = false;
@@ -237,9 +249,10 @@ struct PromptStore::Impl {
 
 PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt) : impl_(std::make_unique<Impl>()) {
   Impl& I = *impl_;
-  require(g.blocks.size() == 1, "kvtc store: the model keeps " + std::to_string(g.blocks.size()) +
-                                    " cache blocks (sliding-window layers); the store takes single-block caches only");
   container::check_geometry(g, cal, "kvtc store");
+  require(!(opt.entropy_coded && g.blocks.size() > 1),
+          "kvtc store: the entropy-coded mode codes single-block caches only; this sliding-window (iSWA) model keeps " +
+              std::to_string(g.blocks.size()) + " blocks: use the DP mode");
   require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
           "kvtc store: chunk_tokens must be a multiple of 16 in [16, 65536], got " + std::to_string(opt.chunk_tokens));
   require(opt.sink <= opt.chunk_tokens, "kvtc store: sink must not exceed chunk_tokens");
@@ -256,6 +269,7 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   f.sink = opt.sink;
   f.window = opt.window;
   f.kv_settings = opt.kv_settings.text();
+  if (g.blocks.size() > 1) f.swa = "end;n_swa=" + std::to_string(g.blocks[1].sliding_window);
   I.sealer = std::make_unique<Sealer>(opt.secret, opt.encrypt);  // Error: a secret too short, encrypt without one
   f.protection = I.sealer->protection();
   I.scheme = std::make_unique<Scheme>(f, I.sealer->chain_key());
@@ -332,7 +346,7 @@ std::optional<PromptStore::Match> PromptStore::take(std::span<const int32_t> cur
   std::optional<Impl::Restored> r = impl_->restore(current, tokens, impl_->scheme->tenant_root(tenant));
   if (!r) return std::nullopt;
   Match out;
-  out.cache = r->raw ? slice(*r->raw, 0, r->n, tokens) : join(r->parts, r->n);
+  out.cache = r->raw ? prefix_of(*r->raw, r->n, impl_->codec->n_swa(), tokens) : join(r->parts, r->n);
   out.tokens = out.cache.tokens;
   out.common_prefix = r->n;
   out.tier = r->tier;
@@ -346,7 +360,9 @@ std::optional<PromptStore::StateMatch> PromptStore::take_state(std::span<const i
   std::optional<Impl::Restored> r = impl_->restore(current, tokens, impl_->scheme->tenant_root(tenant));
   if (!r) return std::nullopt;
   StateMatch out;
-  if (r->raw) {
+  if (r->raw && impl_->codec->n_swa()) {
+    out.state = state_from_capture(prefix_of(*r->raw, r->n, impl_->codec->n_swa(), tokens), to);
+  } else if (r->raw) {
     const BlockRun run{&r->raw->blocks[0], 0, r->n};
     out.state = state_from_runs(std::span(&run, 1), to);
   } else {

@@ -37,6 +37,7 @@ struct Candidate {
   size_t level = 0;    // remote tiers: full chunks of the new prompt before the entry's own tokens
   double ms = 0;       // time the lookup spent in round trips (remote tiers)
   uint64_t bytes = 0;  // remote tiers: at most this many bytes to fetch (the fetch's deadline allows for them)
+  size_t whole = 0;    // tokens of the stored prompt; 0 for a run of chunks alone
 };
 
 // The bytes a tier hands over for the first n tokens of a candidate:
@@ -125,14 +126,14 @@ std::vector<Candidate> candidates_in(const Entries& entries, std::span<const int
   for (const Piece& e : entries) {
     if (e.root != root) continue;
     const size_t lcp = common_prefix(e.tokens, tokens);
-    if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key});
+    if (lcp) out.push_back({lcp, float(lcp) / float(e.tokens.size()), e.key, 0, 0, 0, e.tokens.size()});
   }
   return out;
 }
 template <class Entries>
-bool any_holds(const Entries& entries, std::span<const int32_t> tokens, const std::string& root) {
+bool any_holds(const Entries& entries, const PieceCodec& codec, std::span<const int32_t> tokens, const std::string& root) {
   for (const Piece& e : entries)
-    if (e.root == root && common_prefix(e.tokens, tokens) == tokens.size()) return true;
+    if (e.root == root && codec.serves(e.tokens, tokens)) return true;
   return false;
 }
 

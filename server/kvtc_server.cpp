@@ -264,6 +264,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-calib-share X     auto: learning's CPU time at most X times the prefill time of the tokens it learns from\n"
           "                         (tokens are sampled to keep it; default: 0.05)\n"
           "--kvtc-ratio N           nominal compression ratio of the coded tokens (default: 16)\n"
+          "--kvtc-ratio-global N    sliding-window (iSWA) models: the global layers' ratio (default: min(--kvtc-ratio, 4):\n"
+          "                         the long-range memory; bench/results/swa.md)\n"
           "--kvtc-disk PATH         a disk tier below RAM: compressed prompts survive restarts\n"
           "--kvtc-disk-mib N        the disk tier's budget in MiB (default: 0, no limit)\n"
           "--kvtc-pending-mib N     raw state waiting to be compressed, in MiB, at most; a save past it is not taken\n"
@@ -336,6 +338,9 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-ratio") {
         p.ratio = std::stod(val, &used);
         if (!(p.ratio >= 1 && p.ratio <= 4096)) throw std::out_of_range("");
+      } else if (a == "--kvtc-ratio-global") {
+        p.global_ratio = std::stod(val, &used);
+        if (!(p.global_ratio >= 1 && p.global_ratio <= 4096)) throw std::out_of_range("");
       } else if (a == "--kvtc-disk-mib") {
         p.disk_mib = std::stoll(val, &used);
         if (p.disk_mib < 0) throw std::out_of_range("");
@@ -383,7 +388,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
         if (p.redis_ttl_s < 0) throw std::out_of_range("");
       } else {
         err = a +
-              ": unknown kvtc flag (--kvtc-calib, --kvtc-calib-tokens, --kvtc-calib-share, --kvtc-ratio, --kvtc-disk, --kvtc-disk-mib, "
+              ": unknown kvtc flag (--kvtc-calib, --kvtc-calib-tokens, --kvtc-calib-share, --kvtc-ratio, --kvtc-ratio-global, --kvtc-disk, "
+              "--kvtc-disk-mib, "
               "--kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
               "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-redis-user, --kvtc-redis-password-file, --kvtc-secret-file, "
               "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-no-prefetch, --kvtc-restore-max-cost, --kvtc-tenant-from-api-key)";
@@ -702,12 +708,14 @@ std::unique_ptr<kvtc::PromptStore> open_store(const kvtc_prompt_cache::impl& I, 
     throw kvtc::Error(w.rfind("redis", 0) == 0 ? w : name + ": " + w);  // a bad --kvtc-redis names itself
   }
   const kvtc::StoreStats s = store->stats();
+  const double global = kvtc::global_ratio_of(I.geom, o);
   if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
   if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");
   SRV_INF(
-      "kvtc: prompt cache compressed %.4gx with %s (calibration %.16s, store %.16s); RAM budget %.0f MiB; pending budget %.0f MiB; disk tier "
+      "kvtc: prompt cache compressed %.4gx%s with %s (calibration %.16s, store %.16s); RAM budget %.0f MiB; pending budget %.0f MiB; disk tier "
       "%s%s\n",
-      o.ratio, name.c_str(), cal.id.c_str(), store->fingerprint().c_str(), o.ram_bytes / 1048576.0, o.max_pending_bytes / 1048576.0,
+      o.ratio, global > 0 ? string_format(" (the global layers %.4gx, the window %.4gx)", global, o.ratio).c_str() : "",
+      name.c_str(), cal.id.c_str(), store->fingerprint().c_str(), o.ram_bytes / 1048576.0, o.max_pending_bytes / 1048576.0,
       cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
       s.disk_enabled ? (" (" + std::to_string(s.disk_scan_pending) + " entry files found: prompts read back in the background)").c_str()
                      : s.disk_error.c_str());
@@ -856,6 +864,9 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
           model_path + " -o FILE` and pass --kvtc-calib FILE");
     kvtc::StoreOptions& o = I->opt;
     o.ratio = cfg.ratio;
+    o.global_ratio = cfg.global_ratio;
+    if (geom.blocks.size() == 1 && cfg.global_ratio > 0)
+      return refuse("--kvtc-ratio-global is for sliding-window (iSWA) models; this model's cache is one block: use --kvtc-ratio");
     o.raw = cfg.raw;
     o.entropy_coded = cfg.ecsq;
     o.ram_bytes = cache_ram_mib > 0 ? uint64_t(cache_ram_mib) << 20 : 0;

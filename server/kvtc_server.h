@@ -29,6 +29,7 @@ struct kvtc_server_params {
   int64_t calib_tokens = 32768;            // --kvtc-calib-tokens N: auto: tokens learned before the fit
   double calib_share = 0.05;               // --kvtc-calib-share X: auto: learning's CPU time / the prefill time of what it learns from
   double ratio = 16;                       // --kvtc-ratio R
+  double global_ratio = 0;                 // --kvtc-ratio-global R (sliding-window models; 0: the model's default)
   std::string disk;                        // --kvtc-disk DIR: the disk tier
   int64_t disk_mib = 0;                    // --kvtc-disk-mib N: its budget (0: no limit)
   int64_t pending_mib = 0;                 // --kvtc-pending-mib N: raw state waiting to be compressed at most (0: sized for the model)

@@ -123,16 +123,17 @@ class KvtcServerSwa(unittest.TestCase):
         agree, mean, d = drift(j_w2, j_o2)
         print(f"Gemma 3 turn 2, raw restore vs the slot kept: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f}")
         self.assertLess(mean, 0.1, (w2, o2, agree, d))
-        # 16x, scored against the raw restore (the codec is the only
-        # difference). Gemma 3 270M's global layers' values are hard to code
-        # (held-out error 0.27 at 16x with this calibration; bench/results/swa.md):
-        # measured on this document 0 of 12 tokens agree, the first token
-        # 1.0 away (1.8 and 0.8 on two others; a rounding change alone moved
-        # it to 0.88). Bound 2.0: a loose guard, the raw restore above is the
-        # test of what the store restores.
+        # 16x (the window; the global layers at 4x, the default: Gemma 3
+        # 270M's global values are hard to code, held-out error 0.27 at 16x
+        # with this calibration, bench/results/swa.md), scored against the
+        # raw restore: the codec is the only difference. Measured on this
+        # document 0 of 12 tokens agree, the first (a near tie) 0.43 away
+        # (0.73 and 0.06 on two other documents; with the global layers at
+        # 16x too 1.0, 1.8, 0.8). Bound 1.0: a loose guard, the raw restore
+        # above tests what the store restores.
         agree, mean, d = drift(j2, j_w2)
         print(f"Gemma 3 turn 2 after a 16x restore vs the raw restore: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f} {d}")
-        self.assertLess(mean, 2.0, (a2, w2, agree, d))
+        self.assertLess(mean, 1.0, (a2, w2, agree, d))
         # Held compressed: the entries of both conversations against their
         # raw states (3 global layers of every token, 15 window layers of at
         # most 512 positions; x 256 dims x K and V x 2 bytes).
@@ -202,10 +203,10 @@ class KvtcServerSwa(unittest.TestCase):
         _, _, j_ref = b.chat(m2, max_tokens=12, cache_prompt=False, **LOGPROBS)
         agree, mean, d = drift(j2, j_ref)
         # As a recompute (cache_prompt false) replies: measured 0 of 12
-        # tokens agree, the first 0.91 away (the codec's error, as in the
-        # test above). Bound 2.0.
+        # tokens agree, the first 0.33 away (the codec's error, as in the
+        # test above). Bound 1.0.
         print(f"Gemma 3 turn 2 on another replica from Redis: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f}")
-        self.assertLess(mean, 2.0, (agree, d))
+        self.assertLess(mean, 1.0, (agree, d))
 
 
 if __name__ == "__main__":

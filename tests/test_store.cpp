@@ -1513,7 +1513,8 @@ KvCapture swa_whole_roundtrip(const std::vector<int32_t>& tokens, const StoreOpt
   co.precision = o.precision;
   DecompressOptions d;
   d.precision = o.precision;
-  return decompress(compress(c, c0, allocation_set(c0, o.ratio), co), c0, "whole", d);
+  const double global = global_ratio_of(swa_geometry(kSwa), o);  // min(ratio, 4) by default
+  return decompress(compress(c, c0, allocation_set(c0, global), co), c0, "whole", d);
 }
 
 // Block b of a capture, alone (for the single-block comparisons).
@@ -1650,6 +1651,36 @@ TEST(Store, SlidingWindowPutsAndSettingsAreChecked) {
     s.put(a, std::move(c));
     EXPECT_EQ(s.stats().puts_skipped, 1u);
     EXPECT_FALSE(s.take({}, a));
+  }
+  // The global layers at their own ratio (by default min(ratio, 4)): coded
+  // closer to the original than at the window's ratio, in more bytes, under
+  // another salt; refused for a single-block model.
+  {
+    StoreOptions o = small();
+    EXPECT_EQ(global_ratio_of(g, o), 4);
+    EXPECT_EQ(global_ratio_of(lowrank_geometry(), o), 0);
+    o.global_ratio = o.ratio;
+    PromptStore s8(swa_cal(), g, o);
+    o.global_ratio = 0;
+    PromptStore s4(swa_cal(), g, o);
+    EXPECT_NE(s8.fingerprint(), s4.fingerprint());
+    const auto b = seq(3000, 300);
+    const KvCapture original = swa_capture(b, kSwa);
+    double err[2];
+    uint64_t bytes[2];
+    int i = 0;
+    for (PromptStore* s : {&s8, &s4}) {
+      s->put(b, swa_capture(b, kSwa));
+      auto m = s->take({}, b);
+      ASSERT_TRUE(m);
+      const ReconError e = reconstruction_error(block_of(original, 0), block_of(m->cache, 0), o.sink, o.window);
+      err[i] = e.k + e.v;
+      bytes[i++] = s->stats().ram_bytes;
+    }
+    EXPECT_LT(err[1], 0.5 * err[0]) << err[0] << " " << err[1];
+    EXPECT_GT(bytes[1], bytes[0]);
+    o.global_ratio = 4;
+    EXPECT_NE(error_of([&] { PromptStore x(cal(), lowrank_geometry(), o); }).find("global_ratio is for sliding-window"), std::string::npos);
   }
   // Another store: the window is part of the salt; the entropy-coded mode is single-block only.
   {

@@ -62,7 +62,12 @@ struct KvSettings {
 };
 
 struct StoreOptions {
-  double ratio = 16;       // nominal ratio of the coded tokens
+  double ratio = 16;  // nominal ratio of the coded tokens
+  // Sliding-window (iSWA) models: the nominal ratio of block 0, the global
+  // layers (every token: the long-range memory); 0: the default,
+  // min(ratio, 4) (global_ratio_of). Refused for single-block models. Part
+  // of the salt.
+  double global_ratio = 0;
   KvSettings kv_settings;  // the context's settings that shape its K/V (above); part of the salt
   bool raw = false;        // keep pieces as raw f16 (every token in the raw window, no DEFLATE): the baseline kvtc is measured against
   // Pieces in the entropy-coded mode (container version 2,
@@ -236,6 +241,16 @@ struct StoreStats {
   double restore_ms = 0;         // caller time decoding takes, in all
   std::vector<TierStats> tiers;  // every tier, in lookup order (the named fields above repeat some of it)
 };
+
+// The ratio a store codes a sliding-window model's global layers at:
+// o.global_ratio, or by default min(o.ratio, 4); 0 for a single-block model
+// or a raw store. Why 4 (Gemma 3 270M, bench/results/swa.md, 8 prompts of
+// 2K tokens): text KL with the global layers alone coded 0.063 at 16x, 0.026
+// at 8x, 0.0052 at 4x, 0.0042 at 2x, while the window alone at 16x measured
+// 0.014; needles found at 2K 50% uncoded, 0% with the global layers at 8x or
+// 16x (8 prompts: +-35 points).
+// They cost 3 KiB of f16 per token there; the window ~7.5 MiB per prompt.
+double global_ratio_of(const CacheGeometry& g, const StoreOptions& o);
 
 class PromptStore {
  public:

@@ -316,6 +316,8 @@ class KvtcCache(BaseLlamaCache):
       redis_lookup_timeout_ms: the most a lookup waits on Redis (then a
       miss: the prompt is recomputed); redis_timeout_ms: a write's
       deadline, on the store's worker thread. docs/store.md "Redis".
+    global_ratio: a sliding-window model's (Gemma 3's) global layers' ratio
+      (0: min(ratio, 4), their long-range memory; bench/results/swa.md).
     secret_file: a file of at least 32 bytes (openssl rand 32 > F; chmod
       600) shared by every process of the store: every value on disk and in
       Redis is authenticated and bound to its key, one written without the
@@ -335,6 +337,7 @@ class KvtcCache(BaseLlamaCache):
         capacity_bytes: int = (2 << 30),
         *,
         ratio: float = 16.0,
+        global_ratio: float = 0.0,
         raw: bool = False,
         disk_dir: Optional[Union[str, os.PathLike]] = None,
         disk_capacity_bytes: int = 0,
@@ -384,6 +387,7 @@ class KvtcCache(BaseLlamaCache):
             fleet,
             model_sha256=model_sha256(llm.model_path),
             ratio=ratio,
+            global_ratio=global_ratio,
             raw=raw,
             chunk_tokens=chunk_tokens,
             sink=sink,

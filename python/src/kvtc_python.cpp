@@ -631,7 +631,7 @@ class PyStore {
           const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
           const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings, const std::string& secret_file,
           bool encrypt, const std::vector<std::string>& redis_cluster, const std::string& redis_user, const std::string& redis_password_file,
-          int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms)
+          int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms, double global_ratio)
       : cal_(cal), log_(std::make_shared<LogLines>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
     std::vector<std::string> warnings;
@@ -642,6 +642,7 @@ class PyStore {
     kvtc::CacheGeometry geom = cal.cal().geometry;
     if (!model_sha256.empty()) geom.model_sha256 = model_sha256;
     o.ratio = ratio;
+    o.global_ratio = global_ratio;
     o.raw = raw;
     o.entropy_coded = entropy_coded;
     o.chunk_tokens = chunk_tokens;
@@ -1055,12 +1056,14 @@ NB_MODULE(_kvtc, m) {
                       "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
       .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
                     const std::string&, const std::string&, bool, const std::string&, nb::handle, const std::string&, bool,
-                    const std::vector<std::string>&, const std::string&, const std::string&, int64_t, int, int>(),
+                    const std::vector<std::string>&, const std::string&, const std::string&, int64_t, int, int, double>(),
            "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
            "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
            "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = false, "model_sha256"_a = "", "kv_settings"_a = nb::none(),
            "secret_file"_a = "", "encrypt"_a = false, "redis_cluster"_a = std::vector<std::string>{}, "redis_user"_a = "",
            "redis_password_file"_a = "", "redis_ttl_s"_a = int64_t(86400), "redis_lookup_timeout_ms"_a = 100, "redis_timeout_ms"_a = 2000,
+           "global_ratio"_a = 0.0,
+           "global_ratio: a sliding-window model's global layers' ratio (0: min(ratio, 4), kvtc::global_ratio_of).\n"
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
            "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded=True: pieces in the entropy-coded mode\n"
            "(container version 2) instead of the DP allocation with DEFLATE. model_sha256: the SHA-256 of the model file the\n"

@@ -247,6 +247,11 @@ struct PromptStore::Impl {
   }
 };
 
+double global_ratio_of(const CacheGeometry& g, const StoreOptions& o) {
+  if (g.blocks.size() < 2 || o.raw) return 0;
+  return o.global_ratio > 0 ? o.global_ratio : std::min(o.ratio, 4.0);
+}
+
 PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt) : impl_(std::make_unique<Impl>()) {
   Impl& I = *impl_;
   container::check_geometry(g, cal, "kvtc store");
@@ -259,7 +264,12 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   require(opt.ratio >= 1 && opt.ratio <= 4096, "kvtc store: ratio must be in [1, 4096]");
   require(opt.deflate_level >= 0 && opt.deflate_level <= 12, "kvtc store: deflate_level must be 0..12");
   require(!(opt.raw && opt.entropy_coded), "kvtc store: raw and entropy_coded exclude each other");
-  const AllocationSet alloc = opt.entropy_coded ? ecsq_allocation_set(cal, opt.ratio) : allocation_set(cal, opt.ratio);
+  require(opt.global_ratio == 0 || (opt.global_ratio >= 1 && opt.global_ratio <= 4096), "kvtc store: global_ratio must be 0 or in [1, 4096]");
+  require(opt.global_ratio == 0 || g.blocks.size() > 1,
+          "kvtc store: global_ratio is for sliding-window (iSWA) models, whose global layers are block 0; this model keeps one block: use ratio");
+  AllocationSet alloc = opt.entropy_coded ? ecsq_allocation_set(cal, opt.ratio) : allocation_set(cal, opt.ratio);
+  const double global = global_ratio_of(g, opt);
+  if (global > 0 && global != opt.ratio) alloc[0] = allocation_set(cal, global)[0];
   SchemeFields f;
   f.model_sha256 = g.model_sha256;
   f.calibration_id = cal.id;
@@ -269,7 +279,8 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   f.sink = opt.sink;
   f.window = opt.window;
   f.kv_settings = opt.kv_settings.text();
-  if (g.blocks.size() > 1) f.swa = "end;n_swa=" + std::to_string(g.blocks[1].sliding_window);
+  if (g.blocks.size() > 1)
+    f.swa = "end;n_swa=" + std::to_string(g.blocks[1].sliding_window) + (global > 0 ? ";global_ratio=" + ratio_key(global) : "");
   I.sealer = std::make_unique<Sealer>(opt.secret, opt.encrypt);  // Error: a secret too short, encrypt without one
   f.protection = I.sealer->protection();
   I.scheme = std::make_unique<Scheme>(f, I.sealer->chain_key());

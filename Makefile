@@ -22,6 +22,8 @@
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make calibrate-qwen  the large model's calibration (160K tokens, ~1 h)
+#   make bench-swa   Gemma 3 (sliding-window layers): quality by cache block,
+#                    serving benchmark                        -> bench/results/swa*.md, serve-gemma3.md
 #   make bench-ratio-qwen    ratio and error on its caches   -> bench/results/ratio-qwen.md
 #   make bench-calib-curve-qwen  error and bytes by calibration tokens (8K-160K) -> bench/results/calibration-qwen-curve{,-ecsq}.md
 #   make bench-calib-curve       the same on SmolLM2                   -> bench/results/calibration-smollm2-curve{,-ecsq}.md
@@ -40,7 +42,7 @@ PREFIX ?= /usr/local
 LLAMA_CPU ?=
 export KVTC_LLAMA_CPU := $(LLAMA_CPU)
 
-.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -100,6 +102,21 @@ $(QWEN_CALIB): | build $(CORPUS)
 	$(BUILD)/kvtc calibrate --model qwen --doc-tokens 8192 -o $@ --json > .deps/calib/qwen-160k.json
 
 calibrate-qwen: $(QWEN_CALIB)
+
+# Gemma 3 270M, the sliding-window model (issue 31): 32K tokens in 4K-token
+# documents (~2 min on 2 cores; both cache blocks).
+GEMMA_CALIB := .deps/calib/gemma3-32k.safetensors
+$(GEMMA_CALIB): | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --model gemma3 --tokens 32768 --heldout 2048 --doc-tokens 4096 -o $@ --json > .deps/calib/gemma3-32k.json
+
+calibrate-gemma3: $(GEMMA_CALIB)
+
+# bench/results/swa.md's measurements on Gemma 3 (~1.5 h on 2 cores,
+# resumable): kvtc-lab eval by cache block, then the serving benchmark's
+# quick variant (bench/serve.sh --model gemma3).
+bench-swa: $(GEMMA_CALIB) build
+	bench/swa.sh
 
 # Quality on Qwen (bench/quality_qwen.sh): hours on 2 cores, resumable — every
 # finished prompt is in bench/results/quality-qwen.records.jsonl and a rerun

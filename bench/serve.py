@@ -174,7 +174,7 @@ def run(bench, mode, budget, block, sessions, a, ident, replies):
         n = 2
     else:
         n = 1
-    servers = [Server(a.server, a.model, ["--parallel", "1", "-lv", "4", *flags], os.path.join(a.work, f"{tag}-{i}.log"), ctx=a.ctx)
+    servers = [Server(a.server, a.model, ["--parallel", "1", "-lv", "4", *a.server_arg, *flags], os.path.join(a.work, f"{tag}-{i}.log"), ctx=a.ctx)
                for i in range(n)]
     try:
         for s in servers:
@@ -270,6 +270,7 @@ def main():
     ap.add_argument("--ecsq-ratio", type=float, default=50)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--work", required=True, help="logs and Redis' files")
+    ap.add_argument("--server-arg", action="append", default=[], help="one more kvtc-server flag, every mode (e.g. --chat-template-file=F)")
     a = ap.parse_args()
     bench = "redis" if a.redis else "serve"
     a.modes = a.modes or list(REDIS_MODES if a.redis else SERVE_MODES)

@@ -9,6 +9,9 @@
 #     .deps/calib/qwen-160k.safetensors (make models-large calibrate-qwen)
 #   --model smollm2: SmolLM2-135M-Instruct, the default calibration (the quick
 #     variant; make calibrate for the full one)
+#   --model gemma3: Gemma 3 270M (sliding-window layers), the calibration
+#     .deps/calib/gemma3-32k.safetensors (kvtc calibrate -m gemma3 --tokens 32768
+#     --heldout 2048 --doc-tokens 4096 -o FILE: ~2 min); not the ecsq mode
 #   --calib FILE: another calibration of the model (the report names it); one
 #     records file holds one calibration (serve_report refuses a mix): give
 #     such runs their own NAME
@@ -22,6 +25,7 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 redis=
 model=qwen
 calib=
+extra=()
 while [ $# -gt 0 ]; do
   case $1 in
     --redis) redis=--redis; shift ;;
@@ -35,7 +39,11 @@ case $model in
         desc="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (28,672 bytes of f16 K+V per token)"; suffix= ;;
   smollm2) gguf="$top/.deps/models/SmolLM2-135M-Instruct.Q4_1.gguf"; cal=$("$top/scripts/default_calib.sh" "$kvtc")
            desc="SmolLM2-135M-Instruct Q4_1 (23,040 bytes of f16 K+V per token)"; suffix=-smollm2 ;;
-  *) echo "bench/serve.sh: --model qwen or smollm2, not '$model'" >&2; exit 2 ;;
+  # A sliding-window model (docs/store.md "Sliding-window models"); its GGUF has no chat template.
+  gemma3) gguf="$top/.deps/models/gemma-3-270m-q4_k_m.gguf"; cal="$top/.deps/calib/gemma3-32k.safetensors"
+          desc="Gemma 3 270M Q4_K_M (3,072 bytes of f16 K+V per token in its 3 global layers, 15,360 in its 15 window layers for the last 512)"
+          suffix=-gemma3; extra=(--server-arg=--chat-template-file="$top/scripts/gemma-chat.jinja") ;;
+  *) echo "bench/serve.sh: --model qwen, smollm2 or gemma3, not '$model'" >&2; exit 2 ;;
 esac
 [ -z "$calib" ] || cal=$calib
 name=serve${redis:+-redis}$suffix
@@ -47,7 +55,7 @@ if [ $# -gt 0 ]; then
   work="$top/out/bench-$name"
   rm -rf "$work" && mkdir -p "$work"
   PYTHONPATH="$top/.deps/py" python3 "$top/bench/serve.py" ${redis:+"$redis"} --server "$top/build/kvtc-server" --model "$gguf" \
-    --calib "$cal" --corpus "$top/.deps/corpus" --work "$work" --records "$rec" "$@"
+    --calib "$cal" --corpus "$top/.deps/corpus" --work "$work" --records "$rec" ${extra[@]+"${extra[@]}"} "$@"
 fi
 [ -s "$rec" ] || { echo "bench/serve.sh: no records in $rec yet: pass the runs to make (e.g. --blocks 0)" >&2; exit 2; }
 if [ -n "$redis" ]; then

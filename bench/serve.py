@@ -270,7 +270,7 @@ def main():
     ap.add_argument("--ecsq-ratio", type=float, default=50)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--work", required=True, help="logs and Redis' files")
-    ap.add_argument("--server-arg", action="append", default=[], help="one more kvtc-server flag, every mode (e.g. --chat-template-file=F)")
+    ap.add_argument("--server-arg", action="append", default=[], help="one more kvtc-server argument, every mode, in order (a flag and its value: twice, --server-arg=--chat-template-file --server-arg=F)")
     a = ap.parse_args()
     bench = "redis" if a.redis else "serve"
     a.modes = a.modes or list(REDIS_MODES if a.redis else SERVE_MODES)

@@ -42,7 +42,7 @@ case $model in
   # A sliding-window model (docs/store.md "Sliding-window models"); its GGUF has no chat template.
   gemma3) gguf="$top/.deps/models/gemma-3-270m-q4_k_m.gguf"; cal="$top/.deps/calib/gemma3-32k.safetensors"
           desc="Gemma 3 270M Q4_K_M (3,072 bytes of f16 K+V per token in its 3 global layers, 15,360 in its 15 window layers for the last 512)"
-          suffix=-gemma3; extra=(--server-arg=--chat-template-file="$top/scripts/gemma-chat.jinja") ;;
+          suffix=-gemma3; extra=(--server-arg=--chat-template-file --server-arg="$top/scripts/gemma-chat.jinja") ;;
   *) echo "bench/serve.sh: --model qwen, smollm2 or gemma3, not '$model'" >&2; exit 2 ;;
 esac
 [ -z "$calib" ] || cal=$calib

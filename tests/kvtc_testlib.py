@@ -66,28 +66,33 @@ SMALL_CALIBRATION = ("--tokens", "3000", "--heldout", "512", "--doc-tokens", "10
                      "64")
 
 
-def small_calibration(path):
+def small_calibration(path, model=None):
     """A small real calibration of SmolLM2 (8x-64x), written to `path`, and
     its `kvtc calibrate --json` summary to `path`.json: for the tests about
     something else than quality (package, servers, Python) and the codec's.
     ctest makes it once per run (the smol_calibration fixture test, which
     sets KVTC_TEST_CALIB) and each test copies it, so a test that damages
-    its copy harms no other; run alone, a test calibrates itself."""
-    shared = os.environ.get("KVTC_TEST_CALIB")
+    its copy harms no other; run alone, a test calibrates itself. With
+    model=GEMMA the same of Gemma 3 270M, both cache blocks (the
+    gemma_calibration fixture, KVTC_TEST_CALIB_GEMMA; ~15 s)."""
+    model = model or SMOL
+    shared = os.environ.get("KVTC_TEST_CALIB" if model == SMOL else "KVTC_TEST_CALIB_GEMMA")
     if shared and os.path.isfile(shared) and os.path.isfile(shared + ".json"):
         shutil.copyfile(shared, path)
         shutil.copyfile(shared + ".json", path + ".json")
         return
     tmp = path + ".part"
-    p = run("calibrate", "-m", SMOL, *SMALL_CALIBRATION, "-o", tmp, "--json", check=0)
+    p = run("calibrate", "-m", model, *SMALL_CALIBRATION, "-o", tmp, "--json", check=0)
     with open(path + ".json", "w") as f:
         f.write(p.stdout)
     os.replace(tmp, path)
 
 
 if __name__ == "__main__":
-    # ctest's fixture: kvtc_testlib.py small-calibration OUT
-    assert len(sys.argv) == 3 and sys.argv[1] == "small-calibration", "usage: kvtc_testlib.py small-calibration OUT"
+    # ctest's fixtures: kvtc_testlib.py small-calibration OUT, small-calibration-gemma OUT
+    assert len(sys.argv) == 3 and sys.argv[1] in ("small-calibration", "small-calibration-gemma"), \
+        "usage: kvtc_testlib.py small-calibration|small-calibration-gemma OUT"
     os.environ.pop("KVTC_TEST_CALIB", None)
+    os.environ.pop("KVTC_TEST_CALIB_GEMMA", None)
     os.makedirs(os.path.dirname(os.path.abspath(sys.argv[2])), exist_ok=True)
-    small_calibration(sys.argv[2])
+    small_calibration(sys.argv[2], GEMMA if sys.argv[1].endswith("gemma") else SMOL)

@@ -9,16 +9,14 @@ raw (exact) against a server that kept the conversation in its slot, from
 the disk tier after a restart (bit for bit), from Redis on another replica;
 prompts longer and shorter than the window; an edited turn, whose prefix
 the store cannot restore, recomputed."""
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
-from kvtc_testlib import GEMMA, KVTC
+from kvtc_testlib import GEMMA, small_calibration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
@@ -41,15 +39,12 @@ class KvtcServerSwa(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="kvtc-server-swa-test-")
-        # A small real calibration of both blocks (~15 s on 2 cores): 3,000
-        # tokens in 1,024-token documents (the window block sees the last 512
-        # of each), the settings of kvtc_testlib.SMALL_CALIBRATION.
+        # A small real calibration of both blocks (kvtc_testlib.SMALL_CALIBRATION:
+        # 3,000 tokens in 1,024-token documents; the window block sees the
+        # last 512 of each), made once per ctest run (gemma_calibration).
         cls.cal = os.path.join(cls.tmp, "gemma.safetensors")
-        p = subprocess.run([KVTC, "calibrate", "-m", GEMMA, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512",
-                            "--ratios", "8", "16", "32", "-o", cls.cal, "--json"], capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr[-2000:]
-        cls.cal_json = json.loads(p.stdout)
-        # ~1,100-token conversations (longer than the window: 4 chunks of 256
+        small_calibration(cls.cal, GEMMA)
+        # ~1,100-token conversations (longer than the window: 3 chunks of 256
         # and a tail) and a ~300-token one (within it).
         cls.long = docs("prose", 3, 1000, 4000)
         cls.short = docs("prose", 4, 1000, 1000)[3]

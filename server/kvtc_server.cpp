@@ -714,8 +714,8 @@ std::unique_ptr<kvtc::PromptStore> open_store(const kvtc_prompt_cache::impl& I, 
   SRV_INF(
       "kvtc: prompt cache compressed %.4gx%s with %s (calibration %.16s, store %.16s); RAM budget %.0f MiB; pending budget %.0f MiB; disk tier "
       "%s%s\n",
-      o.ratio, global > 0 ? string_format(" (the global layers %.4gx, the window %.4gx)", global, o.ratio).c_str() : "",
-      name.c_str(), cal.id.c_str(), store->fingerprint().c_str(), o.ram_bytes / 1048576.0, o.max_pending_bytes / 1048576.0,
+      o.ratio, global > 0 ? string_format(" (the global layers %.4gx, the window %.4gx)", global, o.ratio).c_str() : "", name.c_str(), cal.id.c_str(),
+      store->fingerprint().c_str(), o.ram_bytes / 1048576.0, o.max_pending_bytes / 1048576.0,
       cfg.disk.empty() ? "off" : (s.disk_enabled ? cfg.disk.c_str() : "DISABLED: "),
       s.disk_enabled ? (" (" + std::to_string(s.disk_scan_pending) + " entry files found: prompts read back in the background)").c_str()
                      : s.disk_error.c_str());

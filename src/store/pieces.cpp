@@ -50,7 +50,7 @@ const KvCapture& PieceCodec::checked_capture(std::span<const int32_t> tokens, co
   for (size_t t = 0; t < n; ++t)
     require(b.pos[t] == int32_t(t), "kvtc store: token " + std::to_string(t) + " sits at position " + std::to_string(b.pos[t]) +
                                         "; the store keeps prompts at positions 0..n-1");
-  if (n_swa_) (void)window_of(c.blocks[1], uint32_t(n), n_swa_, "kvtc store: the put's sliding-window block");
+  if (n_swa_) (void)window_cells(c.blocks[1], uint32_t(n), n_swa_, "kvtc store: the put's sliding-window block");  // code_tail copies it
   return c;
 }
 
@@ -116,7 +116,7 @@ KvCapture slice(const KvCapture& c, uint32_t t0, uint32_t t1, std::span<const in
   return o;
 }
 
-KvBlock window_of(const KvBlock& s, uint32_t n, uint32_t n_swa, const std::string& origin) {
+std::vector<int64_t> window_cells(const KvBlock& s, uint32_t n, uint32_t n_swa, const std::string& origin) {
   const uint32_t w0 = n > n_swa ? n - n_swa : 0, w = n - w0;
   // Cell order is llama.cpp's (a ring for the window): find each position's cell.
   std::vector<int64_t> at(w, -1);
@@ -130,6 +130,12 @@ KvBlock window_of(const KvBlock& s, uint32_t n, uint32_t n_swa, const std::strin
   for (uint32_t i = 0; i < w; ++i)
     require(at[i] >= 0, origin + ": position " + std::to_string(w0 + i) + " of the window [" + std::to_string(w0) + ", " + std::to_string(n) +
                             ") is missing (n_swa " + std::to_string(n_swa) + ")");
+  return at;
+}
+
+KvBlock window_of(const KvBlock& s, uint32_t n, uint32_t n_swa, const std::string& origin) {
+  const std::vector<int64_t> at = window_cells(s, n, n_swa, origin);
+  const uint32_t w = uint32_t(at.size()), w0 = n - w;
   KvBlock b;
   static_cast<BlockGeometry&>(b) = s.geometry();
   b.pos.resize(w);

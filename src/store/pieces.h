@@ -64,6 +64,10 @@ class PieceCodec {
 // Tokens [t0, t1) of block 0 of a capture, with their ids from `ids` (the
 // whole prompt's): one block.
 KvCapture slice(const KvCapture& c, uint32_t t0, uint32_t t1, std::span<const int32_t> ids);
+// The cell of each window position [max(0, n - n_swa), n) of a
+// sliding-window block, in position order (what window_of copies); Error
+// naming `origin` when a position is missing or held twice.
+std::vector<int64_t> window_cells(const KvBlock& b, uint32_t n, uint32_t n_swa, const std::string& origin);
 // The window of a sliding-window block at a prompt of n tokens: its cells
 // at positions [max(0, n - n_swa), n) in position order (a state holds them
 // in llama.cpp's cell order); Error naming `origin` when one is missing.

@@ -37,10 +37,6 @@ BUILD ?= build
 CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
-# The instruction set llama.cpp is built for (scripts/bootstrap.sh): v3
-# (x86-64-v3, the default) or avx512; empty: the last one chosen.
-LLAMA_CPU ?=
-export KVTC_LLAMA_CPU := $(LLAMA_CPU)
 
 .PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
 

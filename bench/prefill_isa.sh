@@ -1,57 +1,27 @@
 #!/usr/bin/env bash
-# Issue 30 item 4, measured before it is built: how much faster does
-# llama.cpp prefill when ggml is compiled for this CPU's wider instructions
-# than the x86-64-v3 (AVX2) build kvtc ships? The same pinned llama.cpp
-# source built twice more beside the bootstrap's, kvtc's `capture` linked
-# against each, and its prefill tokens/s compared on the same prompts:
-#   v3      the bootstrap's build (-DGGML_NATIVE=OFF, AVX2/FMA/F16C/BMI2)
-#   avx512  + AVX-512 F/BW/DQ/VL, VBMI, VNNI, BF16 (ggml's "zen4" CPU
-#           variant's flags: what an AVX-512 machine without AMX gets)
-#   native  -march=native (on a Xeon with AMX, ggml's AMX path too)
-# A variant the CPU cannot run is skipped (said in the result).
-# -> bench/results/prefill-isa.md. Usage: bench/prefill_isa.sh [REPS]
-# (~10 min on 2 cores: two llama.cpp builds, then the runs).
+# Issue 30 item 4: llama.cpp's prefill speed by the ggml CPU variant it runs
+# on. The bootstrap builds llama.cpp once with ggml's run-time CPU dispatch:
+# one loadable module per variant (build/bin/libggml-cpu-<variant>.so), the
+# best this CPU runs chosen at start. Here one build/kvtc runs each named
+# variant in turn (KVTC_GGML_CPU=<variant>; "auto" is ggml's own choice,
+# shown with the variant it loaded) and `kvtc capture` prints its prefill
+# tokens/s on the same prompts:
+#   haswell  x86-64-v3 (AVX2/FMA/F16C/BMI2): what kvtc shipped alone before
+#   x64      the fallback for any x86-64 CPU
+#   auto     ggml's choice (zen4 on an AVX-512/VNNI/BF16 CPU)
+# A variant this CPU cannot run is skipped (said in the result).
+# -> bench/results/prefill-isa.md. Usage: bench/prefill_isa.sh [REPS [VARIANT...]]
+# (~12 min on 2 cores with Qwen fetched, 3 runs of 3 variants).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 reps=${1:-3}
+shift || true
+variants=("$@")
+[ ${#variants[@]} -gt 0 ] || variants=(haswell x64 auto)
 deps="$top/.deps"
-base="$deps/llama.cpp-4df29be4f"
-[ -f "$base/build/src/libllama.a" ] || { echo "run make build first" >&2; exit 1; }
-[ "$(cat "$deps/stamps/llama-cpu" 2>/dev/null || echo v3)" = v3 ] || { echo "the v3 row is build/kvtc: make build LLAMA_CPU=v3 first" >&2; exit 1; }
-# The bootstrap's flags, less its instruction-set choice.
-common="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON"
-v3="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-declare -A flags=(
-  [avx512]="$v3 -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
-  [native]="-DGGML_NATIVE=ON"
-)
-declare -A needs=([avx512]="avx512f avx512bw avx512dq avx512vl avx512vbmi avx512_vnni avx512_bf16" [native]="")
-cpuflags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-declare -A bin=([v3]="$top/build/kvtc")
-skipped=()
-for v in avx512 native; do
-  miss=""
-  for f in ${needs[$v]}; do [[ "$cpuflags" == *" $f "* ]] || miss="$miss $f"; done
-  if [ -n "$miss" ]; then
-    skipped+=("$v (this CPU lacks$miss)")
-    continue
-  fi
-  dir="$deps/llama.cpp-4df29be4f-$v"
-  if [ ! -f "$dir/build/src/libllama.a" ]; then
-    echo "building llama.cpp ($v) in $dir" >&2
-    mkdir -p "$dir"
-    ln -sfn "$base/src" "$dir/src"
-    # shellcheck disable=SC2086
-    cmake -S "$dir/src" -B "$dir/build" $common ${flags[$v]} >"$dir/configure.log" 2>&1
-    cmake --build "$dir/build" --target llama -j"$(nproc)" >"$dir/build.log" 2>&1
-  fi
-  mkdir -p "$top/build-$v"
-  cmake -S "$top" -B "$top/build-$v" -DCMAKE_BUILD_TYPE=Release -DKVTC_LLAMA_DIR="$dir" >"$top/build-$v/configure.log" 2>&1
-  cmake --build "$top/build-$v" --target kvtc -j"$(nproc)" >"$top/build-$v/build.log" 2>&1
-  bin[$v]="$top/build-$v/kvtc"
-done
+[ -x "$kvtc" ] || { echo "run make build first" >&2; exit 1; }
 
 models=(smollm2)
 [ -f "$deps/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" ] && models+=(qwen)
@@ -62,9 +32,22 @@ d = next(d for d in m["documents"] if d["split"] == "eval" and d["kind"] == "pro
 print(os.path.join(sys.argv[1], d["file"]))
 EOF
 )
-variants=(v3 "${!bin[@]}")
-variants=($(printf '%s\n' "${variants[@]}" | awk '!seen[$0]++'))
-declare -A crashed=()
+# What each name loads here ("auto" -> ggml's pick); a variant this CPU
+# cannot run makes kvtc exit with the reason: skipped.
+declare -A loads=()
+skipped=()
+run=()
+for v in "${variants[@]}"; do
+  if got=$(KVTC_GGML_CPU=$v "$kvtc" info --json 2>&1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["llama_cpp_cpu"])' 2>/dev/null); then
+    loads[$v]=$got
+    run+=("$v")
+  else
+    skipped+=("$v ($(KVTC_GGML_CPU=$v "$kvtc" info 2>&1 | tail -1))")
+  fi
+done
+ref=${run[0]}
+declare -A crashed=() slow=()
+slow_said=()
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 rows=()
@@ -72,10 +55,11 @@ for model in "${models[@]}"; do
   for n in 512 2048; do
     declare -A runs=()
     for r in $(seq 1 "$reps"); do
-      for v in "${variants[@]}"; do  # interleaved: a slow minute hits every variant alike
+      for v in "${run[@]}"; do  # interleaved: a slow minute hits every variant alike
         [ -z "${crashed[$v]:-}" ] || continue
+        [ -z "${slow[$model $v]:-}" ] || continue
         rc=0
-        out=$(KVTC_MODEL=$model "${bin[$v]}" capture --text "$text" --max-tokens "$n" --ctx $((n + 64)) -o "$tmp/c.safetensors" 2>&1) || rc=$?
+        out=$(KVTC_GGML_CPU=$v KVTC_MODEL=$model "$kvtc" capture --text "$text" --max-tokens "$n" --ctx $((n + 64)) -o "$tmp/c.safetensors" 2>&1) || rc=$?
         if [ "$rc" -gt 128 ]; then  # a crash is a result too: the variant is not run again
           crashed[$v]="killed by signal $((rc - 128)) on $model (run $r)"
           echo "$v: ${crashed[$v]}" >&2
@@ -87,32 +71,39 @@ for model in "${models[@]}"; do
         echo "$model $n $v run $r: $tps tokens/s" >&2
       done
     done
-    for v in "${variants[@]}"; do
-      [ -z "${runs[$v]:-}" ] || rows+=("$model|$n|$v|${runs[$v]}|${runs[v3]}")
+    for v in "${run[@]}"; do
+      [ -z "${runs[$v]:-}" ] || rows+=("$model|$n|$v|${loads[$v]}|${runs[$v]}|${runs[$ref]}")
+      # Under a quarter of the reference's speed (x64 on Qwen: ~3 tokens/s, a
+      # 2K-token run would take 11 min): not run at the longer prompt.
+      if [ -n "${runs[$v]:-}" ] && python3 -c 'import statistics,sys; a,b=(statistics.median(map(float,x.split())) for x in sys.argv[1:]); sys.exit(0 if a < b / 4 else 1)' "${runs[$v]}" "${runs[$ref]}"; then
+        slow[$model $v]=1
+        slow_said+=("$v on $model past $n tokens (under a quarter of $ref's speed)")
+      fi
     done
     unset runs
   done
 done
 {
-  echo "# Prefill tokens/s by the instruction set ggml is built for (issue 30, item 4)"
+  echo "# Prefill tokens/s by the ggml CPU variant llama.cpp runs on (issue 30, item 4)"
   echo
-  echo "- command: \`bench/prefill_isa.sh $reps\`"
+  echo "- command: \`bench/prefill_isa.sh $reps ${variants[*]}\`"
   echo "- commit: $(result_commit)"
   echo "- machine: $(result_cpu), $(nproc) threads, $(uname -sr)"
-  echo "- what: \`kvtc capture --max-tokens N\` (llama.cpp's prefill of N tokens of one evaluation prose text in one context, the whole prompt in batches of 512; tokens/s as capture prints it), each variant's kvtc linked against llama.cpp 4df29be4f built with its flags; the variants interleaved run by run"
-  [ ${#skipped[@]} -eq 0 ] || echo "- not run: ${skipped[*]}"
+  echo "- what: \`kvtc capture --max-tokens N\` (llama.cpp's prefill of N tokens of one evaluation prose text in one context, the whole prompt in batches of 512; tokens/s as capture prints it), one build/kvtc with \`KVTC_GGML_CPU=<variant>\` (auto: ggml's own choice among the variants built, scripts/bootstrap.sh); the variants interleaved run by run"
+  [ ${#skipped[@]} -eq 0 ] || { printf -- "- not run: %s" "${skipped[0]}"; printf "; %s" "${skipped[@]:1}"; echo; }
+  [ ${#slow_said[@]} -eq 0 ] || { printf -- "- not run: %s" "${slow_said[0]}"; printf "; %s" "${slow_said[@]:1}"; echo; }
   for v in "${!crashed[@]}"; do echo "- **$v crashed**: ${crashed[$v]}"; done
   echo
-  echo "| model | tokens | build | runs (tokens/s) | median | vs v3 |"
-  echo "|---|---:|---|---|---:|---:|"
+  echo "| model | tokens | KVTC_GGML_CPU | loaded | runs (tokens/s) | median | vs $ref |"
+  echo "|---|---:|---|---|---|---:|---:|"
   for row in "${rows[@]}"; do
-    IFS='|' read -r model n v runs ref <<<"$row"
-    python3 - "$model" "$n" "$v" "$runs" "$ref" <<'EOF'
+    IFS='|' read -r model n v got runs refruns <<<"$row"
+    python3 - "$model" "$n" "$v" "$got" "$runs" "$refruns" <<'EOF'
 import statistics, sys
-model, n, v, runs, ref = sys.argv[1:]
+model, n, v, got, runs, ref = sys.argv[1:]
 r = [float(x) for x in runs.split()]
 b = [float(x) for x in ref.split()]
-print(f"| {model} | {n} | {v} | {', '.join(f'{x:.0f}' for x in r)} | {statistics.median(r):.0f} | {statistics.median(r) / statistics.median(b):.2f}x |")
+print(f"| {model} | {n} | {v} | {got} | {', '.join(f'{x:.0f}' for x in r)} | {statistics.median(r):.0f} | {statistics.median(r) / statistics.median(b):.2f}x |")
 EOF
   done
 } >"$res/prefill-isa.md.part"

@@ -211,46 +211,46 @@ if [ -z "$demo" ] && { ! stamp_ok pylibs "$py_pin" || [ ! -d "$deps/py/requests"
 fi
 
 # ---------------------------------------------------------------- llama.cpp
-# Static libraries from the vendor/ folder of the pinned sdist. ggml is built
-# for x86-64-v3 (AVX2, FMA, F16C, BMI2) rather than -march=native so that the
-# binaries run on any user's CPU of the last decade; kvtc checks these
-# features at start-up and refuses with a clear message where they are absent.
-# KVTC_LLAMA_CPU=avx512 (make build LLAMA_CPU=avx512) adds AVX-512
-# F/CD/VL/DQ/BW, VBMI, VNNI and BF16 (ggml's "zen4" CPU variant: AMD Zen 4/5,
-# Intel Sapphire Rapids and later): prefill +30-37% on Qwen2.5-Coder-1.5B,
-# +2-3% on SmolLM2 (bench/results/prefill-isa.md), binaries that then run
-# only on such CPUs (kvtc refuses others, naming what they lack). The choice
-# is remembered in .deps/stamps/llama-cpu until given again (v3: back).
+# Shared libraries (libllama, libggml, libggml-base) from the vendor/ folder
+# of the pinned sdist, with ggml's run-time CPU dispatch: the CPU code is
+# built once per variant as a loadable module (build/bin/libggml-cpu-*.so)
+# and the best one this CPU runs is loaded at start (ggml scores each by the
+# features it was built for; kvtc info names the one loaded). Prefill on
+# Qwen2.5-Coder-1.5B: +30-37% with zen4 against haswell here
+# (bench/results/prefill-isa.md). The variants, by ggml's names:
+#   x64          any x86-64 (SSE2)
+#   haswell      x86-64-v3: AVX2, FMA, F16C, BMI2 (what kvtc shipped alone)
+#   alderlake    + AVX-VNNI (Alder/Raptor/Meteor Lake desktops and laptops)
+#   skylakex     + AVX-512 F/CD/VL/DQ/BW
+#   cascadelake  + AVX-512 VNNI
+#   icelake      + AVX-512 VBMI and VNNI
+#   zen4         + AVX-512 VBMI, VNNI and BF16 (AMD Zen 4/5, Intel Sapphire
+#                Rapids and later without AMX)
+# Not built: sapphirerapids (AMX): ggml's AMX path crashed on this project's
+# Xeon (prefill-isa.md); the older AVX-only and SSE4.2 ones, which x64 covers
+# more slowly. Each variant costs ~15 s of a 2-core build, hence the list
+# (scripts/ggml-cpu-variants.patch: ggml builds every variant otherwise).
 llama_commit=4df29be4f
 llama_dir="$deps/llama.cpp-$llama_commit"
-llama_cpu="${KVTC_LLAMA_CPU:-}"
-[ -n "$llama_cpu" ] || llama_cpu=$(cat "$deps/stamps/llama-cpu" 2>/dev/null || echo v3)
-isa_v3="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-case "$llama_cpu" in
-  v3) isa_flags="$isa_v3" ;;
-  avx512)
-    isa_flags="$isa_v3 -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
-    for f in avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni avx512_bf16; do
-      grep -qw "$f" /proc/cpuinfo || die "KVTC_LLAMA_CPU=avx512 (LLAMA_CPU=avx512): this CPU lacks $f, which that build needs; use v3"
-    done ;;
-  *) die "KVTC_LLAMA_CPU (LLAMA_CPU)=$llama_cpu: expected v3 (the default: x86-64-v3) or avx512" ;;
-esac
-mkdir -p "$deps/stamps"
-echo "$llama_cpu" >"$deps/stamps/llama-cpu.part" && mv "$deps/stamps/llama-cpu.part" "$deps/stamps/llama-cpu"
-llama_flags="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF $isa_flags -DGGML_OPENMP=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON"
-llama_pin="${SHA[llama-cpp-python]} $llama_flags"
-if ! stamp_ok llama "$llama_pin" || [ ! -f "$llama_dir/build/src/libllama.a" ]; then
-  log "building llama.cpp $llama_commit for $llama_cpu (static; ~3 min on 2 cores)"
-  rm -rf "$llama_dir"
+cpu_variants="x64;haswell;alderlake;skylakex;cascadelake;icelake;zen4"
+llama_flags="-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_CPU_VARIANTS=$cpu_variants -DGGML_BACKEND_DIR=$llama_dir/build/bin -DGGML_OPENMP=ON"
+llama_pin="${SHA[llama-cpp-python]} $llama_flags $(sha256sum "$top/scripts/ggml-cpu-variants.patch" | cut -d' ' -f1)"
+if ! stamp_ok llama "$llama_pin" || [ ! -f "$llama_dir/build/bin/libllama.so" ]; then
+  log "building llama.cpp $llama_commit (shared, CPU variants ${cpu_variants//;/ }; ~3 min on 2 cores)"
+  rm -rf "$llama_dir" "$deps/stamps/llama-cpu"
   mkdir -p "$llama_dir"
   tar -xzf "$deps/dl/llama_cpp_python-0.3.35.tar.gz" -C "$llama_dir" --strip-components=3 \
     llama_cpp_python-0.3.35/vendor/llama.cpp
   mv "$llama_dir" "$llama_dir.tmp" && mkdir -p "$llama_dir" && mv "$llama_dir.tmp" "$llama_dir/src"
+  patch -d "$llama_dir/src" -p1 --forward --quiet <"$top/scripts/ggml-cpu-variants.patch" \
+    || die "scripts/ggml-cpu-variants.patch does not apply to the pinned source"
   # shellcheck disable=SC2086
   cmake -S "$llama_dir/src" -B "$llama_dir/build" $llama_flags >"$llama_dir/configure.log" 2>&1 \
     || die "llama.cpp configure failed; see $llama_dir/configure.log"
   cmake --build "$llama_dir/build" --target llama -j"$(nproc)" >"$llama_dir/build.log" 2>&1 \
     || die "llama.cpp build failed; see $llama_dir/build.log"
+  n=$(find "$llama_dir/build/bin" -name 'libggml-cpu-*.so' | wc -l)
+  [ "$n" = "$(tr ';' '\n' <<<"$cpu_variants" | wc -l)" ] || die "llama.cpp built $n CPU variants, expected ${cpu_variants//;/ } (see $llama_dir/build.log)"
   stamp_set llama "$llama_pin"
 fi
 # ---------------------------------------------------------------- large model

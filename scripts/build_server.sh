@@ -17,7 +17,7 @@ sdist="$root/.deps/dl/llama_cpp_python-0.3.35.tar.gz"
 patch_file="$root/server/llama-server.patch"
 log() { echo "[build_server] $*" >&2; }
 die() { echo "[build_server] error: $*" >&2; exit 1; }
-[ -f "$llama_dir/build/src/libllama.a" ] || die "no llama.cpp build in $llama_dir (run scripts/bootstrap.sh first)"
+[ -f "$llama_dir/build/bin/libllama.so" ] || die "no llama.cpp build in $llama_dir (run scripts/bootstrap.sh first)"
 
 # The kvtc package (libkvtc.a, libkvtc_llama.a, headers, find_package files)
 # where the server's CMake finds it.

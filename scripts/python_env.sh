@@ -2,9 +2,8 @@
 # The Python package's environment (issue 15; make python), idempotent:
 #   .deps/venv            a venv of Debian's python3 (3.11) with the pinned
 #                         wheels of scripts/deps.lock, installed without an index
-#   .deps/llama-shared/   libllama.so for llama-cpp-python, linked from the
-#                         bootstrap's static llama.cpp (PIC): the same pinned
-#                         commit, no second build
+#   .deps/llama-shared    libllama.so for llama-cpp-python: a link to the
+#                         bootstrap's shared llama.cpp, no second build
 #   llama-cpp-python      0.3.35 from the sdist the bootstrap already has, its
 #                         own llama.cpp build switched off (LLAMA_BUILD=OFF);
 #                         it loads .deps/llama-shared/libllama.so through
@@ -51,19 +50,16 @@ if ! stamp_ok venv "$pin" || [ ! -x "$venv/bin/python" ]; then
   rm -f "$deps/stamps/llama-cpp-python"
 fi
 
-# libllama.so from the static archives: every llama_* and ggml_* symbol that
-# llama-cpp-python's ctypes binds.
-lb="$deps/llama.cpp-4df29be4f/build"
+# LLAMA_CPP_LIB_PATH=.deps/llama-shared: a link to the bootstrap's shared
+# llama.cpp (libllama, libggml, libggml-base, and the CPU variants ggml loads
+# at run time from the same folder), so Python runs the same build as kvtc.
+lb="$deps/llama.cpp-4df29be4f/build/bin"
 shared="$deps/llama-shared"
-lpin="$(cat "$deps/stamps/llama")"
-if ! stamp_ok llama-shared "$lpin" || [ ! -f "$shared/libllama.so" ]; then
-  log "linking $shared/libllama.so from the static llama.cpp"
-  mkdir -p "$shared"
-  g++ -shared -o "$shared/libllama.so.part" -Wl,-soname,libllama.so -Wl,--whole-archive "$lb/src/libllama.a" "$lb/ggml/src/libggml.a" \
-    "$lb/ggml/src/libggml-cpu.a" "$lb/ggml/src/libggml-base.a" -Wl,--no-whole-archive -fopenmp -lpthread -ldl -lm \
-    || die "linking libllama.so failed"
-  mv "$shared/libllama.so.part" "$shared/libllama.so"
-  stamp_set llama-shared "$lpin"
+[ -f "$lb/libllama.so" ] || die "$lb/libllama.so missing: run scripts/bootstrap.sh"
+if [ "$(readlink "$shared" 2>/dev/null)" != "$lb" ]; then
+  log "$shared -> $lb"
+  rm -rf "$shared"
+  ln -s "$lb" "$shared"
 fi
 
 sdist="$deps/dl/${FILE[llama-cpp-python]}"

@@ -1,12 +1,12 @@
 // RoPE: our forward rotation against ggml's own ggml_rope_ext (the code
 // that rotated the keys in the cache), and forward/inverse round trips, for
 // every variant our models use. Synthetic vectors: this tests the rotation.
-#include <ggml-cpu.h>
+#include <ggml-alloc.h>
+#include <ggml-backend.h>
 #include <ggml.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <random>
 
 #include "codec/rope.h"
@@ -32,28 +32,40 @@ std::vector<float> random_keys(size_t n, std::mt19937& rng) {
   return x;
 }
 
+// ggml's CPU backend, as llama.cpp loads it: the variant of
+// libggml-cpu-*.so this CPU runs best (scripts/bootstrap.sh).
+ggml_backend_t cpu_backend() {
+  static ggml_backend_t b = [] {
+    ggml_backend_load_all();
+    return ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+  }();
+  if (b == nullptr) throw Error("ggml: no CPU backend could be loaded");
+  return b;
+}
+
 // ggml_rope_ext on [head_dim, 1 head, n_tok] (ggml's ne order).
 std::vector<float> ggml_rope(const std::vector<float>& x, const std::vector<int32_t>& pos, const kvtc::Rope& p, uint32_t head_dim) {
-  ggml_init_params ip{64u << 20, nullptr, false};
+  ggml_init_params ip{ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, true};
   ggml_context* ctx = ggml_init(ip);
   const int64_t n_tok = int64_t(pos.size());
   ggml_tensor* a = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, head_dim, 1, n_tok);
-  std::memcpy(a->data, x.data(), x.size() * 4);
   ggml_tensor* ps = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tok);
-  std::memcpy(ps->data, pos.data(), pos.size() * 4);
   ggml_tensor* ff = nullptr;
-  if (!p.freq_factors.empty()) {
-    ff = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, int64_t(p.freq_factors.size()));
-    std::memcpy(ff->data, p.freq_factors.data(), p.freq_factors.size() * 4);
-  }
+  if (!p.freq_factors.empty()) ff = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, int64_t(p.freq_factors.size()));
   const int mode = p.layout == RopeLayout::kNeox ? GGML_ROPE_TYPE_NEOX : 0;
   ggml_tensor* r = ggml_rope_ext(ctx, a, ps, ff, int(p.n_rot), mode, 8192, p.freq_base, p.freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
   ggml_cgraph* g = ggml_new_graph(ctx);
   ggml_build_forward_expand(g, r);
-  ggml_graph_compute_with_ctx(ctx, g, 1);
+  ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu_backend());
+  ggml_backend_tensor_set(a, x.data(), 0, x.size() * 4);
+  ggml_backend_tensor_set(ps, pos.data(), 0, pos.size() * 4);
+  if (ff != nullptr) ggml_backend_tensor_set(ff, p.freq_factors.data(), 0, p.freq_factors.size() * 4);
+  const ggml_status st = ggml_backend_graph_compute(cpu_backend(), g);
   std::vector<float> out(x.size());
-  std::memcpy(out.data(), r->data, out.size() * 4);
+  ggml_backend_tensor_get(r, out.data(), 0, out.size() * 4);
+  ggml_backend_buffer_free(buf);
   ggml_free(ctx);
+  if (st != GGML_STATUS_SUCCESS) throw Error("ggml_backend_graph_compute failed");
   return out;
 }
 

@@ -110,20 +110,31 @@ class KvtcServerSwa(unittest.TestCase):
         # The raw restore is the slot's state up to rounding: its window
         # cells are in position order where the slot's are a ring holding
         # older, masked cells too, so attention adds the same terms in
-        # another order. Measured (3 documents): 12 of 12 tokens agree, mean
-        # |logprob difference| 0.015-0.026 (0.14 at most on one token).
+        # another order; a recompute of turn 2's whole prompt is the other
+        # exact reference. The two references disagree themselves where a
+        # token is a near tie: this document's first token flips between the
+        # slot and the recompute on ggml's AVX-512 variants (0.16 apart; 12
+        # of 12 agree on haswell). So the restore must be within rounding of
+        # one of them. Measured (3 documents): vs the slot 0.014-0.026 mean
+        # |logprob difference| (haswell), 0.014-0.016 and the flip at 0.25
+        # (zen4); vs the recompute 0.009-0.054 (haswell), 0.006-0.042 (zen4).
         # Bound 0.1: a window whose cells held the content of 64 positions
         # earlier (a store cutting it wrong) measured 0.25. (SmolLM2, one
         # block, restores bit for bit: test_server.py.)
-        agree, mean, d = drift(j_w2, j_o2)
-        print(f"Gemma 3 turn 2, raw restore vs the slot kept: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f}")
-        self.assertLess(mean, 0.1, (w2, o2, agree, d))
+        fresh = self.start("fresh", ["--parallel", "1", "--cache-ram", "0", "--no-cache-prompt"])
+        f2, t_f2, j_f2 = fresh.chat(a2_msgs, max_tokens=12, **LOGPROBS)
+        self.assertEqual(t_f2["cache_n"], 0, t_f2)
+        vs = {"the slot kept": drift(j_w2, j_o2), "a recompute": drift(j_w2, j_f2)}
+        for ref, (agree, mean, d) in vs.items():
+            print(f"Gemma 3 turn 2, raw restore vs {ref}: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f}")
+        self.assertLess(min(mean for _, mean, _ in vs.values()), 0.1, (w2, o2, f2, vs))
         # 16x (the window; the global layers at 4x, the default: Gemma 3
         # 270M's global values are hard to code, held-out error 0.27 at 16x
         # with this calibration, bench/results/swa.md), scored against the
         # raw restore: the codec is the only difference. Measured on this
-        # document 0 of 12 tokens agree, the first (a near tie) 0.43 away
-        # (0.73 and 0.06 on two other documents; with the global layers at
+        # document 0 of 12 tokens agree, the first (a near tie) 0.43 away on
+        # haswell, 10 of 12 and 0.040 on zen4 (0.73 and 0.06 on two other
+        # documents on haswell; with the global layers at
         # 16x too 1.0, 1.8, 0.8). Bound 1.0: a loose guard, the raw restore
         # above tests what the store restores.
         agree, mean, d = drift(j2, j_w2)

@@ -152,23 +152,3 @@ TEST(Cpu, FeaturesAreConsistent) {
   EXPECT_TRUE(!f.avx512bw || f.avx512f);
   EXPECT_EQ(cpu_feature_names(f).empty(), !f.sse42 && !f.avx);
 }
-
-// What check_cpu (src/llama) refuses with: the features a build needs that
-// a CPU lacks (synthetic feature sets: the rule itself).
-TEST(Cpu, MissingFeaturesAreNamedInOrder) {
-  CpuFeatures v3, avx512, have;
-  v3.sse42 = v3.avx = v3.avx2 = v3.fma = v3.f16c = v3.bmi2 = true;
-  avx512 = v3;
-  avx512.avx512f = avx512.avx512cd = avx512.avx512vl = avx512.avx512dq = avx512.avx512bw = true;
-  avx512.avx512_vbmi = avx512.avx512_vnni = avx512.avx512_bf16 = true;
-  have = v3;
-  EXPECT_EQ(cpu_features_missing(have, v3), "");
-  EXPECT_EQ(cpu_features_missing(have, avx512), "avx512f avx512bw avx512vl avx512cd avx512dq avx512_vbmi avx512_vnni avx512_bf16");
-  have = avx512;
-  have.avx512_bf16 = false;  // an Ice Lake: AVX-512 with VBMI and VNNI, no BF16
-  EXPECT_EQ(cpu_features_missing(have, avx512), "avx512_bf16");
-  EXPECT_EQ(cpu_features_missing(avx512, v3), "");
-  have = CpuFeatures{};
-  have.sse42 = have.avx = true;  // older than x86-64-v3
-  EXPECT_EQ(cpu_features_missing(have, v3), "avx2 fma f16c bmi2");
-}

@@ -29,10 +29,15 @@ namespace kvtc {
 // The llama.cpp commit our static libraries are built from (the pin in
 // scripts/bootstrap.sh); recorded in every capture.
 constexpr const char* kLlamaCppCommit = "4df29be4f";
-// The instruction set the bundled llama.cpp's CPU code was built for
-// (scripts/bootstrap.sh, make build LLAMA_CPU=...): "x86-64-v3" or "avx512"
-// (x86-64-v3 plus AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16).
+// The ggml CPU variant llama.cpp runs on in this process, by ggml's name
+// ("zen4", "haswell", "x64", ...): the best of llama_cpu_variants() this CPU
+// runs, loaded at the first call of this or of Model::load, or the one the
+// environment's KVTC_GGML_CPU names ("auto": ggml's choice). Throws
+// kvtc::Error when none loads. Thread-safe.
 std::string llama_cpu_build();
+
+// The CPU variants built beside libllama (scripts/bootstrap.sh), sorted.
+std::vector<std::string> llama_cpu_variants();
 
 void set_llama_verbose(bool on);
 

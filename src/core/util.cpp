@@ -255,14 +255,6 @@ std::vector<std::string> cpu_feature_names(const CpuFeatures& f) {
   return v;
 }
 
-std::string cpu_features_missing(const CpuFeatures& have, const CpuFeatures& need) {
-  const std::vector<std::string> h = cpu_feature_names(have);
-  std::string out;
-  for (const std::string& n : cpu_feature_names(need))
-    if (std::find(h.begin(), h.end(), n) == h.end()) out += (out.empty() ? "" : " ") + n;
-  return out;
-}
-
 }  // namespace kvtc
 
 namespace kvtc {

@@ -58,9 +58,5 @@ struct CpuFeatures {
 const CpuFeatures& cpu_features();
 // Names of the features present, in a fixed order.
 std::vector<std::string> cpu_feature_names(const CpuFeatures& f);
-// The names of the features `need` has and `have` lacks ("" when none), in
-// cpu_feature_names' order, space-separated: what a build for `need` would
-// fault on with SIGILL on a `have` CPU.
-std::string cpu_features_missing(const CpuFeatures& have, const CpuFeatures& need);
 
 }  // namespace kvtc

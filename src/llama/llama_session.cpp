@@ -1,4 +1,5 @@
-#include <ggml-cpu.h>
+#include <dlfcn.h>
+#include <ggml-backend.h>
 #include <gguf.h>
 #include <llama.h>
 
@@ -40,37 +41,67 @@ std::string take_llama_errors() {
   return s.empty() ? "" : " (llama.cpp: " + s + ")";
 }
 
+// ggml's CPU code is not linked in: llama.cpp is built with one loadable
+// module per CPU variant, libggml-cpu-<variant>.so (scripts/bootstrap.sh),
+// in KVTC_GGML_BACKEND_DIR beside libllama.so. ggml scores each by the
+// features it was built for and loads the best this CPU runs (zen4 on an
+// AVX-512/VNNI/BF16 CPU: Qwen prefill +30-37% over haswell,
+// bench/results/prefill-isa.md). KVTC_GGML_CPU=<variant> loads that one
+// instead (kvtc calibrate pins haswell: its K/V, and so the calibration's
+// bytes, then match on every x86-64-v3 CPU). Only this folder is searched,
+// not the current directory as ggml_backend_load_all() would.
+// "zen4" for libggml-cpu-zen4.so; "" for another file name.
+std::string cpu_variant_of(const std::string& file_name) {
+  const std::string pre = "libggml-cpu-", ext = ".so";
+  const size_t n = file_name.size();
+  if (n <= pre.size() + ext.size() || file_name.rfind(pre, 0) != 0 || file_name.compare(n - ext.size(), ext.size(), ext) != 0) return "";
+  return file_name.substr(pre.size(), n - pre.size() - ext.size());
+}
+
+std::vector<std::string> ggml_cpu_variants_built() {
+  std::vector<std::string> v;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(KVTC_GGML_BACKEND_DIR, ec)) {
+    const std::string name = cpu_variant_of(e.path().filename().string());
+    if (!name.empty()) v.push_back(name);
+  }
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& x : v) s += (s.empty() ? "" : " ") + x;
+  return s.empty() ? "none" : s;
+}
+
+void load_cpu_backend() {
+  if (ggml_backend_reg_by_name("CPU") != nullptr) return;  // a host program (llama-server) loaded it already
+  const std::string dir = KVTC_GGML_BACKEND_DIR;
+  const char* force = std::getenv("KVTC_GGML_CPU");
+  if (force != nullptr && *force != 0 && std::strcmp(force, "auto") != 0) {
+    const std::string want = force;
+    const std::vector<std::string> built = ggml_cpu_variants_built();
+    require(std::find(built.begin(), built.end(), want) != built.end(),
+            "KVTC_GGML_CPU=" + want + ": no such ggml CPU variant in " + dir + " (built: " + joined(built) + "; or auto)");
+    const std::string path = dir + "/libggml-cpu-" + want + ".so";
+    require(ggml_backend_load(path.c_str()) != nullptr, "KVTC_GGML_CPU=" + want + ": " + path +
+                                                            " does not run on this CPU (it lacks an instruction set the variant was built for)" +
+                                                            take_llama_errors());
+  } else {
+    ggml_backend_load_all_from_path(dir.c_str());
+  }
+  require(ggml_backend_reg_by_name("CPU") != nullptr, "no ggml CPU backend could be loaded from " + dir + " (variants there: " +
+                                                          joined(ggml_cpu_variants_built()) + "; run scripts/bootstrap.sh)" + take_llama_errors());
+}
+
 void backend_init_once() {
   static std::once_flag once;
   std::call_once(once, [] {
     llama_log_set(log_cb, nullptr);
+    load_cpu_backend();
     llama_backend_init();
   });
-}
-
-// x86-64-v3 is what our llama.cpp build needs (scripts/bootstrap.sh);
-// refusing here beats an illegal-instruction crash inside ggml.
-// What the bundled llama.cpp's CPU code was compiled for (scripts/bootstrap.sh:
-// x86-64-v3, or with KVTC_LLAMA_CPU=avx512 AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI
-// and BF16 too): ggml_cpu_has_* report ggml's compile-time flags.
-CpuFeatures llama_build_features() {
-  CpuFeatures n;
-  n.sse42 = n.avx = n.avx2 = n.fma = n.f16c = n.bmi2 = true;  // x86-64-v3, always
-  n.avx512f = n.avx512cd = n.avx512vl = n.avx512dq = n.avx512bw = ggml_cpu_has_avx512() != 0;
-  n.avx512_vbmi = ggml_cpu_has_avx512_vbmi() != 0;
-  n.avx512_vnni = ggml_cpu_has_avx512_vnni() != 0;
-  n.avx512_bf16 = ggml_cpu_has_avx512_bf16() != 0;
-  return n;
-}
-
-void check_cpu() {
-#if defined(__x86_64__)
-  const CpuFeatures need = llama_build_features();
-  const std::string miss = cpu_features_missing(cpu_features(), need);
-  if (!miss.empty())
-    throw Error("this CPU lacks " + miss + ", which the bundled llama.cpp build requires (" +
-                (need.avx512f ? "built with KVTC_LLAMA_CPU=avx512: rebuild with `make build LLAMA_CPU=v3` for this CPU" : "x86-64-v3") + ")");
-#endif
 }
 
 struct GgufCloser {
@@ -205,7 +236,19 @@ void fill_from_model(const llama_model* md, uint32_t swa_period, ModelInfo& mi) 
 }  // namespace
 
 std::string llama_cpu_build() {
-  return llama_build_features().avx512f ? "avx512" : "x86-64-v3";
+  backend_init_once();
+  // The module that holds the CPU backend's functions names the variant.
+  ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+  void* fn = reg != nullptr ? ggml_backend_reg_get_proc_address(reg, "ggml_backend_get_features") : nullptr;
+  Dl_info info{};
+  if (fn == nullptr || dladdr(fn, &info) == 0 || info.dli_fname == nullptr) return "unknown";
+  const std::string f = std::filesystem::path(info.dli_fname).filename().string();
+  const std::string name = cpu_variant_of(f);
+  return name.empty() ? f : name;
+}
+
+std::vector<std::string> llama_cpu_variants() {
+  return ggml_cpu_variants_built();
 }
 
 std::vector<NamedModel> named_models() {
@@ -250,7 +293,6 @@ void set_llama_verbose(bool on) {
 }
 
 std::unique_ptr<Model> Model::load(const std::string& path, bool vocab_only) {
-  check_cpu();
   backend_init_once();
   check_gguf_file(path);
   std::unique_ptr<Model> m(new Model());

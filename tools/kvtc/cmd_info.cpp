@@ -1,6 +1,7 @@
 // kvtc info: what this kvtc is built from and what it would use.
 // kvtc tokens: token counts of text files under a model's tokenizer.
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -95,6 +96,7 @@ Action add_info(CLI::App& app) {
     j["kvtc_version"] = li.version;
     j["llama_cpp_commit"] = kLlamaCppCommit;
     j["llama_cpp_cpu"] = llama_cpu_build();
+    j["llama_cpp_cpu_variants"] = llama_cpu_variants();
     j["default_model"] = model_summary(*model);
     nlohmann::ordered_json named = nlohmann::ordered_json::array();
     for (const NamedModel& m : named_models())
@@ -106,7 +108,12 @@ Action add_info(CLI::App& app) {
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
-      std::printf("kvtc %s (llama.cpp %s, built for %s)\n", li.version.c_str(), kLlamaCppCommit, llama_cpu_build().c_str());
+      std::string variants;
+      for (const std::string& v : llama_cpu_variants()) variants += (variants.empty() ? "" : " ") + v;
+      const char* forced = std::getenv("KVTC_GGML_CPU");
+      const bool chosen = forced == nullptr || *forced == 0 || std::string(forced) == "auto";
+      std::printf("kvtc %s (llama.cpp %s, CPU code: %s, %s among %s)\n", li.version.c_str(), kLlamaCppCommit, llama_cpu_build().c_str(),
+                  chosen ? "ggml's run-time choice" : "KVTC_GGML_CPU's", variants.c_str());
       const auto& m = j["default_model"];
       std::printf("model   %s\n", m["path"].get<std::string>().c_str());
       if (m["exists"].get<bool>())

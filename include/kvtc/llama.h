@@ -39,6 +39,10 @@ std::string llama_cpu_build();
 // The CPU variants built beside libllama (scripts/bootstrap.sh), sorted.
 std::vector<std::string> llama_cpu_variants();
 
+// The variant the environment's KVTC_GGML_CPU asks for; "" when it leaves
+// the choice to ggml (unset, empty or "auto").
+std::string llama_cpu_requested();
+
 void set_llama_verbose(bool on);
 
 // The model and corpus this build's programs default to: $KVTC_MODEL and

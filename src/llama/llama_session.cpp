@@ -41,6 +41,20 @@ std::string take_llama_errors() {
   return s.empty() ? "" : " (llama.cpp: " + s + ")";
 }
 
+// "zen4" for libggml-cpu-zen4.so; "" for another file name.
+std::string cpu_variant_of(const std::string& file_name) {
+  const std::string pre = "libggml-cpu-", ext = ".so";
+  const size_t n = file_name.size();
+  if (n <= pre.size() + ext.size() || file_name.rfind(pre, 0) != 0 || file_name.compare(n - ext.size(), ext.size(), ext) != 0) return "";
+  return file_name.substr(pre.size(), n - pre.size() - ext.size());
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& x : v) s += (s.empty() ? "" : " ") + x;
+  return s.empty() ? "none" : s;
+}
+
 // ggml's CPU code is not linked in: llama.cpp is built with one loadable
 // module per CPU variant, libggml-cpu-<variant>.so (scripts/bootstrap.sh),
 // in KVTC_GGML_BACKEND_DIR beside libllama.so. ggml scores each by the
@@ -50,38 +64,12 @@ std::string take_llama_errors() {
 // instead (kvtc calibrate pins haswell: its K/V, and so the calibration's
 // bytes, then match on every x86-64-v3 CPU). Only this folder is searched,
 // not the current directory as ggml_backend_load_all() would.
-// "zen4" for libggml-cpu-zen4.so; "" for another file name.
-std::string cpu_variant_of(const std::string& file_name) {
-  const std::string pre = "libggml-cpu-", ext = ".so";
-  const size_t n = file_name.size();
-  if (n <= pre.size() + ext.size() || file_name.rfind(pre, 0) != 0 || file_name.compare(n - ext.size(), ext.size(), ext) != 0) return "";
-  return file_name.substr(pre.size(), n - pre.size() - ext.size());
-}
-
-std::vector<std::string> ggml_cpu_variants_built() {
-  std::vector<std::string> v;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(KVTC_GGML_BACKEND_DIR, ec)) {
-    const std::string name = cpu_variant_of(e.path().filename().string());
-    if (!name.empty()) v.push_back(name);
-  }
-  std::sort(v.begin(), v.end());
-  return v;
-}
-
-std::string joined(const std::vector<std::string>& v) {
-  std::string s;
-  for (const std::string& x : v) s += (s.empty() ? "" : " ") + x;
-  return s.empty() ? "none" : s;
-}
-
 void load_cpu_backend() {
   if (ggml_backend_reg_by_name("CPU") != nullptr) return;  // a host program (llama-server) loaded it already
   const std::string dir = KVTC_GGML_BACKEND_DIR;
-  const char* force = std::getenv("KVTC_GGML_CPU");
-  if (force != nullptr && *force != 0 && std::strcmp(force, "auto") != 0) {
-    const std::string want = force;
-    const std::vector<std::string> built = ggml_cpu_variants_built();
+  const std::string want = llama_cpu_requested();
+  if (!want.empty()) {
+    const std::vector<std::string> built = llama_cpu_variants();
     require(std::find(built.begin(), built.end(), want) != built.end(),
             "KVTC_GGML_CPU=" + want + ": no such ggml CPU variant in " + dir + " (built: " + joined(built) + "; or auto)");
     const std::string path = dir + "/libggml-cpu-" + want + ".so";
@@ -92,7 +80,7 @@ void load_cpu_backend() {
     ggml_backend_load_all_from_path(dir.c_str());
   }
   require(ggml_backend_reg_by_name("CPU") != nullptr, "no ggml CPU backend could be loaded from " + dir + " (variants there: " +
-                                                          joined(ggml_cpu_variants_built()) + "; run scripts/bootstrap.sh)" + take_llama_errors());
+                                                          joined(llama_cpu_variants()) + "; run scripts/bootstrap.sh)" + take_llama_errors());
 }
 
 void backend_init_once() {
@@ -248,7 +236,19 @@ std::string llama_cpu_build() {
 }
 
 std::vector<std::string> llama_cpu_variants() {
-  return ggml_cpu_variants_built();
+  std::vector<std::string> v;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(KVTC_GGML_BACKEND_DIR, ec)) {
+    const std::string name = cpu_variant_of(e.path().filename().string());
+    if (!name.empty()) v.push_back(name);
+  }
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+std::string llama_cpu_requested() {
+  const char* e = std::getenv("KVTC_GGML_CPU");
+  return e == nullptr || std::strcmp(e, "auto") == 0 ? "" : e;
 }
 
 std::vector<NamedModel> named_models() {

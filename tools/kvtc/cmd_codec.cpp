@@ -125,11 +125,10 @@ Action add_calibrate(CLI::App& app) {
                                                                         : "");
     {
       // Which ggml CPU variant made the K/V (main.cpp pins haswell).
-      const char* forced = std::getenv("KVTC_GGML_CPU");
       const std::string cpu = llama_cpu_build();
-      cal.meta["llama_cpu"] = cpu + (forced && *forced && std::string(forced) != "auto"
-                                         ? (cpu == "haswell" ? " (pinned: the same K/V on any x86-64-v3 CPU)" : " (KVTC_GGML_CPU)")
-                                         : " (ggml's choice for this CPU: not reproducible on others)");
+      cal.meta["llama_cpu"] =
+          cpu + (!llama_cpu_requested().empty() ? (cpu == "haswell" ? " (pinned: the same K/V on any x86-64-v3 CPU)" : " (KVTC_GGML_CPU)")
+                                                : " (ggml's choice for this CPU: not reproducible on others)");
     }
     calibration_save(*out, cal);
     nlohmann::ordered_json j = calib_summary(cal, *out);

@@ -1,7 +1,6 @@
 // kvtc info: what this kvtc is built from and what it would use.
 // kvtc tokens: token counts of text files under a model's tokenizer.
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -110,10 +109,8 @@ Action add_info(CLI::App& app) {
     } else {
       std::string variants;
       for (const std::string& v : llama_cpu_variants()) variants += (variants.empty() ? "" : " ") + v;
-      const char* forced = std::getenv("KVTC_GGML_CPU");
-      const bool chosen = forced == nullptr || *forced == 0 || std::string(forced) == "auto";
       std::printf("kvtc %s (llama.cpp %s, CPU code: %s, %s among %s)\n", li.version.c_str(), kLlamaCppCommit, llama_cpu_build().c_str(),
-                  chosen ? "ggml's run-time choice" : "KVTC_GGML_CPU's", variants.c_str());
+                  llama_cpu_requested().empty() ? "ggml's run-time choice" : "KVTC_GGML_CPU's", variants.c_str());
       const auto& m = j["default_model"];
       std::printf("model   %s\n", m["path"].get<std::string>().c_str());
       if (m["exists"].get<bool>())

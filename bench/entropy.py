@@ -65,13 +65,28 @@ def point(kvtc, cap, calib, work, coding, ratio, extra=()):
             "encode_stages": c.get("stage_thread_ms"), "decode_stages": e.get("stage_thread_ms"), "wall_s": enc}
 
 
-def speed(kvtc, cap, calib, work, ratios, repeat):
+def equal_error_ratio(compare, nominal):
+    """The ecsq ratio whose error equals DP-`nominal`'s (geometric mean of the
+    K and V ratios at equal error from the pooled curves), or None."""
+    for row in compare or []:
+        r = row.get("ecsq", {}).get("ratio_at_equal_error")
+        if row["nominal"] == nominal and r and None not in r:
+            return math.sqrt(r[0] * r[1])
+    return None
+
+
+def speed(kvtc, cap, calib, work, ratios, repeat, compare=None):
     """Best of `repeat` encode and decode times, with stage thread-ms, for
-    DP at each nominal ratio and ecsq at the ratio that DP point measured."""
+    DP at each nominal ratio, ecsq at the ratio that DP point measured
+    (equal bytes) and, given `compare`, ecsq at the ratio of equal error."""
     rows = []
     for r in ratios:
-        for coding in ("dp", "ecsq"):
-            target = r if coding == "dp" else rows[-1]["ratio_coded"]
+        runs = [("dp", r, "—"), ("ecsq", None, "equal bytes")]
+        ee = equal_error_ratio(compare, r)
+        if ee:
+            runs.append(("ecsq", ee, "equal error"))
+        for coding, target, at in runs:
+            target = target if target is not None else rows[-1]["ratio_coded"]
             out = os.path.join(work, f"speed-{coding}.kvtc")
             best_c = best_d = None
             for _ in range(repeat):
@@ -81,8 +96,8 @@ def speed(kvtc, cap, calib, work, ratios, repeat):
                 best_d = d if best_d is None or d["decode_ms"] < best_d["decode_ms"] else best_d
             by, header = chunk_bytes(out)
             comps = [sum(x[1] for x in a if x[2]) for a in header["blocks"][0]["alloc"]]
-            rows.append({"coding": coding, "nominal": r, "ratio_coded": best_c["ratio_compressed_tokens"], "chunk_bytes": by[0] + by[1],
-                         "components": comps, "coded_tokens": best_c["compressed_tokens"],
+            rows.append({"coding": coding, "nominal": r, "at": at, "ratio_coded": best_c["ratio_compressed_tokens"], "chunk_bytes": by[0] + by[1],
+                         "components": comps, "coded_tokens": best_c["compressed_tokens"], "f16_bytes_all": best_c["f16_bytes_all"],
                          "tokens": best_c["tokens"], "encode_ms": best_c["encode_ms"], "decode_ms": best_d["decode_ms"],
                          "encode_stages": best_c["stage_thread_ms"], "decode_stages": best_d["stage_thread_ms"]})
     return rows
@@ -121,7 +136,7 @@ def main():
         with open(path) as f:
             res = json.load(f)
         cap0 = os.path.join(work, os.path.basename(docs[0]["file"]) + f".{a.tokens}.safetensors")
-        res["speed"] = speed(a.kvtc, cap0, a.calib, work, [16, 32], max(1, a.speed_repeat))
+        res["speed"] = speed(a.kvtc, cap0, a.calib, work, [16, 32], max(1, a.speed_repeat), res.get("compare"))
         res["speed_command"] = f"python3 bench/entropy.py --calib {os.path.relpath(a.calib, TOP)} --model {a.model} --speed-only"
         res["speed_commit"] = provenance.result_commit(TOP)
         with open(path + ".tmp", "w") as f:
@@ -143,8 +158,6 @@ def main():
                 pts.append(p)
         per_doc.append({"document": d["id"], "kind": d["kind"], "points": pts})
         print(f"[entropy] {d['id']}: done", file=sys.stderr)
-    cap0 = os.path.join(work, os.path.basename(docs[0]["file"]) + f".{a.tokens}.safetensors")
-    speeds = speed(a.kvtc, cap0, a.calib, work, [16, 32], a.speed_repeat) if a.speed_repeat > 0 else []
     # Pooled curves: bytes and squared errors add over documents at each setting.
     pooled = []
     keys = sorted({(p["coding"], p.get("variant", "dp"), p["target"]) for doc in per_doc for p in doc["points"]})
@@ -164,6 +177,8 @@ def main():
             r = [interp_ratio(curve, kv, p["err"][kv]) for kv in (0, 1)]
             row[name] = {"ratio_at_equal_error": r, "bytes_saved": [None if x is None else 1 - p["ratio"][kv] / x for kv, x in enumerate(r)]}
         compare.append(row)
+    cap0 = os.path.join(work, os.path.basename(docs[0]["file"]) + f".{a.tokens}.safetensors")
+    speeds = speed(a.kvtc, cap0, a.calib, work, [16, 32], a.speed_repeat, compare) if a.speed_repeat > 0 else []
     cmd = f"python3 bench/entropy.py --calib {os.path.relpath(a.calib, TOP)} --model {a.model} --docs-per-kind {a.docs_per_kind} --tokens {a.tokens}"
     if a.variants:
         cmd += " --variants " + " ".join(f"'{v}'" for v in a.variants)

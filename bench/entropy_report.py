@@ -57,15 +57,19 @@ def model_section(label, r):
             out += ["", f"Speed runs: `{r['speed_command']}`, commit {r['speed_commit']}."]
         out += ["", f"Speed on {r['speed_document']} (best of 3; ms of wall time for the whole cache; stage columns are thread-ms summed over",
                 "the worker threads: `entropy` is DEFLATE/inflate, or rANS coding with the table choice, `quant` the DP's quantize/pack or",
-                "ecsq's rate control; ecsq at the ratio the DP point measured, so both write about the same bytes):", "",
-                "| coding | ratio | components K / V | encode ms | decode ms | enc. project / quant / entropy | dec. project / quant / entropy | rANS decode, M codes/s per core |",
-                "|---|---|---|---|---|---|---|---|"]
+                "ecsq's rate control (wall ms of the search); ecsq at the ratio the DP point measured (equal bytes) and at the ratio",
+                "whose error equals the DP point's on the pooled curves above (equal error; K and V ratios' geometric mean). Decode",
+                "GB/s: f16 bytes of the whole cache (coded and raw tokens) per second of decode wall time):", "",
+                "| coding | at | ratio | components K / V | encode ms | decode ms | decode GB/s | enc. project / quant / entropy | dec. project / quant / entropy | rANS decode, M codes/s per core |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for s in r["speed"]:
             e, d = s["encode_stages"], s["decode_stages"]
             comps = s.get("components")
             codes = s["coded_tokens"] * sum(comps) if comps and "coded_tokens" in s else None
             mcs = codes / 1e6 / (d["entropy"] / 1e3) if codes and s["coding"] == "ecsq" and d["entropy"] > 0 else None
-            out.append(f"| {s['coding']} | {s['ratio_coded']:.2f}x | {'—' if not comps else f'{comps[0]} / {comps[1]}'} | {s['encode_ms']:.0f} | {s['decode_ms']:.0f} | "
+            gbs = s["f16_bytes_all"] / (s["decode_ms"] / 1e3) / 1e9 if s.get("f16_bytes_all") else None
+            out.append(f"| {s['coding']} | {s.get('at', '—')} | {s['ratio_coded']:.2f}x | {'—' if not comps else f'{comps[0]} / {comps[1]}'} | "
+                       f"{s['encode_ms']:.0f} | {s['decode_ms']:.0f} | {'—' if gbs is None else f'{gbs:.2f}'} | "
                        f"{e['project']:.0f} / {e['quant']:.0f} / {e['entropy']:.0f} | {d['project']:.0f} / {d['quant']:.0f} / {d['entropy']:.0f} | "
                        f"{'—' if mcs is None else f'{mcs:.0f}'} |")
     return out

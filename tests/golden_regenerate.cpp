@@ -4,6 +4,7 @@
 // when a format version is deliberately changed (tests/golden/README.md).
 //   build/tests/kvtc_golden_regenerate v1   # tests/golden/v1 (format version 1)
 //   build/tests/kvtc_golden_regenerate v2   # tests/golden/v2 (version 2, from v1's input)
+//   build/tests/kvtc_golden_regenerate v2-encoder  # only tests/golden/v2/reencoded.kvtc (an encoder change)
 //   build/tests/kvtc_golden_regenerate sums # only print the checksums of the files as they are
 #include <cstdio>
 #include <filesystem>
@@ -57,17 +58,27 @@ void regenerate_v2() {
   write_file_atomic(kDir2 + "/fail_ecsq_in_v1.kvtc", v);
 }
 
+// What today's encoder writes for the same input: the bytes the re-encode
+// test pins. Rewritten when the encoder's choices deliberately change (rate
+// control's search picks another step), which ok.kvtc never is.
+void regenerate_v2_encoder() {
+  const KvCapture c = capture_load(kDir + "/original.safetensors");
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
+  write_file_atomic(kDir2 + "/reencoded.kvtc", compress(c, cal, ecsq_allocation_set(cal, 2), golden::options()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string what = argc == 2 ? argv[1] : "";
-  if (what != "v1" && what != "v2" && what != "sums") {
-    std::fprintf(stderr, "usage: %s v1|v2|sums\n", argv[0]);
+  if (what != "v1" && what != "v2" && what != "v2-encoder" && what != "sums") {
+    std::fprintf(stderr, "usage: %s v1|v2|v2-encoder|sums\n", argv[0]);
     return 2;
   }
   try {
     if (what == "v1") regenerate_v1();
     if (what == "v2") regenerate_v2();
+    if (what == "v2" || what == "v2-encoder") regenerate_v2_encoder();
     const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
     for (const std::string& dir : {kDir, kDir2}) {
       const KvCapture c = decompress(read_file(dir + "/ok.kvtc"), cal, "ok.kvtc", golden::decode_options());

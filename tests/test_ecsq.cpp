@@ -41,6 +41,14 @@ std::vector<float> coeffs(uint32_t n, uint32_t ru, double sd0, double decay, uin
   return d;
 }
 
+// The encoder's layout: component-major, d'[j * n + t].
+std::vector<float> cm(const std::vector<float>& d, uint32_t n, uint32_t ru) {
+  std::vector<float> o(d.size());
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t j = 0; j < ru; ++j) o[size_t(j) * n + t] = d[size_t(t) * ru + j];
+  return o;
+}
+
 // What the decoder must give for coefficient x: the code's reconstruction.
 void expect_close(const std::vector<float>& d, const std::vector<float>& out, float step) {
   ASSERT_EQ(d.size(), out.size());
@@ -75,13 +83,13 @@ TEST(Ecsq, RoundTripsAndEstimatesItsSize) {
       const std::vector<float> d = coeffs(n, ru, 20.0, 0.85, n + 7);
       EcsqParams p;
       p.step = step;
-      const std::vector<uint8_t> bytes = ecsq_encode_chunk(d.data(), n, ru, ru, p);
+      const std::vector<uint8_t> bytes = ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p);
       std::vector<float> out(d.size(), -1);
       ecsq_decode_chunk(bytes.data(), bytes.size(), n, ru, out.data(), "chunk");
       expect_close(d, out, step);
       // The same bytes again (the encoder is deterministic).
-      EXPECT_EQ(bytes, ecsq_encode_chunk(d.data(), n, ru, ru, p));
-      const double est = ecsq_estimate_bytes(d.data(), n, ru, ru, p);
+      EXPECT_EQ(bytes, ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p));
+      const double est = ecsq_estimate_bytes(cm(d, n, ru).data(), n, ru, p);
       EXPECT_NEAR(est, double(bytes.size()), 0.02 * double(bytes.size()) + 24) << "estimate";
       EXPECT_EQ(ecsq_chunk_step(bytes.data(), bytes.size(), "chunk"), step);
     }
@@ -100,7 +108,7 @@ TEST(Ecsq, LargeCodesUseShiftsAndEscapes) {
   }
   EcsqParams p;
   p.step = 1.0f;
-  const std::vector<uint8_t> bytes = ecsq_encode_chunk(d.data(), n, ru, ru, p);
+  const std::vector<uint8_t> bytes = ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p);
   EXPECT_EQ(bytes[8 + 2], 0) << "an all-zero component has id 0";
   std::vector<float> out(d.size());
   ecsq_decode_chunk(bytes.data(), bytes.size(), n, ru, out.data(), "chunk");
@@ -122,7 +130,7 @@ TEST(Ecsq, CorruptPayloadsAreErrors) {
   const std::vector<float> d = coeffs(n, ru, 8.0, 0.8, 11);
   EcsqParams p;
   p.step = 0.25f;
-  const std::vector<uint8_t> good = ecsq_encode_chunk(d.data(), n, ru, ru, p);
+  const std::vector<uint8_t> good = ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p);
   std::vector<float> out(size_t(n) * ru);
   for (size_t len = 0; len < good.size(); ++len)
     EXPECT_THROW(ecsq_decode_chunk(good.data(), len, n, ru, out.data(), "truncated"), Error) << "length " << len;
@@ -163,7 +171,7 @@ TEST(Ecsq, BytesFallAsTheStepGrows) {
   for (float step : {0.01f, 0.03f, 0.1f, 0.3f, 1.0f, 3.0f}) {
     EcsqParams p;
     p.step = step;
-    const double b = double(ecsq_encode_chunk(d.data(), n, ru, ru, p).size());
+    const double b = double(ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p).size());
     EXPECT_LT(b, prev) << "step " << step;
     prev = b;
   }

@@ -66,16 +66,18 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
     const detail::Projector& P = *proj[s.block][s.kv];
     const uint32_t ru = D.r_used[s.block][s.kv];
     std::vector<float> d(size_t(n) * std::max(ru, 1u)), feat(size_t(n) * kb.features());
-    if (is_ecsq(H.alloc[s.block][s.kv])) {
+    const bool ecsq = is_ecsq(H.alloc[s.block][s.kv]);
+    if (ecsq) {
       StageTimer st(ck, detail::kEntropy);
       ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(),
                         origin + ": chunk section (block " + std::to_string(s.block) + (s.kv ? " V" : " K") + ", tokens " + std::to_string(s.t0) +
-                            ".." + std::to_string(s.t1) + ")");
+                            ".." + std::to_string(s.t1) + ")",
+                        true);
     } else {
       StageTimer st(ck, detail::kQuant);
       unpack_chunk(pl.data(), H.alloc[s.block][s.kv].blocks, n, ru, d.data());
     }
-    P.decode(d.data(), n, feat.data(), ck);  // X = D B[:ru] + mu
+    P.decode(d.data(), n, feat.data(), ck, ecsq);  // X = D B[:ru] + mu (ecsq: D component-major)
     StageTimer st(ck, detail::kGather);
     const bool rerope = kind == KvKind::kKey && H.keys_derope;
     scatter_features(feat.data(), kind, rerope ? &kb.rope : nullptr, s.t0, s.t1, kb);

@@ -108,7 +108,7 @@ double model_step(const std::vector<float>& var, double bits) {
 // the step of every entropy-coded (block, kind).
 struct EcsqPrep {
   AllocationSet alloc;                                      // final: ecsq blocks trimmed to their last nonzero component
-  std::vector<std::vector<float>> coeffs;                   // per plan index: [n][ld] (entropy-coded chunks only)
+  std::vector<std::vector<float>> coeffs;                   // per plan index: [ld][n], component-major (entropy-coded chunks only)
   std::vector<std::array<uint32_t, 2>> ld;                  // projected components per (block, kind)
   std::vector<std::array<container::EcsqParams, 2>> param;  // per (block, kind)
 };
@@ -175,7 +175,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
       detail::StageTimer st(ck, detail::kGather);
       gather_features(kb, KvKind(s.kv), s.kv == 0 && cal.keys_derope ? &kb.rope : nullptr, s.t0, s.t1, feat.data());
     }
-    proj[s.block][s.kv]->encode(feat.data(), n, d.data(), ck);
+    proj[s.block][s.kv]->encode(feat.data(), n, d.data(), ck, true);
   });
   detail::StageTimer st(ck, detail::kQuant);
   for (size_t b = 0; b < c.blocks.size(); ++b)
@@ -191,7 +191,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
       // it), and the last nonzero component.
       // stride > 1: from every stride-th token only, scaled (the search's
       // first steps; ~1% off, which the last full steps correct).
-      auto measure = [&](float step, uint32_t* last, uint32_t stride = 1) {
+      auto measure = [&](float step, uint32_t* last, uint32_t stride = 1, bool quick = false) {
         container::EcsqParams q = p;
         q.step = step;
         const uint32_t ru = trim ? kept(tr, step, ld) : ld;
@@ -201,7 +201,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
           const SectionPlan& s = plan[mine[k]];
           const uint32_t n = s.t1 - s.t0, m = std::max(1u, n / stride);
           const double fixed = double(container::ecsq_fixed_bytes(ru));
-          const double est = container::ecsq_estimate_bytes(E.coeffs[mine[k]].data(), m, ld * (m < n ? stride : 1), ru, q, &lasts[k]);
+          const double est = container::ecsq_estimate_bytes(E.coeffs[mine[k]].data(), n, ru, q, stride, &lasts[k], quick);
           bytes[k] = fixed + (est - fixed) * double(n) / double(m);
         });
         if (last) *last = lasts.empty() ? 0 : *std::max_element(lasts.begin(), lasts.end());
@@ -209,14 +209,15 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         for (double x : bytes) sum += x;
         return sum;
       };
+      uint32_t picked_last = 0;  // rate control's last nonzero component at the step it picks
       if (b < steps.size() && steps[b][kv] > 0) {
         p.step = steps[b][kv];
       } else if (opt.ecsq_step > 0) {
         p.step = float(opt.ecsq_step);
       } else if (!mine.empty()) {
         // Rate control: the step whose payloads meet the ratio's bytes (f16
-        // bytes of the coded tokens / ratio, less the section headers),
-        // by bisection in log2(step); bytes fall as the step grows.
+        // bytes of the coded tokens / ratio, less the section headers);
+        // bytes fall as the step grows.
         const double ratio = alloc[b][kv].nominal_ratio;
         require(ratio >= 1, "compress: an entropy-coded allocation needs a nominal ratio >= 1 (ecsq_allocation_set) or ecsq_step");
         double target = 0, sq = 0;
@@ -227,36 +228,65 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
           for (float x : E.coeffs[i]) sq += double(x) * x;
           cnt += E.coeffs[i].size();
         }
-        // Bisection in log2(step) on every 4th token from a bracket around
-        // the spectrum model's step (widened until it brackets), then
-        // secant steps on all tokens: ~14 estimates in all, the payloads
-        // within ~0.5% of the target (measured: bench/results/entropy.md).
+        // Secant steps on log bytes against log2 step (nearly straight:
+        // the spectrum's rate falls ~1 bit per component per octave), first
+        // on every 4th token with the quick table choice from the
+        // spectrum model's step, then on all tokens, exact, from there: ~4
+        // quick and 2-3 exact estimates, the payloads within ~0.5% of the
+        // target. (A bisection on 10 steps cost ~2.5x as much: ~45% of the
+        // encoder's time on Qwen2.5 at 24x; bench/results/entropy.md.)
         const double rms = std::sqrt(sq / double(std::max<uint64_t>(cnt, 1)));
         const double guess = model_step(tr.variance, std::floor(double(tr.p) * 16 / ratio));
-        double lo = std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20)) - 2, hi = lo + 4;
-        for (int it = 0; it < 20 && measure(float(std::exp2(lo)), nullptr, 4) <= target; ++it) lo -= 2;
-        for (int it = 0; it < 20 && measure(float(std::exp2(hi)), nullptr, 4) > target; ++it) hi += 2;
-        for (int it = 0; it < 10; ++it) {
-          const double mid = 0.5 * (lo + hi);
-          (measure(float(std::exp2(mid)), nullptr, 4) > target ? lo : hi) = mid;
-        }
-        // Secant on log bytes against log2 step, all tokens.
-        double x0 = lo, f0 = std::log(measure(float(std::exp2(x0)), nullptr)), x1 = hi, f1 = std::log(measure(float(std::exp2(x1)), nullptr));
         const double lt = std::log(std::max(target, 1.0));
-        for (int it = 0; it < 3 && f1 != f0 && std::fabs(f1 - lt) > 0.002; ++it) {
-          const double x2 = x1 + (lt - f1) * (x1 - x0) / (f1 - f0);
-          x0 = x1, f0 = f1;
-          x1 = std::clamp(x2, lo - 1, hi + 1);
-          f1 = std::log(measure(float(std::exp2(x1)), nullptr));
-        }
-        // Never over the target where the search can tell: the coarser end.
-        p.step = float(std::exp2(f1 <= lt + 0.002 ? x1 : std::max(x1, hi)));
+        // A point of the search: log2 step, log(bytes / target) and (exact
+        // only) one past the last nonzero component there.
+        struct Pt {
+          double x, f;
+          uint32_t last = 0;
+        };
+        auto at = [&](double x, bool exact) {
+          Pt q{x, 0, 0};
+          q.f = std::log(measure(float(std::exp2(x)), &q.last, exact ? 1 : 4, !exact)) - lt;
+          return q;
+        };
+        // Secant steps from the last point (slope `sl`, log bytes per
+        // octave, until two points give one) until within `tol`; steps
+        // clamped to `clamp` octaves, a flat or rising segment falls back to
+        // a quarter-octave move the error's way.
+        auto secant = [&](std::vector<Pt>& seen, double sl, bool exact, double tol, int iters, double clamp) {
+          for (int it = 0; it < iters && std::fabs(seen.back().f) > tol; ++it) {
+            const Pt v = seen.back();
+            if (seen.size() >= 2) {
+              const Pt u = seen[seen.size() - 2];
+              if (v.x != u.x && (v.f - u.f) / (v.x - u.x) < -1e-3) sl = (v.f - u.f) / (v.x - u.x);
+            }
+            const double x = std::clamp(sl < -1e-3 ? v.x - v.f / sl : v.x + (v.f > 0 ? 0.25 : -0.25), v.x - clamp, v.x + clamp);
+            seen.push_back(at(x, exact));
+          }
+          return sl;
+        };
+        const double x0 = std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20));
+        std::vector<Pt> quick{at(x0, false)};
+        // ~-1 bit per component per octave on ~1 bit per component: -0.7.
+        const double sl = secant(quick, -0.7, false, 0.01, 8, 2);
+        std::vector<Pt> seen{at(quick.back().x, true)};
+        secant(seen, sl, true, 0.002, 4, 1);
+        // Never over the target where the search can tell: the finest step
+        // within it (0.2%), else the coarsest seen.
+        const Pt* pick = nullptr;
+        for (const Pt& q : seen)
+          if (q.f <= 0.002 && (!pick || q.x < pick->x)) pick = &q;
+        if (!pick)
+          for (const Pt& q : seen)
+            if (!pick || q.x > pick->x) pick = &q;
+        p.step = float(std::exp2(pick->x));
+        picked_last = pick->last;
       } else {
         p.step = 1;  // no coded tokens: nothing uses it
       }
       if (trim) {
-        uint32_t last = 0;
-        if (!mine.empty()) measure(p.step, &last);
+        uint32_t last = picked_last;
+        if (!mine.empty() && !picked_last) measure(p.step, &last);
         E.alloc[b][kv].blocks = {{0, std::max(last, 1u), QType::kNone}};  // still Coding::kEntropy
       }
     }
@@ -295,8 +325,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
       default: {
         if (is_ecsq(alloc[s.block][s.kv])) {
           detail::StageTimer st(ck, detail::kEntropy);
-          pl = container::ecsq_encode_chunk(ecsq.coeffs[i].data(), s.t1 - s.t0, ecsq.ld[s.block][s.kv], r_used(alloc[s.block][s.kv].blocks),
-                                            ecsq.param[s.block][s.kv]);
+          pl = container::ecsq_encode_chunk(ecsq.coeffs[i].data(), s.t1 - s.t0, r_used(alloc[s.block][s.kv].blocks), ecsq.param[s.block][s.kv]);
           level = 0;  // rANS output: DEFLATE finds nothing
           break;
         }

@@ -59,15 +59,17 @@ using dt = dnnl::memory::data_type;
 using tag = dnnl::memory::format_tag;
 
 // Encode: src [m][k] bf16, weights the basis [n][k] read as k x n, dst f32.
-// Decode: src [m][k] bf16, weights the basis [k][n], bias mu [n], dst f32.
+// Decode: src [m][k] bf16 (or [k][m] with src_t: component-major codes),
+// weights the basis [k][n], bias mu [n], dst f32.
 // The scratchpad is the caller's (run(): one per thread): in oneDNN's
 // default "library" mode, a build without DNNL_ENABLE_CONCURRENT_EXEC (the
 // default) shares one scratchpad between primitives, and the codec runs
 // distinct primitives at once (chunks in parallel_for, the store's worker
 // beside a restore), which then may overwrite each other's.
-dnnl::matmul::primitive_desc make_pd(bool decode, uint32_t m, uint32_t n, uint32_t k) {
+dnnl::matmul::primitive_desc make_pd(bool decode, uint32_t m, uint32_t n, uint32_t k, bool src_t = false) {
   using D = dnnl::memory::dims;
-  dnnl::memory::desc src(D{m, k}, dt::bf16, tag::ab), wei(D{k, n}, dt::bf16, decode ? tag::ab : tag::ba), dst(D{m, n}, dt::f32, tag::ab);
+  dnnl::memory::desc src(D{m, k}, dt::bf16, src_t ? tag::ba : tag::ab), wei(D{k, n}, dt::bf16, decode ? tag::ab : tag::ba),
+      dst(D{m, n}, dt::f32, tag::ab);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (decode) return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dnnl::memory::desc(D{1, n}, dt::f32, tag::ab), dst), attr, engine());
@@ -88,22 +90,22 @@ struct Matmul {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
 };
-const Matmul& matmul_for(bool decode, uint32_t m, uint32_t n, uint32_t k) {
-  thread_local std::map<std::array<uint32_t, 5>, Matmul> cache;
+const Matmul& matmul_for(bool decode, uint32_t m, uint32_t n, uint32_t k, bool src_t) {
+  thread_local std::map<std::array<uint32_t, 6>, Matmul> cache;
   const uint32_t nthr = omp_in_parallel() ? 1u : uint32_t(omp_get_max_threads());
-  const std::array<uint32_t, 5> key{decode, m, n, k, nthr};
+  const std::array<uint32_t, 6> key{decode, m, n, k, nthr, src_t};
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 64) cache.clear();  // a long-lived thread seeing many shapes
-    dnnl::matmul::primitive_desc pd = make_pd(decode, m, n, k);
+    dnnl::matmul::primitive_desc pd = make_pd(decode, m, n, k, src_t);
     it = cache.emplace(key, Matmul{pd, dnnl::matmul(pd)}).first;
   }
   return it->second;
 }
 
-void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, const uint16_t* b, const float* bias, float* c) {
+void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, const uint16_t* b, const float* bias, float* c, bool src_t = false) {
   try {
-    const Matmul& mm = matmul_for(decode, m, n, k);
+    const Matmul& mm = matmul_for(decode, m, n, k, src_t);
     const dnnl::matmul::primitive_desc& pd = mm.pd;
     thread_local dnnl::stream s(engine());
     std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, dnnl::memory(pd.src_desc(), engine(), const_cast<uint16_t*>(a))},
@@ -286,7 +288,7 @@ Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const 
   }
 }
 
-void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk) const {
+void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const {
   const uint32_t p = T_.p;
   if (prec_ == Precision::kF32 || ru_ == 0) {
     {
@@ -298,7 +300,10 @@ void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk) const {
     }
     if (ru_ == 0) return;
     StageTimer st(clk, kProject);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru_), int(p), 1.0f, x, int(p), T_.basis.data(), int(p), 0.0f, d, int(ru_));
+    if (component_major)  // D' = B[:ru] (X - mu)'
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(ru_), int(n), int(p), 1.0f, T_.basis.data(), int(p), x, int(p), 0.0f, d, int(n));
+    else
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(ru_), int(p), 1.0f, x, int(p), T_.basis.data(), int(p), 0.0f, d, int(ru_));
     return;
   }
 #if KVTC_HAVE_DNNL
@@ -308,13 +313,16 @@ void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk) const {
     for (uint32_t t = 0; t < n; ++t) sub_to_bf16(x + size_t(t) * p, T_.mu.data(), xb.data() + size_t(t) * p, p);
   }
   StageTimer st(clk, kProject);
-  run(false, n, ru_, p, xb.data(), basis_bf16_->data(), nullptr, d);
+  if (component_major)  // the same product with the operands' roles swapped
+    run(false, ru_, n, p, basis_bf16_->data(), xb.data(), nullptr, d);
+  else
+    run(false, n, ru_, p, xb.data(), basis_bf16_->data(), nullptr, d);
 #else
   throw Error("Projector: bf16 without oneDNN");
 #endif
 }
 
-void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk) const {
+void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk, bool component_major) const {
   const uint32_t p = T_.p;
   if (prec_ == Precision::kF32 || ru_ == 0) {
     {
@@ -323,7 +331,8 @@ void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk) co
     }
     if (ru_ == 0) return;
     StageTimer st(clk, kProject);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(p), int(ru_), 1.0f, d, int(ru_), T_.basis.data(), int(p), 1.0f, x, int(p));
+    cblas_sgemm(CblasRowMajor, component_major ? CblasTrans : CblasNoTrans, CblasNoTrans, int(n), int(p), int(ru_), 1.0f, d,
+                component_major ? int(n) : int(ru_), T_.basis.data(), int(p), 1.0f, x, int(p));
     return;
   }
 #if KVTC_HAVE_DNNL
@@ -333,7 +342,7 @@ void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk) co
     sub_to_bf16(d, nullptr, db.data(), db.size());
   }
   StageTimer st(clk, kProject);
-  run(true, n, p, ru_, db.data(), basis_bf16_->data(), T_.mu.data(), x);
+  run(true, n, p, ru_, db.data(), basis_bf16_->data(), T_.mu.data(), x, component_major);
 #else
   throw Error("Projector: bf16 without oneDNN");
 #endif

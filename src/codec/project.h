@@ -41,11 +41,13 @@ class Projector {
  public:
   Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key = {});
 
-  // D[n][ru] = (X[n][p] - mu) B[:ru]'. X is clobbered (centred in place on
-  // the f32 path). Times the centring and the GEMM into `clk`.
-  void encode(float* x, uint32_t n, float* d, StageClock* clk) const;
-  // X[n][p] = D[n][ru] B[:ru] + mu.
-  void decode(const float* d, uint32_t n, float* x, StageClock* clk) const;
+  // D[n][ru] = (X[n][p] - mu) B[:ru]', or D' [ru][n] with component_major
+  // (the entropy coder's order). X is clobbered (centred in place on the
+  // f32 path). Times the centring and the GEMM into `clk`.
+  void encode(float* x, uint32_t n, float* d, StageClock* clk, bool component_major = false) const;
+  // X[n][p] = D[n][ru] B[:ru] + mu; with component_major, d is D' [ru][n]
+  // (the entropy-coded chunks' order).
+  void decode(const float* d, uint32_t n, float* x, StageClock* clk, bool component_major = false) const;
 
   uint32_t ru() const { return ru_; }
 

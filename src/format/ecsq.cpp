@@ -27,6 +27,11 @@ struct Tables {
   uint32_t fc[kTables][kNSym];   // frequency | cumulative frequency << 16 (one load per decoded symbol)
   float cost[kTables][kNSym];    // bits of symbol u coded directly; +inf where it must be escaped
   float esc[kTables];            // bits of the escape symbol alone
+  double costx[kTables][kNSym];  // bits of symbol u < 63 either way: coded, or escaped (escape, length, value)
+  // The decoder's one load per symbol: slot -> freq | (slot - cum) << 13 |
+  // symbol << 25 (12 + 12 + 6 bits; a frequency is at most 4095 as the
+  // escape's is never 0). 82 x 16 KB; a chunk's components use a handful.
+  uint32_t dec[kTables][kTotal];
 };
 
 const Tables& tables() {
@@ -41,6 +46,12 @@ const Tables& tables() {
         T->cost[k][u] = kFreq[k][u] && u != kEsc ? float(kScaleBits - std::log2(double(kFreq[k][u]))) : std::numeric_limits<float>::infinity();
       }
       T->esc[k] = float(kScaleBits - std::log2(double(kFreq[k][kEsc])));
+      for (uint32_t u = 0; u < kNSym; ++u)
+        T->costx[k][u] = std::isinf(T->cost[k][u]) ? double(T->esc[k]) + double(5 + (31u - uint32_t(__builtin_clz(u + 1)))) : double(T->cost[k][u]);
+      for (uint32_t slot = 0; slot < kTotal; ++slot) {
+        const uint32_t u = T->lut[k][slot];
+        T->dec[k][slot] = uint32_t(kFreq[k][u]) | (slot - T->cum[k][u]) << 13 | u << 25;
+      }
     }
     return T;
   }();
@@ -84,7 +95,10 @@ struct Choice {
   double bits = 0;
 };
 
-Choice choose_table(const int32_t* q, uint32_t n) {
+// quick: round tables within one quarter-octave of the codes' spread (3 per
+// shape, the shifted ones all 8) instead of two: rate control's coarse
+// search, which the exact estimates after it correct.
+Choice choose_table(const int32_t* q, uint32_t n, bool quick = false) {
   const Tables& T = tables();
   double sq = 0;
   bool any = false;
@@ -106,34 +120,56 @@ Choice choose_table(const int32_t* q, uint32_t n) {
   }
   Choice best{0, std::numeric_limits<double>::infinity()};
   uint32_t hist[kNSym];
-  std::vector<uint32_t> big;  // values >= 63, escaped everywhere
+  thread_local std::vector<uint32_t> big;  // values >= 63, escaped everywhere
   for (int si = 0; si < ns; ++si) {
     const uint32_t b = shifts[si];
-    std::memset(hist, 0, sizeof hist);
+    // Four histograms summed after: most codes fall in one bin, and one
+    // histogram would make each increment wait for the previous one's store.
+    uint32_t h4[4][kNSym] = {};
     big.clear();
-    uint32_t umax = 0;
-    for (uint32_t t = 0; t < n; ++t) {
+    uint32_t umax = 0, t = 0;
+    for (; t + 4 <= n; t += 4) {
+      const uint32_t u0 = zigzag(q[t] >> b), u1 = zigzag(q[t + 1] >> b), u2 = zigzag(q[t + 2] >> b), u3 = zigzag(q[t + 3] >> b);
+      if ((u0 | u1 | u2 | u3) < kEsc) {
+        ++h4[0][u0], ++h4[1][u1], ++h4[2][u2], ++h4[3][u3];
+        umax = std::max(umax, std::max(std::max(u0, u1), std::max(u2, u3)));
+        continue;
+      }
+      for (uint32_t u : {u0, u1, u2, u3})
+        if (u < kEsc) {
+          ++h4[0][u];
+          umax = std::max(umax, u);
+        } else {
+          big.push_back(u);
+        }
+    }
+    for (; t < n; ++t) {
       const uint32_t u = zigzag(q[t] >> b);
       if (u < kEsc) {
-        ++hist[u];
+        ++h4[0][u];
         umax = std::max(umax, u);
       } else {
         big.push_back(u);
       }
     }
+    for (uint32_t u = 0; u < kNSym; ++u) hist[u] = h4[0][u] + h4[1][u] + h4[2][u] + h4[3][u];
     double big_extra = double(b) * n;
     for (uint32_t u : big) big_extra += escaped_extra_bits(u);
+    double hf[kNSym];
+    for (uint32_t u = 0; u <= umax; ++u) hf[u] = double(hist[u]);
     auto try_table = [&](uint32_t k, uint32_t id) {
+      // No branch per bin: an empty bin adds an exact 0 (the sum, in the
+      // same order, is the one the choice always compared).
+      const double* cx = T.costx[k];
       double c = big_extra + double(T.esc[k]) * big.size();
-      for (uint32_t u = 0; u <= umax; ++u)
-        if (hist[u]) c += double(hist[u]) * (std::isinf(T.cost[k][u]) ? double(T.esc[k]) + escaped_extra_bits(u) : double(T.cost[k][u]));
+      for (uint32_t u = 0; u <= umax; ++u) c += hf[u] * cx[u];
       if (c < best.bits) best = {id, c};
     };
     if (b == 0) {
       // Round tables near the codes' spread (s = 2^(i/4), i = -24..12).
-      const int i0 = int(std::lround(4 * std::log2(std::max(rms, 1e-3))));
+      const int i0 = int(std::lround(4 * std::log2(std::max(rms, 1e-3)))), w = quick ? 1 : 4;
       for (int shape = 0; shape < 2; ++shape)
-        for (int i = std::max(-24, i0 - 4); i <= std::min(12, i0 + 4); ++i) {
+        for (int i = std::max(-24, i0 - w); i <= std::min(12, i0 + w); ++i) {
           const uint32_t k = uint32_t(shape * 37 + (i + 24));
           try_table(k, k + 1);
         }
@@ -144,13 +180,13 @@ Choice choose_table(const int32_t* q, uint32_t n) {
   return best;
 }
 
-// Codes of the chunk, component-major: q[j * n + t].
-std::vector<int32_t> quantize_chunk(const float* d, uint32_t n, uint32_t ld, uint32_t ru, const EcsqParams& p) {
-  std::vector<int32_t> q(size_t(n) * ru);
-  const float inv = 1.0f / p.step;
-  for (uint32_t t = 0; t < n; ++t)
-    for (uint32_t j = 0; j < ru; ++j) q[size_t(j) * n + t] = quantize(d[size_t(t) * ld + j], inv, p.rounding);
-  return q;
+// Codes of one component: q[i] for the coefficients d[i * stride], i < m.
+void quantize_row(const float* d, uint32_t m, uint32_t stride, float inv, float rounding, int32_t* q) {
+  if (stride == 1) {
+    for (uint32_t i = 0; i < m; ++i) q[i] = quantize(d[i], inv, rounding);  // vectorised
+    return;
+  }
+  for (uint32_t i = 0; i < m; ++i) q[i] = quantize(d[size_t(i) * stride], inv, rounding);
 }
 
 void check_params(const EcsqParams& p) {
@@ -162,6 +198,18 @@ void check_params(const EcsqParams& p) {
 struct Event {
   uint16_t start, freq;
 };
+inline Event event(uint32_t start, uint32_t freq) {
+  return {uint16_t(start), uint16_t(freq)};
+}
+// ceil(2^44 / f) for f = 1..4096: the encoder's division by a multiply.
+const uint64_t* reciprocals() {
+  static const std::vector<uint64_t> r = [] {
+    std::vector<uint64_t> v(kTotal + 1, 0);
+    for (uint64_t f = 1; f <= kTotal; ++f) v[f] = ((uint64_t(1) << 44) + f - 1) / f;
+    return v;
+  }();
+  return r.data();
+}
 
 void put_u32(std::vector<uint8_t>& o, uint32_t v) {
   for (int i = 0; i < 4; ++i) o.push_back(uint8_t(v >> (8 * i)));
@@ -177,8 +225,45 @@ void bypass(std::vector<Event>& ev, uint32_t v, uint32_t k) {
     const uint32_t w = (k - 1) % kScaleBits + 1;  // the top piece takes the remainder
     k -= w;
     const uint32_t piece = (v >> k) & ((1u << w) - 1);
-    ev.push_back({uint16_t(piece << (kScaleBits - w)), uint16_t(1u << (kScaleBits - w))});
+    ev.push_back(event(piece << (kScaleBits - w), 1u << (kScaleBits - w)));
   }
+}
+
+// The unshifted symbols of one component, tokens t..n, while at least 2
+// bytes remain: the four states in registers (st[r]: the state of the r-th
+// next event; event i uses state i % 4), one table load per symbol (dec:
+// Tables::dec of the component's table) and renormalisation without a
+// branch (a state is >= freq * 2^11 after a step: 2 bytes at most). The
+// array-indexed loop with branches decoded ~225 M symbols/s per core on
+// this Xeon; see bench/results/entropy.md for this one. Stops after an
+// escape symbol (*esc set, its bypass bits unread) and returns the next
+// token. dq[63], the escape's entry, is a placeholder.
+uint32_t decode_run(const uint32_t* dec, const float* dq, uint32_t* st, const uint8_t** pp, const uint8_t* end, float* col, uint32_t t, uint32_t n,
+                    bool* esc) {
+  uint32_t a0 = st[0], a1 = st[1], a2 = st[2], a3 = st[3];
+  const uint8_t* p = *pp;
+  while (t < n && end - p >= 2) {
+    const uint32_t e = dec[a0 & (kTotal - 1)];
+    const uint32_t x = (e & 0x1fff) * (a0 >> kScaleBits) + ((e >> 13) & 0xfff);
+    // The bytes this state takes follow from x alone ((x << 8 | byte) <
+    // 2^23 iff x < 2^15), so the stream pointer's chain is one add per
+    // symbol: taking the second byte's count from the first byte's result
+    // made the pointer wait for each load (~8 cycles a symbol here).
+    const uint32_t c1 = x < kRansL, c2 = x < (kRansL >> 8);
+    const uint32_t s1 = x << 8 | p[0], s2 = s1 << 8 | p[1];
+    const uint32_t s = c2 ? s2 : c1 ? s1 : x;
+    p += c1 + c2;
+    a0 = a1, a1 = a2, a2 = a3, a3 = s;
+    const uint32_t u = e >> 25;
+    col[t++] = dq[u];
+    if (u == kEsc) {
+      *esc = true;
+      break;
+    }
+  }
+  st[0] = a0, st[1] = a1, st[2] = a2, st[3] = a3;
+  *pp = p;
+  return t;
 }
 
 }  // namespace
@@ -191,22 +276,28 @@ uint32_t ecsq_table_count() {
   return kTables;
 }
 
-double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ld, uint32_t ru, const EcsqParams& p, uint32_t* last_nonzero) {
+double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p, uint32_t stride, uint32_t* last_nonzero, bool quick) {
   check_params(p);
-  const std::vector<int32_t> q = quantize_chunk(d, n, ld, ru, p);
+  require(stride >= 1, "ecsq_estimate_bytes: stride must be >= 1");
+  const uint32_t m = std::max(1u, n / stride);
+  thread_local std::vector<int32_t> q;
+  q.resize(m);
+  const float inv = 1.0f / p.step;
   double bits = 0;
   for (uint32_t j = 0; j < ru; ++j) {
-    const Choice c = choose_table(&q[size_t(j) * n], n);
+    quantize_row(d + size_t(j) * n, m, stride, inv, p.rounding, q.data());
+    const Choice c = choose_table(q.data(), m, quick);
     bits += c.bits;
     if (c.id && last_nonzero) *last_nonzero = std::max(*last_nonzero, j + 1);
   }
   return double(ecsq_fixed_bytes(ru)) + bits / 8;
 }
 
-std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ld, uint32_t ru, const EcsqParams& p) {
+std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p) {
   check_params(p);
   const Tables& T = tables();
-  const std::vector<int32_t> q = quantize_chunk(d, n, ld, ru, p);
+  std::vector<int32_t> q(size_t(n) * ru);
+  for (uint32_t j = 0; j < ru; ++j) quantize_row(d + size_t(j) * n, n, 1, 1.0f / p.step, p.rounding, &q[size_t(j) * n]);
   // Reconstruction offset: the mean of |q| - |d| / step over nonzero codes
   // (the least-squares reconstruction point (|q| - offset) step).
   double off_sum = 0;
@@ -216,7 +307,7 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ld, 
     for (uint32_t t = 0; t < n; ++t) {
       const int32_t c = q[size_t(j) * n + t];
       if (c != 0 && std::abs(c) < kMaxCode) {
-        off_sum += double(std::abs(c)) - double(std::fabs(d[size_t(t) * ld + j]) * inv);
+        off_sum += double(std::abs(c)) - double(std::fabs(d[size_t(j) * n + t]) * inv);
         ++off_n;
       }
     }
@@ -240,9 +331,9 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ld, 
     for (uint32_t t = 0; t < n; ++t) {
       const uint32_t u = zigzag(qc[t] >> b);
       if (u < kEsc && kFreq[k][u]) {
-        ev.push_back({T.cum[k][u], kFreq[k][u]});
+        ev.push_back(event(T.cum[k][u], kFreq[k][u]));
       } else {
-        ev.push_back({T.cum[k][kEsc], kFreq[k][kEsc]});
+        ev.push_back(event(T.cum[k][kEsc], kFreq[k][kEsc]));
         const uint32_t nb = ilog2(u + 1);
         bypass(ev, nb, 5);
         bypass(ev, (u + 1) & ((1u << nb) - 1), nb);
@@ -253,6 +344,7 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ld, 
   out.insert(out.end(), ids.begin(), ids.end());
   // Encode backwards (rANS is last-in first-out); event i uses state i % 4.
   uint32_t x[4] = {kRansL, kRansL, kRansL, kRansL};
+  const uint64_t* rcp = reciprocals();
   std::vector<uint8_t> rev;
   rev.reserve(ev.size() / 2 + 16);
   for (size_t i = ev.size(); i-- > 0;) {
@@ -263,7 +355,12 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ld, 
       rev.push_back(uint8_t(s));
       s >>= 8;
     }
-    s = ((s / f) << kScaleBits) + (s % f) + ev[i].start;
+    // s / f by a multiply: with M = ceil(2^44 / f), (s M) >> 44 is exact for
+    // s < 2^31 and f <= 4096 (the error term s (M - 2^44 / f) / 2^44 < 2^-13
+    // stays under the 1 / f a fraction needs to reach the next integer). A
+    // division was ~1/3 of the encoder's rANS time.
+    const uint32_t qt = uint32_t((uint64_t(s) * rcp[f]) >> 44);
+    s = (qt << kScaleBits) + (s - qt * f) + ev[i].start;
   }
   for (uint32_t s : x) put_u32(out, s);
   out.insert(out.end(), rev.rbegin(), rev.rend());
@@ -279,7 +376,7 @@ float ecsq_chunk_step(const uint8_t* buf, size_t len, const std::string& where) 
   return step;
 }
 
-void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where) {
+void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major) {
   const Tables& T = tables();
   require(len >= ecsq_fixed_bytes(ru),
           where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " + std::to_string(ecsq_fixed_bytes(ru)) + " expected");
@@ -339,11 +436,26 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
     return ((1u << nb) | bits_of(nb)) - 1;
   };
-  // Decoded component-major (the stream's order), then transposed in tiles:
-  // writing d column by column directly misses the cache on every value
-  // (a row of 3,000 components is 12 KB).
-  std::vector<float> cm(size_t(n) * ru);
-  float dq[kEsc];  // the reconstruction of unshifted symbol u
+  // The reconstruction of an escaped unshifted code (the escape symbol read).
+  auto escaped_value = [&]() -> float {
+    const int64_t c = unzigzag(escaped());
+    if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
+    const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
+    return c < 0 ? -a : a;
+  };
+  // Decoded component-major (the stream's order), then transposed in tiles
+  // if d is token-major: writing d column by column directly misses the
+  // cache on every value (a row of 3,000 components is 12 KB). The transpose
+  // was 22% of this function's time: the codec's decoder takes d
+  // component-major.
+  std::vector<float> tmp;
+  float* cm = d;
+  if (!component_major) {
+    tmp.resize(size_t(n) * ru);
+    cm = tmp.data();
+  }
+  float dq[kNSym];  // the reconstruction of unshifted symbol u (the escape's: a placeholder)
+  dq[kEsc] = 0;
   for (uint32_t u = 0; u < kEsc; ++u) {
     const int32_t c = unzigzag(u);
     const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
@@ -358,23 +470,23 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     }
     const uint32_t k = id_table(id), b = id_shift(id);
     if (b == 0) {
-      // The common case, unshifted: one table load per symbol and the
-      // reconstruction from a 63-entry table; escapes take the general path.
-      const uint8_t* lut = T.lut[k];
-      const uint32_t* fc = T.fc[k];
-      for (uint32_t t = 0; t < n; ++t) {
-        uint32_t& s = x[i++ & 3];
-        const uint32_t slot = s & (kTotal - 1), u = lut[slot], e = fc[u];
-        s = (e & 0xffff) * (s >> kScaleBits) + slot - (e >> 16);
-        renorm(s);
-        if (u != kEsc) {
-          col[t] = dq[u];
+      // The common case, unshifted: decode_run() while it can, the general
+      // path for an escape and the stream's last byte.
+      uint32_t t = 0;
+      while (t < n) {
+        uint32_t st[4] = {x[i & 3], x[(i + 1) & 3], x[(i + 2) & 3], x[(i + 3) & 3]};
+        bool esc = false;
+        const uint32_t t1 = decode_run(T.dec[k], dq, st, &p, end, col, t, n, &esc);
+        i += t1 - t;
+        for (uint32_t r = 0; r < 4; ++r) x[(i + r) & 3] = st[r];
+        t = t1;
+        if (esc) {  // the run stopped after an escape symbol: its bypass bits
+          col[t - 1] = escaped_value();
           continue;
         }
-        const int64_t c = unzigzag(escaped());
-        if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
-        const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
-        col[t] = c < 0 ? -a : a;
+        if (t == n) break;
+        const uint32_t u = sym(k);  // within 2 bytes of the end
+        col[t++] = u != kEsc ? dq[u] : escaped_value();
       }
       continue;
     }
@@ -389,10 +501,11 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     }
   }
   constexpr uint32_t kTile = 32;
-  for (uint32_t t0 = 0; t0 < n; t0 += kTile)
-    for (uint32_t j0 = 0; j0 < ru; j0 += kTile)
-      for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
-        for (uint32_t j = j0; j < std::min(ru, j0 + kTile); ++j) d[size_t(t) * ru + j] = cm[size_t(j) * n + t];
+  if (!component_major)
+    for (uint32_t t0 = 0; t0 < n; t0 += kTile)
+      for (uint32_t j0 = 0; j0 < ru; j0 += kTile)
+        for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
+          for (uint32_t j = j0; j < std::min(ru, j0 + kTile); ++j) d[size_t(t) * ru + j] = cm[size_t(j) * n + t];
   require(p == end, where + ": " + std::to_string(end - p) + " bytes after the rANS data (corrupt chunk)");
   for (uint32_t s : x) require(s == kRansL, where + ": rANS states do not return to their start (corrupt chunk)");
 }

@@ -32,18 +32,24 @@ struct EcsqParams {
   float rounding = 0.5f;  // q = sign(d) floor(|d| / step + rounding): 0.5 rounds, less widens the zero bin
 };
 
-// Codes n tokens of token-major coefficients d[t * ld + j], j < ru.
-std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ld, uint32_t ru, const EcsqParams& p);
+// Codes n tokens of component-major coefficients d[j * n + t], j < ru (the
+// rows of a [ld][n] array with ld >= ru: its first ru components).
+std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p);
 
 // The payload bytes ecsq_encode_chunk would write, from the same choices
 // and the tables' code lengths (the rANS overhead, < 0.1%, aside): what
-// rate control searches on. `last_nonzero`, when given, is raised to one
-// past the last component with a nonzero code.
-double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ld, uint32_t ru, const EcsqParams& p, uint32_t* last_nonzero = nullptr);
+// rate control searches on. With stride > 1, of the max(1, n / stride)
+// tokens 0, stride, 2 stride, ... only (the caller scales). `last_nonzero`,
+// when given, is raised to one past the last component with a nonzero code.
+// quick: fewer candidate tables (~1% more bytes, 3x faster): a search's
+// first steps.
+double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p, uint32_t stride = 1, uint32_t* last_nonzero = nullptr,
+                           bool quick = false);
 
-// Decodes a payload of `len` bytes into d[t * ru + j] for the n tokens.
+// Decodes a payload of `len` bytes into d[t * ru + j] for the n tokens, or
+// d[j * n + t] with component_major (the stream's order: no transpose).
 // Every read is bounds-checked; Error names `where` and what was wrong.
-void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where);
+void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major = false);
 
 // The step of a payload (append reuses the container's), Error if absent.
 float ecsq_chunk_step(const uint8_t* buf, size_t len, const std::string& where);

@@ -109,6 +109,7 @@ double model_step(const std::vector<float>& var, double bits) {
 struct EcsqPrep {
   AllocationSet alloc;                                      // final: ecsq blocks trimmed to their last nonzero component
   std::vector<std::vector<float>> coeffs;                   // per plan index: [ld][n], component-major (entropy-coded chunks only)
+  std::vector<std::vector<uint8_t>> ids;                    // per plan index: table ids rate control chose at the final step (or empty)
   std::vector<std::array<uint32_t, 2>> ld;                  // projected components per (block, kind)
   std::vector<std::array<container::EcsqParams, 2>> param;  // per (block, kind)
 };
@@ -122,6 +123,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
   EcsqPrep E;
   E.alloc = alloc;
   E.coeffs.resize(plan.size());
+  E.ids.resize(plan.size());
   E.ld.assign(c.blocks.size(), {0, 0});
   E.param.resize(c.blocks.size());
   std::vector<size_t> jobs;
@@ -191,17 +193,21 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
       // it), and the last nonzero component.
       // stride > 1: from every stride-th token only, scaled (the search's
       // first steps; ~1% off, which the last full steps correct).
-      auto measure = [&](float step, uint32_t* last, uint32_t stride = 1, bool quick = false) {
+      // ids (exact estimates only): each chunk's table ids, which the
+      // encoder then takes instead of choosing them again.
+      auto measure = [&](float step, uint32_t* last, uint32_t stride = 1, bool quick = false, std::vector<std::vector<uint8_t>>* ids = nullptr) {
         container::EcsqParams q = p;
         q.step = step;
         const uint32_t ru = trim ? kept(tr, step, ld) : ld;
         std::vector<double> bytes(mine.size());
         std::vector<uint32_t> lasts(mine.size(), 0);
+        if (ids) ids->assign(mine.size(), std::vector<uint8_t>(ru));
         detail::parallel_for(mine.size(), detail::resolve_threads(opt.threads, mine.size()), [&](size_t k) {
           const SectionPlan& s = plan[mine[k]];
           const uint32_t n = s.t1 - s.t0, m = std::max(1u, n / stride);
           const double fixed = double(container::ecsq_fixed_bytes(ru));
-          const double est = container::ecsq_estimate_bytes(E.coeffs[mine[k]].data(), n, ru, q, stride, &lasts[k], quick);
+          const double est =
+              container::ecsq_estimate_bytes(E.coeffs[mine[k]].data(), n, ru, q, stride, &lasts[k], quick, ids ? (*ids)[k].data() : nullptr);
           bytes[k] = fixed + (est - fixed) * double(n) / double(m);
         });
         if (last) *last = lasts.empty() ? 0 : *std::max_element(lasts.begin(), lasts.end());
@@ -209,7 +215,8 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         for (double x : bytes) sum += x;
         return sum;
       };
-      uint32_t picked_last = 0;  // rate control's last nonzero component at the step it picks
+      uint32_t picked_last = 0;                      // rate control's last nonzero component at the step it picks
+      std::vector<std::vector<uint8_t>> picked_ids;  // and its table ids per chunk
       if (b < steps.size() && steps[b][kv] > 0) {
         p.step = steps[b][kv];
       } else if (opt.ecsq_step > 0) {
@@ -220,57 +227,76 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         // bytes fall as the step grows.
         const double ratio = alloc[b][kv].nominal_ratio;
         require(ratio >= 1, "compress: an entropy-coded allocation needs a nominal ratio >= 1 (ecsq_allocation_set) or ecsq_step");
+        // The cache's own spectrum (per-component mean square of its
+        // coefficients) for the search's first guess: the calibration's is
+        // not the cache's (its guess was 0.5-0.8 octave off, and by more or
+        // less per model and ratio), which cost ~2 more estimates.
         double target = 0, sq = 0;
-        uint64_t cnt = 0;
+        uint64_t cnt = 0, tokens = 0;
+        std::vector<double> ms(ld, 0.0);
         for (size_t i : mine) {
           const uint32_t n = plan[i].t1 - plan[i].t0;
           target += double(n) * c.blocks[b].features() * 2 / ratio - double(kSectionHeaderBytes);
-          for (float x : E.coeffs[i]) sq += double(x) * x;
-          cnt += E.coeffs[i].size();
+          const std::vector<float>& d = E.coeffs[i];
+          for (uint32_t j = 0; j < ld; ++j) {
+            double a = 0;
+            for (uint32_t t = 0; t < n; ++t) a += double(d[size_t(j) * n + t]) * d[size_t(j) * n + t];
+            ms[j] += a;
+            sq += a;
+          }
+          cnt += d.size();
+          tokens += n;
         }
+        std::vector<float> own(ld);
+        for (uint32_t j = 0; j < ld; ++j) own[j] = float(ms[j] / double(std::max<uint64_t>(tokens, 1)));
+        const double own_bits = (target - double(mine.size()) * double(container::ecsq_fixed_bytes(ld))) * 8 / double(std::max<uint64_t>(tokens, 1));
         // Secant steps on log bytes against log2 step (nearly straight:
-        // the spectrum's rate falls ~1 bit per component per octave), first
-        // on every 4th token with the quick table choice from the
-        // spectrum model's step, then on all tokens, exact, from there: ~4
-        // quick and 2-3 exact estimates, the payloads within ~0.5% of the
-        // target. (A bisection on 10 steps cost ~2.5x as much: ~45% of the
-        // encoder's time on Qwen2.5 at 24x; bench/results/entropy.md.)
+        // -0.8 to -1.0 per octave measured at 8-128x), first on every 4th
+        // token with the quick table choice, from a guess by the cache's own
+        // spectrum, then on all tokens, exact: 1-3 quick and 1-2 exact
+        // estimates, the payloads within [-0.6%, +0.2%] of the target (a
+        // bisection from the calibration spectrum's step took ~17, ~45% of
+        // the encoder's time on Qwen2.5 at 24x; bench/results/entropy.md).
         const double rms = std::sqrt(sq / double(std::max<uint64_t>(cnt, 1)));
-        const double guess = model_step(tr.variance, std::floor(double(tr.p) * 16 / ratio));
+        const double guess = own_bits > 0 ? model_step(own, own_bits) : model_step(tr.variance, std::floor(double(tr.p) * 16 / ratio));
         const double lt = std::log(std::max(target, 1.0));
         // A point of the search: log2 step, log(bytes / target) and (exact
         // only) one past the last nonzero component there.
         struct Pt {
           double x, f;
           uint32_t last = 0;
+          std::vector<std::vector<uint8_t>> ids;
         };
+        // The quick estimate reads 0.5-2% under the exact one: it is aimed
+        // at -1%, so that the first exact estimate lands near the target.
         auto at = [&](double x, bool exact) {
-          Pt q{x, 0, 0};
-          q.f = std::log(measure(float(std::exp2(x)), &q.last, exact ? 1 : 4, !exact)) - lt;
+          Pt q{x, 0, 0, {}};
+          q.f = std::log(measure(float(std::exp2(x)), &q.last, exact ? 1 : 4, !exact, exact ? &q.ids : nullptr)) - lt + (exact ? 0.0 : 0.01);
           return q;
         };
-        // Secant steps from the last point (slope `sl`, log bytes per
-        // octave, until two points give one) until within `tol`; steps
-        // clamped to `clamp` octaves, a flat or rising segment falls back to
-        // a quarter-octave move the error's way.
-        auto secant = [&](std::vector<Pt>& seen, double sl, bool exact, double tol, int iters, double clamp) {
-          for (int it = 0; it < iters && std::fabs(seen.back().f) > tol; ++it) {
-            const Pt v = seen.back();
-            if (seen.size() >= 2) {
-              const Pt u = seen[seen.size() - 2];
+        // Secant steps from the last point of `pts` until its error is in
+        // [lo, hi], aiming at `aim`: the slope of the last two points where
+        // they give a falling one, else -0.9; moves clamped to `clamp`
+        // octaves.
+        auto secant = [&](std::vector<Pt>& pts, bool exact, double lo, double hi, double aim, int iters, double clamp) {
+          double sl = -0.9;
+          for (int it = 0; it < iters && (pts.back().f > hi || pts.back().f < lo); ++it) {
+            const Pt v = pts.back();
+            if (pts.size() >= 2) {
+              const Pt u = pts[pts.size() - 2];
               if (v.x != u.x && (v.f - u.f) / (v.x - u.x) < -1e-3) sl = (v.f - u.f) / (v.x - u.x);
             }
-            const double x = std::clamp(sl < -1e-3 ? v.x - v.f / sl : v.x + (v.f > 0 ? 0.25 : -0.25), v.x - clamp, v.x + clamp);
-            seen.push_back(at(x, exact));
+            pts.push_back(at(std::clamp(v.x - (v.f - aim) / sl, v.x - clamp, v.x + clamp), exact));
           }
-          return sl;
         };
-        const double x0 = std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20));
+        // The Gaussian model with rounding puts the step 0.47-0.69 octave
+        // too coarse on both models at 16-64x (the codes are heavier-tailed
+        // than Gaussian, the zero bin wider): started 0.55 finer.
+        const double x0 = std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20)) - 0.55;
         std::vector<Pt> quick{at(x0, false)};
-        // ~-1 bit per component per octave on ~1 bit per component: -0.7.
-        const double sl = secant(quick, -0.7, false, 0.01, 8, 2);
+        secant(quick, false, -0.006, 0.006, 0, 6, 2);
         std::vector<Pt> seen{at(quick.back().x, true)};
-        secant(seen, sl, true, 0.002, 4, 1);
+        secant(seen, true, -0.006, 0.002, -0.002, 4, 1);
         // Never over the target where the search can tell: the finest step
         // within it (0.2%), else the coarsest seen.
         const Pt* pick = nullptr;
@@ -281,6 +307,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
             if (!pick || q.x > pick->x) pick = &q;
         p.step = float(std::exp2(pick->x));
         picked_last = pick->last;
+        picked_ids = pick->ids;
       } else {
         p.step = 1;  // no coded tokens: nothing uses it
       }
@@ -288,6 +315,8 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         uint32_t last = picked_last;
         if (!mine.empty() && !picked_last) measure(p.step, &last);
         E.alloc[b][kv].blocks = {{0, std::max(last, 1u), QType::kNone}};  // still Coding::kEntropy
+        if (!picked_ids.empty())
+          for (size_t k = 0; k < mine.size(); ++k) E.ids[mine[k]] = std::move(picked_ids[k]);
       }
     }
   return E;
@@ -325,7 +354,8 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
       default: {
         if (is_ecsq(alloc[s.block][s.kv])) {
           detail::StageTimer st(ck, detail::kEntropy);
-          pl = container::ecsq_encode_chunk(ecsq.coeffs[i].data(), s.t1 - s.t0, r_used(alloc[s.block][s.kv].blocks), ecsq.param[s.block][s.kv]);
+          pl = container::ecsq_encode_chunk(ecsq.coeffs[i].data(), s.t1 - s.t0, r_used(alloc[s.block][s.kv].blocks), ecsq.param[s.block][s.kv],
+                                            ecsq.ids[i].empty() ? nullptr : ecsq.ids[i].data());
           level = 0;  // rANS output: DEFLATE finds nothing
           break;
         }

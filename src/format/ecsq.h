@@ -34,7 +34,9 @@ struct EcsqParams {
 
 // Codes n tokens of component-major coefficients d[j * n + t], j < ru (the
 // rows of a [ld][n] array with ld >= ru: its first ru components).
-std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p);
+// `chosen`: the ru table ids ecsq_estimate_bytes gave for the same d, n and
+// p with stride 1 and not quick (the same choice, not made again), or null.
+std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p, const uint8_t* chosen = nullptr);
 
 // The payload bytes ecsq_encode_chunk would write, from the same choices
 // and the tables' code lengths (the rANS overhead, < 0.1%, aside): what
@@ -42,9 +44,9 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, 
 // tokens 0, stride, 2 stride, ... only (the caller scales). `last_nonzero`,
 // when given, is raised to one past the last component with a nonzero code.
 // quick: fewer candidate tables (~1% more bytes, 3x faster): a search's
-// first steps.
+// first steps. `ids`, when given, receives the ru table ids chosen.
 double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p, uint32_t stride = 1, uint32_t* last_nonzero = nullptr,
-                           bool quick = false);
+                           bool quick = false, uint8_t* ids = nullptr);
 
 // Decodes a payload of `len` bytes into d[t * ru + j] for the n tokens, or
 // d[j * n + t] with component_major (the stream's order: no transpose).

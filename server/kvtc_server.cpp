@@ -284,8 +284,10 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "                         every value on disk and in Redis is authenticated (HMAC-SHA256) and bound to its key; one\n"
           "                         written without the secret is dropped, never served; keys cannot be computed without it\n"
           "--kvtc-encrypt           ... and encrypted at rest (AES-256-GCM): disk and Redis hold no readable tokens or KV\n"
-          "--kvtc-ecsq              entropy-coded pieces (one step rate-controlled to --kvtc-ratio, rANS; docs/format.md version 2)\n"
-          "                         instead of the DP allocation with DEFLATE\n"
+          "--kvtc-dp                the DP allocation with DEFLATE (container version 1) instead of entropy-coded pieces (the\n"
+          "                         default: one step rate-controlled to --kvtc-ratio, rANS, docs/format.md version 2; ~20%\n"
+          "                         fewer bytes at equal error); sliding-window (iSWA) models' pieces are DP-coded either way\n"
+          "--kvtc-ecsq              entropy-coded pieces, the default (refused where they cannot be: iSWA models, --kvtc-dp)\n"
           "--kvtc-raw               store raw f16 pieces through the same tiers, uncompressed (a baseline for benchmarks)\n"
           "--kvtc-no-prefetch       restore on the server loop, as before restores moved to the request's thread (a baseline for\n"
           "                         benchmarks: every slot pauses while one restores)\n"
@@ -302,8 +304,12 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       p.prefetch = false;
       continue;
     }
-    if (a == "--kvtc-raw" || a == "--kvtc-ecsq" || a == "--kvtc-encrypt" || a == "--kvtc-tenant-from-api-key") {  // the flags without a value
-      (a == "--kvtc-raw" ? p.raw : a == "--kvtc-ecsq" ? p.ecsq : a == "--kvtc-encrypt" ? p.encrypt : p.tenant_from_api_key) = true;
+    if (a == "--kvtc-raw" || a == "--kvtc-ecsq" || a == "--kvtc-dp" || a == "--kvtc-encrypt" || a == "--kvtc-tenant-from-api-key") {  // no value
+      (a == "--kvtc-raw"       ? p.raw
+       : a == "--kvtc-ecsq"    ? p.ecsq
+       : a == "--kvtc-dp"      ? p.dp
+       : a == "--kvtc-encrypt" ? p.encrypt
+                               : p.tenant_from_api_key) = true;
       continue;
     }
     const size_t eq = a.find('=');
@@ -392,7 +398,7 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
               "--kvtc-disk-mib, "
               "--kvtc-pending-mib, --kvtc-threads, --kvtc-window, "
               "--kvtc-redis, --kvtc-redis-cluster, --kvtc-redis-ttl, --kvtc-redis-user, --kvtc-redis-password-file, --kvtc-secret-file, "
-              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-raw, --kvtc-no-prefetch, --kvtc-restore-max-cost, --kvtc-tenant-from-api-key)";
+              "--kvtc-encrypt, --kvtc-ecsq, --kvtc-dp, --kvtc-raw, --kvtc-no-prefetch, --kvtc-restore-max-cost, --kvtc-tenant-from-api-key)";
         return false;
       }
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
@@ -710,7 +716,10 @@ std::unique_ptr<kvtc::PromptStore> open_store(const kvtc_prompt_cache::impl& I, 
   const kvtc::StoreStats s = store->stats();
   const double global = kvtc::global_ratio_of(I.geom, o);
   if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
-  if (o.entropy_coded) SRV_INF("%s\n", "kvtc: --kvtc-ecsq: pieces are entropy-coded (container version 2)");
+  if (!o.raw)
+    SRV_INF("%s\n", o.entropy_coded && I.geom.blocks.size() == 1
+                        ? "kvtc: pieces are entropy-coded (container version 2; --kvtc-dp: the DP allocation with DEFLATE)"
+                        : "kvtc: pieces are DP-coded with DEFLATE (container version 1)");
   SRV_INF(
       "kvtc: prompt cache compressed %.4gx%s with %s (calibration %.16s, store %.16s); RAM budget %.0f MiB; pending budget %.0f MiB; disk tier "
       "%s%s\n",
@@ -868,7 +877,11 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     if (geom.blocks.size() == 1 && cfg.global_ratio > 0)
       return refuse("--kvtc-ratio-global is for sliding-window (iSWA) models; this model's cache is one block: use --kvtc-ratio");
     o.raw = cfg.raw;
-    o.entropy_coded = cfg.ecsq;
+    if (cfg.ecsq && (cfg.dp || cfg.raw))
+      return refuse(std::string("--kvtc-ecsq and ") + (cfg.dp ? "--kvtc-dp" : "--kvtc-raw") + " exclude each other");
+    if (cfg.ecsq && geom.blocks.size() > 1)
+      return refuse("--kvtc-ecsq: a sliding-window (iSWA) model's pieces are DP-coded (entropy-coded pieces are for single-block caches)");
+    o.entropy_coded = !cfg.dp;
     o.ram_bytes = cache_ram_mib > 0 ? uint64_t(cache_ram_mib) << 20 : 0;
     o.disk_dir = cfg.disk;
     o.disk_bytes = uint64_t(cfg.disk_mib) << 20;

@@ -36,7 +36,8 @@ struct kvtc_server_params {
   int threads = 1;                         // --kvtc-threads N: compression threads beside inference
   int window = 128;                        // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
   bool raw = false;                        // --kvtc-raw: store raw f16 through the same tiers (a benchmark baseline)
-  bool ecsq = false;                       // --kvtc-ecsq: entropy-coded pieces (container version 2)
+  bool ecsq = false;                       // --kvtc-ecsq: entropy-coded pieces (container version 2), the default, asked for explicitly
+  bool dp = false;                         // --kvtc-dp: the DP allocation with DEFLATE (container version 1) instead
   std::string redis;                       // --kvtc-redis redis://HOST:PORT[/DB]: the shared tier on one Redis
   std::vector<std::string> redis_cluster;  // --kvtc-redis-cluster HOST:PORT,...: ... or on a Redis Cluster
   int64_t redis_ttl_s = -1;                // --kvtc-redis-ttl S: every Redis key's time to live (0: none; -1: the store's default, a day)

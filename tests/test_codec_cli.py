@@ -110,7 +110,7 @@ class Codec(unittest.TestCase):
 
     def test_round_trip_ratio_and_error(self):
         out = self.path("c16.kvtc")
-        s = self.compress(16, out)
+        s = self.compress(16, out, "--coding", "dp")
         self.assertLessEqual(s["bytes"], s["bound_bytes"])
         self.assertEqual(s["bytes"], os.path.getsize(out))
         self.assertEqual(s["compressed_tokens"], 700 - 4 - 128)
@@ -226,10 +226,11 @@ class Codec(unittest.TestCase):
         control was asked for, less error than the DP at the ratio the DP
         reaches, raw tokens exact, append, restore into llama.cpp, and
         errors for options that need it."""
-        dp = self.compress(16, self.path("dp16.kvtc"))
+        dp = self.compress(16, self.path("dp16.kvtc"), "--coding", "dp")
         out = self.path("e.kvtc")
         target = dp["ratio_compressed_tokens"]
-        s = self.compress(target, out, "--coding", "ecsq")
+        s = self.compress(target, out)  # the default
+        self.assertEqual(s["coding"], "ecsq")
         self.assertEqual((s["container_version"], s["coding"], s["entropy_backend"]), (2, "ecsq", "rans"))
         self.assertLessEqual(s["bytes"], s["bound_bytes"])
         self.assertAlmostEqual(s["ratio_compressed_tokens"], target, delta=0.02 * target)  # rate control
@@ -237,9 +238,13 @@ class Codec(unittest.TestCase):
         d = json.loads(run("decompress", self.path("dp16.kvtc"), "--calib", self.cal, "--reference", self.cap, "--json", check=0).stdout)
         self.assertEqual(e["entropy_backend"], "rans")
         # At the DP's own measured ratio the entropy-coded mode errs less on
-        # keys and on values (bench/results/entropy.md measures by how much).
+        # keys (bench/results/entropy.md measures by how much on full
+        # calibrations). Values: this calibration keeps 512 of 5,760
+        # components and V's error is what the other 5,248 leave, the same
+        # for both (measured ecsq 0.149328 / 0.149330, DP 0.149328 /
+        # 0.149468 on two builds): within 0.1%.
         self.assertLess(e["rel_error_k"], d["rel_error_k"])
-        self.assertLess(e["rel_error_v"], d["rel_error_v"])
+        self.assertLess(e["rel_error_v"], 1.001 * d["rel_error_v"])
         dec = self.path("e.safetensors")
         run("decompress", out, "--calib", self.cal, "-o", dec, check=0)
         for name in ("k", "v"):
@@ -267,7 +272,8 @@ class Codec(unittest.TestCase):
         self.assertEqual((info["version"], info["tokens"]), (2, 664))
         g = json.loads(run("decompress", box, "--calib", self.cal, "--reference", grown, "--json", check=0).stdout)
         self.assertLess(g["rel_error_v"], 2 * e["rel_error_v"])
-        self.assertFails(run("compress", self.cap, "--calib", self.cal, "--step", "0.1", "-o", self.path("x.kvtc")), "need --coding ecsq")
+        self.assertFails(run("compress", self.cap, "--calib", self.cal, "--coding", "dp", "--step", "0.1", "-o", self.path("x.kvtc")),
+                         "need --coding ecsq")
         p = run("compress", self.cap, "--calib", self.cal, "--coding", "ecsq", "--rounding", "0.7", "-o", self.path("x.kvtc"))
         self.assertGreater(p.returncode, 0)
         self.assertIn("--rounding", p.stderr)

@@ -187,7 +187,7 @@ class KvtcServerSwa(unittest.TestCase):
 
     def test_what_is_not_supported_yet_is_refused_at_start(self):
         for args, why in ((["--kvtc-calib", "auto"], "does not learn sliding-window"),
-                          (["--kvtc-calib", self.cal, "--kvtc-ecsq"], "entropy-coded mode codes single-block caches only")):
+                          (["--kvtc-calib", self.cal, "--kvtc-ecsq"], "a sliding-window (iSWA) model's pieces are DP-coded")):
             s = Server(SERVER, GEMMA, ["--cache-ram", "64", *args], os.path.join(self.tmp, "refused.log"))
             self.assertNotEqual(s.wait_exit(120), 0)
             self.assertIn(why, s.log())

@@ -41,9 +41,11 @@ fs::path tmp(const std::string& name) {
   return p;
 }
 
-// As in test_store.cpp: 64-token chunks, sink 4, window 32, ratio 8, f32.
+// As in test_store.cpp: 64-token chunks, sink 4, window 32, ratio 8, f32,
+// DP pieces (exact comparisons with whole_roundtrip).
 StoreOptions small() {
   StoreOptions o;
+  o.entropy_coded = false;
   o.ratio = 8;
   o.chunk_tokens = 64;
   o.sink = 4;

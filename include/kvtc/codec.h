@@ -80,7 +80,7 @@ struct CompressOptions {
   // step are dropped: mostly zeros, they cost little in bytes but their
   // basis rows cost the projection as much as any (0: keep every one). 0.7
   // decodes at 0.88-1.01x the DP's time at equal error on Qwen2.5-1.5B and
-  // SmolLM2 for 20-25% fewer bytes; 0.5 saved ~4 points more but decoded
+  // SmolLM2 for ~20% fewer bytes; 0.5 saved ~4 points more but decoded
   // at 0.98-1.11x (bench/results/entropy.md).
   double ecsq_step = 0;
   double ecsq_rounding = 0.35;

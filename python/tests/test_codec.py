@@ -90,13 +90,14 @@ def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
     # A fixed step instead of rate control; options that need ecsq refused.
     assert len(cal.compress(k, v, pos, coding="ecsq", step=0.02)) > len(cal.compress(k, v, pos, coding="ecsq", step=0.2))
     with pytest.raises(kvtc.Error, match="coding='ecsq' only"):
-        cal.compress(k, v, pos, step=0.1)
+        cal.compress(k, v, pos, coding="dp", step=0.1)
     with pytest.raises(kvtc.Error, match="expected 'dp' or 'ecsq'"):
         cal.compress(k, v, pos, coding="huffman")
     with pytest.raises(kvtc.Error, match="joint=True"):
         cal.compress(k, v, pos, coding="ecsq", joint=True)
-    # The prompt store in the entropy-coded mode: its own fingerprint.
-    assert kvtc.PromptStore(cal, entropy_coded=True).fingerprint != kvtc.PromptStore(cal).fingerprint
+    # The prompt store: entropy-coded by default, the DP store another fingerprint.
+    assert kvtc.PromptStore(cal, entropy_coded=True).fingerprint == kvtc.PromptStore(cal).fingerprint
+    assert kvtc.PromptStore(cal, entropy_coded=False).fingerprint != kvtc.PromptStore(cal).fingerprint
 
 
 def test_clean_errors(cal, cap, smol_calibration):
@@ -139,7 +140,10 @@ def test_clean_errors(cal, cap, smol_calibration):
     with pytest.raises(kvtc.Error, match="no such file|cannot open|No such"):
         kvtc.Calibration.load(os.path.join(GOLDEN, "missing.safetensors"))
     dec_only = kvtc.Calibration.load(smol_calibration, decoder_only=True)
-    assert "decoder_only" in error(dec_only.compress, k, v, pos)
+    # The DP needs the allocation tables decoder_only skips; the entropy-coded
+    # default needs only the spectrum, which it keeps.
+    assert "decoder_only" in error(dec_only.compress, k, v, pos, coding="dp")
+    assert dec_only.decompress(dec_only.compress(k, v, pos))[0].shape == k.shape
     assert dec_only.decompress(data)[0].shape == k.shape
     assert "state" in error(kvtc.state_layout, b"\x01\x02")
 

@@ -236,7 +236,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         // coefficients) for the search's first guess: the calibration's is
         // not the cache's (its guess was 0.5-0.8 octave off, and by more or
         // less per model and ratio), which cost ~2 more estimates.
-        double target = 0, sq = 0;
+        double target = 0, sq = 0, maxabs = 0;
         uint64_t cnt = 0, tokens = 0;
         std::vector<double> ms(ld, 0.0);
         for (size_t i : mine) {
@@ -245,7 +245,10 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
           const std::vector<float>& d = E.coeffs[i];
           for (uint32_t j = 0; j < ld; ++j) {
             double a = 0;
-            for (uint32_t t = 0; t < n; ++t) a += double(d[size_t(j) * n + t]) * d[size_t(j) * n + t];
+            for (uint32_t t = 0; t < n; ++t) {
+              a += double(d[size_t(j) * n + t]) * d[size_t(j) * n + t];
+              maxabs = std::max(maxabs, double(std::fabs(d[size_t(j) * n + t])));
+            }
             ms[j] += a;
             sq += a;
           }
@@ -265,6 +268,14 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         const double rms = std::sqrt(sq / double(std::max<uint64_t>(cnt, 1)));
         const double guess = own_bits > 0 ? model_step(own, own_bits) : model_step(tr.variance, std::floor(double(tr.p) * 16 / ratio));
         const double lt = std::log(std::max(target, 1.0));
+        // No step finer than max |d| / 2^20: codes stay far from the 2^24
+        // clamp, and quantization noise far under any error that matters. A
+        // target more bytes than that spends (few components for the ratio:
+        // a 64-component calibration at 16x needs ~90 bits per code) is not
+        // met: the file is smaller, its error the dropped components'. (The
+        // search once went on to clamped codes there: error 0.40 for the
+        // DP's 0.15.)
+        const double xmin = maxabs > 0 ? std::log2(maxabs) - 20 : -1e300;
         // A point of the search: log2 step, log(bytes / target) and (exact
         // only) one past the last nonzero component there.
         struct Pt {
@@ -291,13 +302,15 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
               const Pt u = pts[pts.size() - 2];
               if (v.x != u.x && (v.f - u.f) / (v.x - u.x) < -1e-3) sl = (v.f - u.f) / (v.x - u.x);
             }
-            pts.push_back(at(std::clamp(v.x - (v.f - aim) / sl, v.x - clamp, v.x + clamp), exact));
+            const double x = std::max(xmin, std::clamp(v.x - (v.f - aim) / sl, v.x - clamp, v.x + clamp));
+            if (x == v.x) break;  // at the finest step and still under the target
+            pts.push_back(at(x, exact));
           }
         };
         // The Gaussian model with rounding puts the step 0.47-0.69 octave
         // too coarse on both models at 16-64x (the codes are heavier-tailed
         // than Gaussian, the zero bin wider): started 0.55 finer.
-        const double x0 = std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20)) - 0.55;
+        const double x0 = std::max(xmin, std::log2(std::isfinite(guess) && guess > 0 ? guess : std::max(rms, 1e-20)) - 0.55);
         std::vector<Pt> quick{at(x0, false)};
         secant(quick, false, -0.006, 0.006, 0, 6, 2);
         std::vector<Pt> seen{at(quick.back().x, true)};

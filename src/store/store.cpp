@@ -255,19 +255,19 @@ double global_ratio_of(const CacheGeometry& g, const StoreOptions& o) {
 PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt) : impl_(std::make_unique<Impl>()) {
   Impl& I = *impl_;
   container::check_geometry(g, cal, "kvtc store");
-  require(!(opt.entropy_coded && g.blocks.size() > 1),
-          "kvtc store: the entropy-coded mode codes single-block caches only; this sliding-window (iSWA) model keeps " +
-              std::to_string(g.blocks.size()) + " blocks: use the DP mode");
   require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
           "kvtc store: chunk_tokens must be a multiple of 16 in [16, 65536], got " + std::to_string(opt.chunk_tokens));
   require(opt.sink <= opt.chunk_tokens, "kvtc store: sink must not exceed chunk_tokens");
   require(opt.ratio >= 1 && opt.ratio <= 4096, "kvtc store: ratio must be in [1, 4096]");
   require(opt.deflate_level >= 0 && opt.deflate_level <= 12, "kvtc store: deflate_level must be 0..12");
-  require(!(opt.raw && opt.entropy_coded), "kvtc store: raw and entropy_coded exclude each other");
   require(opt.global_ratio == 0 || (opt.global_ratio >= 1 && opt.global_ratio <= 4096), "kvtc store: global_ratio must be 0 or in [1, 4096]");
   require(opt.global_ratio == 0 || g.blocks.size() > 1,
           "kvtc store: global_ratio is for sliding-window (iSWA) models, whose global layers are block 0; this model keeps one block: use ratio");
-  AllocationSet alloc = opt.entropy_coded ? ecsq_allocation_set(cal, opt.ratio) : allocation_set(cal, opt.ratio);
+  // Entropy-coded pieces for single-block caches: the iSWA pieces (issue
+  // 31) were built and measured with the DP's allocation only, so those stay
+  // DP; raw pieces are raw.
+  const bool ecsq = opt.entropy_coded && !opt.raw && g.blocks.size() == 1;
+  AllocationSet alloc = ecsq ? ecsq_allocation_set(cal, opt.ratio) : allocation_set(cal, opt.ratio);
   const double global = global_ratio_of(g, opt);
   if (global > 0 && global != opt.ratio) alloc[0] = allocation_set(cal, global)[0];
   SchemeFields f;
@@ -275,7 +275,7 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   f.calibration_id = cal.id;
   f.container_version = container::container_version(alloc);
   f.chunk_tokens = opt.chunk_tokens;
-  f.ratio = opt.raw ? "raw" : ratio_key(opt.ratio) + (opt.entropy_coded ? "-ecsq" : "");
+  f.ratio = opt.raw ? "raw" : ratio_key(opt.ratio) + (ecsq ? "-ecsq" : "");
   f.sink = opt.sink;
   f.window = opt.window;
   f.kv_settings = opt.kv_settings.text();

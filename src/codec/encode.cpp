@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
 
 #include "codec/features.h"
 #include "codec/project.h"
@@ -236,8 +237,8 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         // coefficients) for the search's first guess: the calibration's is
         // not the cache's (its guess was 0.5-0.8 octave off, and by more or
         // less per model and ratio), which cost ~2 more estimates.
-        double target = 0, sq = 0, maxabs = 0;
-        uint64_t cnt = 0, tokens = 0;
+        double target = 0, maxabs = 0;
+        uint64_t tokens = 0;
         std::vector<double> ms(ld, 0.0);
         for (size_t i : mine) {
           const uint32_t n = plan[i].t1 - plan[i].t0;
@@ -250,9 +251,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
               maxabs = std::max(maxabs, double(std::fabs(d[size_t(j) * n + t])));
             }
             ms[j] += a;
-            sq += a;
           }
-          cnt += d.size();
           tokens += n;
         }
         std::vector<float> own(ld);
@@ -265,7 +264,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         // estimates, the payloads within [-0.6%, +0.2%] of the target (a
         // bisection from the calibration spectrum's step took ~17, ~45% of
         // the encoder's time on Qwen2.5 at 24x; bench/results/entropy.md).
-        const double rms = std::sqrt(sq / double(std::max<uint64_t>(cnt, 1)));
+        const double rms = std::sqrt(std::accumulate(ms.begin(), ms.end(), 0.0) / double(std::max<uint64_t>(tokens * ld, 1)));
         const double guess = own_bits > 0 ? model_step(own, own_bits) : model_step(tr.variance, std::floor(double(tr.p) * 16 / ratio));
         const double lt = std::log(std::max(target, 1.0));
         // No step finer than max |d| / 2^20: codes stay far from the 2^24
@@ -297,9 +296,9 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         auto secant = [&](std::vector<Pt>& pts, bool exact, double lo, double hi, double aim, int iters, double clamp) {
           double sl = -0.9;
           for (int it = 0; it < iters && (pts.back().f > hi || pts.back().f < lo); ++it) {
-            const Pt v = pts.back();
+            const Pt& v = pts.back();  // (the push below is the last use)
             if (pts.size() >= 2) {
-              const Pt u = pts[pts.size() - 2];
+              const Pt& u = pts[pts.size() - 2];
               if (v.x != u.x && (v.f - u.f) / (v.x - u.x) < -1e-3) sl = (v.f - u.f) / (v.x - u.x);
             }
             const double x = std::max(xmin, std::clamp(v.x - (v.f - aim) / sl, v.x - clamp, v.x + clamp));
@@ -317,15 +316,15 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         secant(seen, true, -0.006, 0.002, -0.002, 4, 1);
         // Never over the target where the search can tell: the finest step
         // within it (0.2%), else the coarsest seen.
-        const Pt* pick = nullptr;
-        for (const Pt& q : seen)
+        Pt* pick = nullptr;
+        for (Pt& q : seen)
           if (q.f <= 0.002 && (!pick || q.x < pick->x)) pick = &q;
         if (!pick)
-          for (const Pt& q : seen)
+          for (Pt& q : seen)
             if (!pick || q.x > pick->x) pick = &q;
         p.step = float(std::exp2(pick->x));
         picked_last = pick->last;
-        picked_ids = pick->ids;
+        picked_ids = std::move(pick->ids);
       } else {
         p.step = 1;  // no coded tokens: nothing uses it
       }

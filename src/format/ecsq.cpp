@@ -22,10 +22,19 @@ const uint16_t kFreq[kTables][kNSym] = {
 #include "format/ecsq_tables.inc"
 };
 
+// floor(log2(v)) for v >= 1.
+inline uint32_t ilog2(uint32_t v) {
+  return 31u - uint32_t(__builtin_clz(v));
+}
+// Bits of an escaped value u: the escape symbol, 5 bits of length, the
+// length's bits of u + 1 below its leading one.
+inline float escaped_extra_bits(uint32_t u) {
+  return float(5 + ilog2(u + 1));
+}
+
 struct Tables {
   uint16_t cum[kTables][kNSym + 1];
   uint8_t lut[kTables][kTotal];  // slot -> symbol
-  uint32_t fc[kTables][kNSym];   // frequency | cumulative frequency << 16 (one load per decoded symbol)
   float cost[kTables][kNSym];    // bits of symbol u coded directly; +inf where it must be escaped
   float esc[kTables];            // bits of the escape symbol alone
   double costx[kTables][kNSym];  // bits of symbol u < 63 either way: coded, or escaped (escape, length, value)
@@ -42,13 +51,12 @@ const Tables& tables() {
       T->cum[k][0] = 0;
       for (uint32_t u = 0; u < kNSym; ++u) {
         T->cum[k][u + 1] = uint16_t(T->cum[k][u] + kFreq[k][u]);
-        T->fc[k][u] = uint32_t(kFreq[k][u]) | uint32_t(T->cum[k][u]) << 16;
         for (uint32_t s = T->cum[k][u]; s < T->cum[k][u + 1]; ++s) T->lut[k][s] = uint8_t(u);
         T->cost[k][u] = kFreq[k][u] && u != kEsc ? float(kScaleBits - std::log2(double(kFreq[k][u]))) : std::numeric_limits<float>::infinity();
       }
       T->esc[k] = float(kScaleBits - std::log2(double(kFreq[k][kEsc])));
       for (uint32_t u = 0; u < kNSym; ++u)
-        T->costx[k][u] = std::isinf(T->cost[k][u]) ? double(T->esc[k]) + double(5 + (31u - uint32_t(__builtin_clz(u + 1)))) : double(T->cost[k][u]);
+        T->costx[k][u] = std::isinf(T->cost[k][u]) ? double(T->esc[k]) + double(escaped_extra_bits(u)) : double(T->cost[k][u]);
       for (uint32_t slot = 0; slot < kTotal; ++slot) {
         const uint32_t u = T->lut[k][slot];
         T->dec[k][slot] = uint32_t(kFreq[k][u]) | (slot - T->cum[k][u]) << 13 | u << 25;
@@ -74,16 +82,6 @@ inline uint32_t zigzag(int32_t h) {
 inline int32_t unzigzag(uint32_t u) {
   return (u & 1) ? -int32_t(u >> 1) - 1 : int32_t(u >> 1);
 }
-// floor(log2(v)) for v >= 1.
-inline uint32_t ilog2(uint32_t v) {
-  return 31u - uint32_t(__builtin_clz(v));
-}
-// Bits of an escaped value u: the escape symbol, 5 bits of length, the
-// length's bits of u + 1 below its leading one.
-inline float escaped_extra_bits(uint32_t u) {
-  return float(5 + ilog2(u + 1));
-}
-
 inline int32_t quantize(float x, float inv_step, float rounding) {
   const float a = std::fabs(x) * inv_step + rounding;
   const int32_t m = a >= float(kMaxCode) ? kMaxCode : int32_t(a);
@@ -199,9 +197,6 @@ void check_params(const EcsqParams& p) {
 struct Event {
   uint16_t start, freq;
 };
-inline Event event(uint32_t start, uint32_t freq) {
-  return {uint16_t(start), uint16_t(freq)};
-}
 // ceil(2^44 / f) for f = 1..4096: the encoder's division by a multiply.
 const uint64_t* reciprocals() {
   static const std::vector<uint64_t> r = [] {
@@ -226,7 +221,7 @@ void bypass(std::vector<Event>& ev, uint32_t v, uint32_t k) {
     const uint32_t w = (k - 1) % kScaleBits + 1;  // the top piece takes the remainder
     k -= w;
     const uint32_t piece = (v >> k) & ((1u << w) - 1);
-    ev.push_back(event(piece << (kScaleBits - w), 1u << (kScaleBits - w)));
+    ev.push_back({uint16_t(piece << (kScaleBits - w)), uint16_t(1u << (kScaleBits - w))});
   }
 }
 
@@ -349,9 +344,9 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, 
     for (uint32_t t = 0; t < n; ++t) {
       const uint32_t u = zigzag(qc[t] >> b);
       if (u < kEsc && kFreq[k][u]) {
-        ev.push_back(event(T.cum[k][u], kFreq[k][u]));
+        ev.push_back({T.cum[k][u], kFreq[k][u]});
       } else {
-        ev.push_back(event(T.cum[k][kEsc], kFreq[k][kEsc]));
+        ev.push_back({T.cum[k][kEsc], kFreq[k][kEsc]});
         const uint32_t nb = ilog2(u + 1);
         bypass(ev, nb, 5);
         bypass(ev, (u + 1) & ((1u << nb) - 1), nb);

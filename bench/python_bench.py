@@ -137,7 +137,7 @@ def workload(a, kind, budget):
     llm = llama_cpp.Llama(SMOL, n_ctx=a.n_ctx, n_threads=a.threads or os.cpu_count(), seed=1, verbose=False)
     cache = None
     if kind == "kvtc":
-        cache = KvtcCache(a.calib, llm, capacity_bytes=budget, ratio=16)
+        cache = KvtcCache(a.calib, llm, capacity_bytes=budget, ratio=16, entropy_coded=False)  # the DP, as python.md measured
     elif kind == "ram":
         cache = CountingRAMCache(budget)
     if cache is not None:

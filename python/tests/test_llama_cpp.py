@@ -501,3 +501,16 @@ def test_a_calibration_learned_from_the_prompts_served(kept, work):
         r.stop()
     with pytest.raises(kvtc.Error, match="raw=True stores f16"):
         KvtcCache("auto", make_llm(), raw=True)
+
+
+def test_entropy_coded_pieces_by_default_and_the_dp_on_request(smol_calibration):
+    # KvtcCache's store codes entropy-coded pieces unless entropy_coded=False
+    # asks for the DP's: two stores (fingerprints), the default the first.
+    llm = make_llm()
+    fp = {}
+    for e in (True, False):
+        with KvtcCache(smol_calibration, llm, entropy_coded=e) as cache:
+            fp[e] = cache._store.fingerprint
+    assert fp[True] != fp[False]
+    with KvtcCache(smol_calibration, llm) as cache:
+        assert cache._store.fingerprint == fp[True]

@@ -30,6 +30,7 @@
 #include "cuda/quant.cuh"
 #include "cuda/rope_gather.cuh"
 #include "cuda/testing.h"
+#include "format/ecsq.h"
 #include "format/plan.h"
 #include "format/quantizers.h"
 #include "kvtc/cuda.h"
@@ -399,6 +400,79 @@ TEST(CudaHost, TheSharedContainerCodeReadsWhatItWrites) {
   Calibration other = cal;
   other.id = "0000";
   EXPECT_THROW(container::plan_decode(P, other, "x"), Error);
+}
+
+TEST(CudaHost, EntropyCodedChunksDecodeIntoTheJobPlane) {
+  // The GPU decoder's entropy-coded path (issue 32 item 6): the host threads
+  // rANS-decode each chunk with the CPU's decoder into its job's
+  // component-major plane [ru][ld] at its rows; the device then projects.
+  // Checked here against ecsq_decode_chunk itself, in f32 (exact) and in
+  // the 16-bit GEMM types (rounded to nearest even).
+  const KvCapture c = make_capture(203, "norm", 71);
+  const Calibration cal = make_calibration(c, false);
+  const AllocationSet al = ecsq_allocation_set(cal, 6);
+  const std::vector<uint8_t> bytes = compress(c, cal, al, small_opts(0));
+  const container::Parsed P = container::parse(bytes, "t.kvtc", 2);
+  const container::DecodePlan D = container::plan_decode(P, cal, "t.kvtc");
+  ASSERT_EQ(container::container_version(D.H.alloc), 2u);
+  for (uint32_t kv = 0; kv < 2; ++kv) {
+    std::vector<const container::Section*> chunks;
+    for (const container::Section& s : D.kv_sections)
+      if (s.kind == container::kChunk && s.kv == kv) chunks.push_back(&s);
+    ASSERT_GE(chunks.size(), 3u);  // 203 - 4 sink - 24 window tokens in 32-token chunks
+    std::sort(chunks.begin(), chunks.end(), [](auto* a, auto* b) { return a->t0 < b->t0; });
+    const uint32_t ru = D.r_used[0][kv];
+    ASSERT_GT(ru, 0u);
+    uint32_t rows = 0;
+    for (auto* s : chunks) rows += s->t1 - s->t0;
+    const size_t ld = cuda::round_up(rows, 16);
+    std::vector<float> plane(ru * ld, -7.0f), scratch;
+    std::vector<uint16_t> bf(ru * ld, 0xdead), hf(ru * ld, 0xdead);
+    uint32_t row0 = 0;
+    std::vector<std::vector<float>> ref;
+    for (auto* s : chunks) {
+      const std::vector<uint8_t> pl = container::payload(*s, "t.kvtc");
+      const uint32_t n = s->t1 - s->t0;
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), row0, n, ru, plane.data(), ld, cuda::ElemType::kF32, "t", scratch);
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), row0, n, ru, bf.data(), ld, cuda::ElemType::kBf16, "t", scratch);
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), row0, n, ru, hf.data(), ld, cuda::ElemType::kF16, "t", scratch);
+      std::vector<float> d(size_t(n) * ru);
+      container::ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(), "t", false);  // token-major d[t * ru + j]
+      for (uint32_t t = 0; t < n; ++t)
+        for (uint32_t j = 0; j < ru; ++j) {
+          const float x = d[size_t(t) * ru + j];
+          const size_t at = size_t(j) * ld + row0 + t;
+          ASSERT_EQ(plane[at], x) << "component " << j << " row " << row0 + t;
+          ASSERT_EQ(bf[at], cuda::f32_to_bf16(x));
+          ASSERT_EQ(hf[at], f32_to_f16(x));
+          if (x != 0.0f) {
+            ASSERT_NEAR(f16_to_f32(hf[at]), x, std::abs(x) * 0x1p-11f + 0x1p-24f);
+          }
+        }
+      row0 += n;
+    }
+    // Rows past the job's are the plane's padding: left as they were.
+    for (uint32_t j = 0; j < ru; ++j)
+      for (size_t r = rows; r < ld; ++r) ASSERT_EQ(plane[j * ld + r], -7.0f);
+    // A damaged stream is an Error naming the chunk (the CPU decoder's checks).
+    std::vector<uint8_t> pl = container::payload(*chunks[1], "t.kvtc");
+    pl.resize(container::ecsq_fixed_bytes(ru) - 1);
+    try {
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), 0, chunks[1]->t1 - chunks[1]->t0, ru, plane.data(), ld, cuda::ElemType::kF32,
+                                "t.kvtc: chunk section (block 0 K, tokens 36..68)", scratch);
+      FAIL() << "a truncated entropy-coded chunk was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("t.kvtc: chunk section"), std::string::npos) << e.what();
+    }
+  }
+  // bf16 rounding: nearest, ties to even, NaN quiet, overflow to inf.
+  EXPECT_EQ(cuda::f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(cuda::f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);      // tie, even stays
+  EXPECT_EQ(cuda::f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);  // tie, odd rounds up
+  EXPECT_EQ(cuda::f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);
+  EXPECT_EQ(cuda::f32_to_bf16(-2.0f), 0xc000);
+  EXPECT_EQ(cuda::f32_to_bf16(3.4e38f), 0x7f80);
+  EXPECT_EQ(cuda::f32_to_bf16(std::nanf("")) & 0x7fc0, 0x7fc0);
 }
 
 TEST(CudaHost, AvailabilityAndPrecisionModes) {
@@ -782,6 +856,64 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
   const AppendResult ar = append(batch[0], grown, cal, "gpu.kvtc");
   EXPECT_GT(ar.kept_bytes, 0u);
   EXPECT_EQ(cpu_decode(ar.bytes, cal, "appended").blocks[0].n_tokens(), 212u);
+}
+
+TEST(CudaCodecTest, EntropyCodedContainersDecode) {
+  REQUIRE_GPU();
+  // Container version 2 (the CPU's default since issue 32) decodes on the
+  // GPU: the host rANS-decodes, the device projects. Same container, two
+  // decoders: in f32 only GEMM summation order and RoPE ulps differ; the
+  // 16-bit modes within the DP's tolerances. Encoding stays CPU-only.
+  const KvCapture c = make_capture(331, "neox", 81, true, true);
+  const Calibration cal = make_calibration(c, false);
+  const AllocationSet al = ecsq_allocation_set(cal, 6);
+  const CompressOptions o = small_opts(0);
+  const std::vector<uint8_t> bytes = compress(c, cal, al, o);
+  ASSERT_EQ(container::parse(bytes, "v2", 2).version, 2u) << "expected a version-2 container";
+  const KvCapture ref = cpu_decode(bytes, cal, "cpu");
+  const ReconError ec = reconstruction_error(c, ref, o.sink, o.window);
+  for (Precision g : {Precision::kF32, Precision::kTF32, Precision::kBF16, Precision::kF16}) {
+    DecompressOptions dg;
+    dg.precision = g;
+    CodecStats st;
+    dg.stats = &st;
+    const KvCapture back = decompress_cuda(bytes, cal, "v2.kvtc", dg);
+    EXPECT_EQ(st.entropy_backend, "rans-host") << precision_name(g);
+    EXPECT_GT(st.entropy_ms, 0.0) << precision_name(g);
+    const ReconError e = reconstruction_error(c, back, o.sink, o.window);
+    const double tol = g == Precision::kF32 ? 0.02 : g == Precision::kTF32 ? 0.05 : 0.25;
+    EXPECT_NEAR(e.k, ec.k, tol * ec.k + 1e-7) << precision_name(g);
+    EXPECT_NEAR(e.v, ec.v, tol * ec.v + 1e-7) << precision_name(g);
+    if (g == Precision::kF32) expect_close_f16(ref, back, "version-2 container decoded on CPU and GPU", 4);
+  }
+  // Batched with a DP container: each equals its CPU decode.
+  const std::vector<uint8_t> dp = compress(c, cal, make_alloc_set(c), small_opts(6));
+  CudaCodec codec(cal);
+  DecompressOptions d32;
+  d32.precision = Precision::kF32;
+  CodecStats st;
+  d32.stats = &st;
+  std::vector<CudaKvCapture> two = codec.decompress({dp, bytes}, "mixed", d32);
+  EXPECT_NE(st.entropy_backend.find("rans-host"), std::string::npos) << st.entropy_backend;
+  expect_close_f16(cpu_decode(dp, cal, "dp"), cuda_download(two[0]), "DP container in a mixed batch", 4);
+  expect_close_f16(ref, cuda_download(two[1]), "version-2 container in a mixed batch", 4);
+  // A damaged chunk is refused (its section checksum), as by the CPU decoder.
+  std::vector<uint8_t> bad = bytes;
+  const container::Parsed P = container::parse(bytes, "v2", 2);
+  for (const container::Section& s : P.sections)
+    if (s.kind == container::kChunk) {
+      const size_t at = size_t(s.data - bytes.data()) + s.stored_len - 2;
+      bad[at] ^= 0x5a;
+      break;
+    }
+  EXPECT_THROW(decompress_cuda(bad, cal, "bad-v2"), Error);
+  // The encoder still refuses entropy-coded allocations, by name.
+  try {
+    compress_cuda(c, cal, al, o);
+    FAIL() << "the GPU encoder accepted an ecsq allocation";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ecsq"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CudaCodecTest, ErrorsMatchTheCpuDecoder) {

@@ -19,9 +19,16 @@
 // decompress calls (device caches -> host containers -> device caches);
 // the fastest is reported (the CPU bench's convention), median in JSON.
 // GB/s = raw f16 K+V bytes of the batch / time.
+// --ecsq R adds, per batch and GEMM mode at the first --tokens count, the
+// entropy-coded mode (container version 2) at nominal R: the first cache
+// compressed by the CPU encoder (the GPU encoder codes the DP only; its
+// time is the "compress ms" column: this reduced build's CPU GEMM is a
+// plain loop, ~10-20 s for 8K tokens, so once, and a batch repeats that
+// container), then decompressed on the GPU (rANS on the host threads, the
+// rest on the device; src/cuda/host_plan.h).
 //
 //   kvtc_gpu_bench [--tokens 8192,32768] [--batch 1,8] [--gemm f32,tf32,bf16]
-//                  [--ratio 16] [--level 6] [--algo -1] [--reps 5]
+//                  [--ratio 16] [--ecsq R] [--level 6] [--algo -1] [--reps 5]
 //                  [--check] [--json FILE] [--md FILE]
 #include <algorithm>
 #include <chrono>
@@ -195,6 +202,7 @@ int main(int argc, char** argv) {
   std::vector<uint64_t> tokens{8192, 32768}, batches{1, 8};
   std::vector<std::string> gemms{"f32", "tf32", "bf16"};
   int ratio = 16, level = 6, algo = -1, reps = 5;
+  double ecsq_ratio = 0;
   bool check_cpu = false;
   std::string json_out, md_out;
   for (int i = 1; i < argc; ++i) {
@@ -214,6 +222,8 @@ int main(int argc, char** argv) {
       gemms = parse_names(next());
     else if (a == "--ratio")
       ratio = std::atoi(next());
+    else if (a == "--ecsq")
+      ecsq_ratio = std::atof(next());
     else if (a == "--level")
       level = std::atoi(next());
     else if (a == "--algo")
@@ -228,7 +238,8 @@ int main(int argc, char** argv) {
       md_out = next();
     else {
       std::fprintf(stderr,
-                   "usage: %s [--tokens 8192,32768] [--batch 1,8] [--gemm f32,tf32,bf16] [--ratio 16|8] [--level 6] [--algo -1] [--reps 5] [--check] "
+                   "usage: %s [--tokens 8192,32768] [--batch 1,8] [--gemm f32,tf32,bf16] [--ratio 16|8] [--ecsq R] [--level 6] [--algo -1] [--reps "
+                   "5] [--check] "
                    "[--json F] [--md F]\n",
                    argv[0]);
       return 2;
@@ -263,6 +274,17 @@ int main(int argc, char** argv) {
     std::vector<std::array<std::vector<float>, 2>> sigma(1);
     sigma[0][0] = sigma_from(kSpecK);
     sigma[0][1] = sigma_from(kSpecV);
+    // The entropy-coded encoder reads the calibration's spectrum (which
+    // components can matter at a step); the synthetic one is sigma^2.
+    for (int kv = 0; kv < 2; ++kv) {
+      Transform& t = cal.blocks[0][kv];
+      t.total_variance = 0;
+      for (uint32_t j = 0; j < t.r; ++j) t.total_variance += t.variance[j] = sigma[0][kv][j] * sigma[0][kv][j];
+    }
+    require(ecsq_ratio == 0 || (ecsq_ratio >= 2 && ecsq_ratio <= 512), "--ecsq: a nominal ratio in [2, 512]");
+    const AllocationSet ecsq_alloc = ecsq_ratio > 0 ? ecsq_allocation_set(cal, ecsq_ratio) : AllocationSet{};
+    std::vector<uint8_t> ecsq_one;  // the first cache at the first token count, entropy-coded by the CPU
+    double ecsq_cpu_ms = 0;
     std::fprintf(stderr, "[gpu-bench] calibration built in %.1f s (r = p = %u)\n",
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cal).count(), kP);
 
@@ -356,6 +378,66 @@ int main(int argc, char** argv) {
                                {"rel_err_k", err.k},
                                {"rel_err_v", err.v},
                                {"reps", reps}});
+          if (ecsq_ratio > 0 && T == tokens.front()) {
+            try {
+              // The first cache entropy-coded by the CPU (auto precision: its
+              // fastest) once (every GEMM mode synthesizes the same caches),
+              // decoded on the GPU in this GEMM mode.
+              if (ecsq_one.empty()) {
+                CompressOptions co = opt;
+                co.precision = Precision::kAuto;
+                const auto tc = std::chrono::steady_clock::now();
+                ecsq_one = compress(cuda_download(caps[0]), cal, ecsq_alloc, co);
+                ecsq_cpu_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tc).count();
+              }
+              const double cpu_enc = ecsq_cpu_ms * double(B);
+              const std::vector<std::span<const uint8_t>> in(B, std::span<const uint8_t>(ecsq_one));
+              std::vector<double> ms;
+              CodecStats best;
+              for (int r = 0; r <= reps; ++r) {
+                back.clear();
+                const auto t1 = std::chrono::steady_clock::now();
+                back = codec.decompress(in, "bench-ecsq", dopt);
+                const double d = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
+                if (r == 0) continue;
+                if (ms.empty() || d < *std::min_element(ms.begin(), ms.end())) best = td;
+                ms.push_back(d);
+              }
+              const double ecomp = double(ecsq_one.size()) * double(B);
+              const ReconError ee = cuda_reconstruction_error(caps[0], back[0], opt.sink, opt.window);  // every entry is caps[0]'s
+              const double eb = *std::min_element(ms.begin(), ms.end());
+              char eline[1024];
+              std::snprintf(
+                  eline, sizeof eline,
+                  "| %llu | %llu | %.1f | %gx ecsq | %s | %s | %.2f | %.2fx | %.1f (CPU) | %.1f | %.1f (CPU) | %.1f | – | %s | – | %.3g | %.3g |\n",
+                  (unsigned long long)B, (unsigned long long)T, raw / 1e6, ecsq_ratio, gname.c_str(), best.entropy_backend.c_str(), ecomp / 1e6,
+                  raw / ecomp, cpu_enc, eb, raw / (cpu_enc * 1e-3) / 1e9, raw / (eb * 1e-3) / 1e9, stages(best).c_str(), ee.k, ee.v);
+              std::printf("%s", eline);
+              std::fflush(stdout);
+              md << eline;
+              R["runs"].push_back({{"batch", B},
+                                   {"tokens", T},
+                                   {"raw_bytes", raw},
+                                   {"gemm", gname},
+                                   {"coding", "ecsq"},
+                                   {"ratio_nominal", ecsq_ratio},
+                                   {"entropy", best.entropy_backend},
+                                   {"compressed_bytes", ecomp},
+                                   {"ratio", raw / ecomp},
+                                   {"compress_ms_cpu", cpu_enc},
+                                   {"decompress_ms_best", eb},
+                                   {"decompress_ms_median", median(ms)},
+                                   {"decode_gbs", raw / (eb * 1e-3) / 1e9},
+                                   {"decode_stages", stages(best)},
+                                   {"rel_err_k", ee.k},
+                                   {"rel_err_v", ee.v},
+                                   {"reps", reps}});
+            } catch (const std::exception& e) {  // the DP rows stand without it
+              std::fprintf(stderr, "kvtc_gpu_bench: entropy-coded row (%llu tokens, batch %llu, %s): %s\n", (unsigned long long)T,
+                           (unsigned long long)B, gname.c_str(), e.what());
+              R["errors"].push_back(e.what());
+            }
+          }
         }
       if (check_cpu && gname == gemms.front()) {
         // Interchangeability on the benchmark's own data (1,024 tokens):

@@ -7,7 +7,9 @@
 #   3. runs the GPU tests (kernels vs the CPU reference, containers both ways);
 #   4. runs the benchmark at 8K and 32K tokens, batch 1 and 8, GEMM f32 / tf32 /
 #      bf16, on SYNTHETIC caches generated on the device (SmolLM2-135M geometry,
-#      measured spectrum; see bench/gpu/kvtc_gpu_bench.cpp), plus an nvCOMP
+#      measured spectrum; see bench/gpu/kvtc_gpu_bench.cpp), the DP at 16x and
+#      the entropy-coded mode (CPU-encoded, GPU-decoded) at 22.8x, the ratio of
+#      equal error on SmolLM2 (bench/results/entropy.md), plus an nvCOMP
 #      algorithm sweep at 8 x 32K.
 # Results go to $OUT (default out/gpu): machine.txt, build.log, tests.log,
 # tests.json, bench.md, bench.json, bench.log, algo.md.
@@ -97,7 +99,7 @@ grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|^\[  (PASSED|FAILED) |projection|rel. erro
 
 # ---------------------------------------------------------------- 4. benchmark
 say "benchmark: 8K and 32K tokens, batch 1 and 8 (synthetic caches made on the device)"
-timeout 180 "$bld/kvtc_gpu_bench" --tokens 8192,32768 --batch 1,8 --gemm f32,tf32,bf16 --reps 5 --check \
+timeout 220 "$bld/kvtc_gpu_bench" --tokens 8192,32768 --batch 1,8 --gemm f32,tf32,bf16 --ecsq 22.8 --reps 5 --check \
   --json "$out/bench.json" --md "$out/bench.md" 2>&1 | tee "$out/bench.log"
 brc=${PIPESTATUS[0]}
 say "nvCOMP algorithm sweep at 8 x 32K, bf16"

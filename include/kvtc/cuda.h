@@ -113,7 +113,9 @@ class CudaCodec {
   // out's vectors is reused across calls). Stats cover the whole batch.
   void compress(const std::vector<const CudaKvCapture*>& caps, const AllocationSet& alloc, const CompressOptions& opt,
                 std::vector<std::vector<uint8_t>>& out);
-  // kvtc::decompress into GPU memory.
+  // kvtc::decompress into GPU memory. Version-2 (entropy-coded) containers
+  // too: their rANS chunks decode on `threads` host threads, the rest on
+  // the device (docs/gpu.md); compress codes the DP's allocations only.
   CudaKvCapture decompress(std::span<const uint8_t> container, const std::string& origin, const DecompressOptions& opt = {});
   std::vector<CudaKvCapture> decompress(const std::vector<std::span<const uint8_t>>& containers, const std::string& origin,
                                         const DecompressOptions& opt = {});

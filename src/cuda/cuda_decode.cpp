@@ -6,9 +6,13 @@
 //             (container, block, K/V) with its segments and tiles;
 //   stage     the stored bytes (or, without nvCOMP, the payloads inflated
 //             by libdeflate) into pinned host memory, one upload;
+//             entropy-coded chunks (version 2) are rANS-decoded here by the
+//             host threads, straight into their job's coefficient plane
+//             (host_plan.h says why);
 //   inflate   nvCOMP decompresses every deflated section in one batched call;
 //   transform raw sections copied into the cache layout; per job: unpack +
-//             dequantize, GEMM, add the mean + re-RoPE + round to f16 into
+//             dequantize (DP chunks; an entropy-coded job's plane is already
+//             uploaded), GEMM, add the mean + re-RoPE + round to f16 into
 //             the cache;
 //   check     nvCOMP's statuses (a corrupt stream is an Error naming the section).
 #include <algorithm>
@@ -17,6 +21,7 @@
 
 #include "codec_impl.h"
 #include "core/parallel.h"
+#include "format/chunk.h"
 #include "format/plan.h"
 #include "host_plan.h"
 #include "kvtc/error.h"
@@ -30,17 +35,24 @@ using cuda::check;
 namespace {
 
 // One raw or chunk section: where its stored bytes and payload sit in the arena.
+// An entropy-coded chunk has no slot bytes on the device: the host decodes
+// it into rows row0.. of its job's plane.
 struct Slot {
   uint32_t cap;
   const Section* s;
   uint64_t in_off = 0, out_off = 0;  // arena offsets of the stored bytes and (deflated) the payload
   bool deflated = false;
+  bool ecsq = false;
+  size_t job = 0;     // ecsq: the job whose plane it fills
+  uint32_t row0 = 0;  // ecsq: its first row there
   uint64_t payload() const { return deflated ? out_off : in_off; }
 };
 struct Job {
   uint32_t cap, b, kv, n_rows, ru;
   size_t seg0, nseg, tile0, ntile, rowtok_off, pos_off;
   bool rope;
+  bool ecsq = false;
+  uint64_t plane_off = 0;  // ecsq: arena offset of the component-major plane [ru][round_up(n_rows, 16)]
 };
 
 struct DecodeWork {
@@ -57,7 +69,9 @@ struct DecodeWork {
   std::vector<cuda::QSeg> segs;
   std::vector<cuda::QTile> tiles;
   size_t segs_off = 0, tiles_off = 0;
-  std::map<std::pair<uint32_t, uint32_t>, size_t> factors_off;  // per (container, block)
+  std::map<std::pair<uint32_t, uint32_t>, size_t> factors_off;             // per (container, block)
+  size_t n_ecsq = 0;                                                       // entropy-coded chunk sections
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint64_t> plane_off;  // per entropy-coded (container, block, kind)
   cuda::Blob meta;
   size_t max_rows = 0, max_ru = 0, max_table = 0;
   uint32_t max_p = 1;
@@ -70,23 +84,35 @@ size_t results_bytes(const DecodeWork& W) {
   return status_offset(W) + W.nv_list.size() * 4 + 16;
 }
 
-void plan_slots(CudaCodec::Impl& I, DecodeWork& W) {
+void plan_slots(CudaCodec::Impl& I, DecodeWork& W, const cuda::GemmMode& gm) {
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> ecsq_rows;
   for (uint32_t i = 0; i < W.plans.size(); ++i)
     for (const Section& s : W.plans[i].kv_sections) {
       Slot x{i, &s};
       x.deflated = s.stored_len != s.raw_len;
-      if (!x.deflated || W.use_nv) {
+      x.ecsq = s.kind == kChunk && is_ecsq(W.plans[i].H.alloc[s.block][s.kv]);
+      if (x.ecsq) {
+        W.n_ecsq++;
+        ecsq_rows[{i, s.block, s.kv}] += s.t1 - s.t0;
+      } else if (!x.deflated || W.use_nv) {
         W.arena = cuda::round_up(W.arena, I.align);
         x.in_off = W.arena;
         W.arena += s.stored_len;
       }
-      if (x.deflated) {
+      if (x.deflated && !x.ecsq) {
         W.arena = cuda::round_up(W.arena, I.align);
         x.out_off = W.arena;
         W.arena += s.raw_len;
       }
       W.slots.push_back(x);
     }
+  // Each entropy-coded job's plane [ru][round_up(rows, 16)], which the host
+  // fills and the one upload carries with the stored bytes.
+  for (const auto& [key, rows] : ecsq_rows) {
+    W.arena = cuda::round_up(W.arena, I.align);
+    W.plane_off[key] = W.arena;
+    W.arena += uint64_t(W.plans[std::get<0>(key)].r_used[std::get<1>(key)][std::get<2>(key)]) * cuda::round_up(rows, 16) * cuda::elem_bytes(gm.et);
+  }
   I.arena.reserve(std::max<uint64_t>(W.arena, 1));
   I.h_stage.reserve(std::max<uint64_t>(W.arena, 1));
 }
@@ -106,7 +132,7 @@ std::vector<CudaKvCapture> allocate_outputs(const DecodeWork& W) {
 // segments and tiles, RoPE factors: all into the table blob.
 void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm) {
   for (size_t k = 0; k < W.slots.size(); ++k)
-    if (W.slots[k].deflated && W.use_nv) {
+    if (W.slots[k].deflated && W.use_nv && !W.slots[k].ecsq) {
       W.nv_list.push_back(k);
       W.nv_max = std::max<size_t>(W.nv_max, W.slots[k].s->raw_len);
       W.nv_total += W.slots[k].s->raw_len;
@@ -150,10 +176,16 @@ void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapt
     const DecodePlan& P = W.plans[i];
     const KvBlock& kb = P.host.blocks[b];
     Job j{i, b, kv, 0, P.r_used[b][kv], W.segs.size(), 0, W.tiles.size(), 0, 0, 0, false};
+    j.ecsq = is_ecsq(P.H.alloc[b][kv]);
     std::vector<int32_t> row_tok, row_pos;
     for (size_t k : ks) {
       const Section& s = *W.slots[k].s;
-      cuda::append_chunk_segments(P.H.alloc[b][kv].blocks, j.n_rows, s.t1 - s.t0, W.slots[k].payload(), true, W.segs);
+      if (j.ecsq) {
+        W.slots[k].job = W.jobs.size();
+        W.slots[k].row0 = j.n_rows;
+      } else {
+        cuda::append_chunk_segments(P.H.alloc[b][kv].blocks, j.n_rows, s.t1 - s.t0, W.slots[k].payload(), true, W.segs);
+      }
       for (uint32_t t = s.t0; t < s.t1; ++t) {
         row_tok.push_back(int32_t(t));
         row_pos.push_back(kb.pos[t]);
@@ -163,6 +195,7 @@ void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapt
     j.nseg = W.segs.size() - j.seg0;
     cuda::append_decode_tiles(W.segs, j.seg0, W.tiles);
     j.ntile = W.tiles.size() - j.tile0;
+    if (j.ecsq) j.plane_off = W.plane_off.at(key);
     j.rowtok_off = W.meta.add(row_tok);
     j.rope = kv == 0 && P.H.keys_derope && cuda::rotates(kb.rope);
     if (j.rope) {
@@ -171,7 +204,7 @@ void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapt
       if (!kb.rope.freq_factors.empty() && !W.factors_off.count({i, b})) W.factors_off[{i, b}] = W.meta.add(kb.rope.freq_factors);
     }
     W.max_rows = std::max<size_t>(W.max_rows, j.n_rows);
-    W.max_ru = std::max<size_t>(W.max_ru, j.ru);
+    if (!j.ecsq) W.max_ru = std::max<size_t>(W.max_ru, j.ru);
     W.max_p = std::max(W.max_p, I.tr[b][kv].p);
     W.jobs.push_back(j);
   }
@@ -187,19 +220,29 @@ void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapt
 }
 
 // The stored bytes (or, without nvCOMP, the inflated payloads) into pinned
-// staging; returns the host inflate time.
-double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& origin, int threads) {
+// staging, entropy-coded chunks decoded into their job's plane; returns the
+// host entropy-decoding time (libdeflate and rANS; 0 when there was none).
+double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& origin, int threads, const cuda::GemmMode& gm) {
   const auto t_in = cuda::clock_type::now();
   detail::parallel_for(W.slots.size(), detail::resolve_threads(threads, W.slots.size()), [&](size_t k) {
     const Slot& x = W.slots[k];
-    if (!x.deflated || W.use_nv) {
+    if (x.ecsq) {
+      thread_local std::vector<float> scratch;
+      const Job& j = W.jobs[x.job];
+      const std::string name = W.plans.size() == 1 ? origin : origin + "[" + std::to_string(x.cap) + "]";
+      const std::vector<uint8_t> pl = payload(*x.s, name);
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), x.row0, x.s->t1 - x.s->t0, j.ru, I.h_stage.b(j.plane_off), cuda::round_up(j.n_rows, 16), gm.et,
+                                name + ": chunk section (block " + std::to_string(x.s->block) + (x.s->kv ? " V" : " K") + ", tokens " +
+                                    std::to_string(x.s->t0) + ".." + std::to_string(x.s->t1) + ")",
+                                scratch);
+    } else if (!x.deflated || W.use_nv) {
       std::memcpy(I.h_stage.b(x.in_off), x.s->data, x.s->stored_len);
     } else {
       std::vector<uint8_t> pl = payload(*x.s, origin);
       std::memcpy(I.h_stage.b(x.out_off), pl.data(), pl.size());
     }
   });
-  return W.use_nv ? 0.0 : ms_since(t_in);
+  return W.use_nv && W.n_ecsq == 0 ? 0.0 : ms_since(t_in);
 }
 
 void inflate_and_transform(CudaCodec::Impl& I, const DecodeWork& W, std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm, cuda::Timeline& tl) {
@@ -223,14 +266,17 @@ void inflate_and_transform(CudaCodec::Impl& I, const DecodeWork& W, std::vector<
     const CudaCodec::Impl::Tr& T = I.tr[j.b][j.kv];
     const KvBlock& kb = outs[j.cap].host.blocks[j.b];
     const size_t jl = cuda::round_up(j.n_rows, 16);
-    tl.begin(cuda::kSQuant);
-    cuda::launch_unpack(I.arena.as<uint8_t>(), reinterpret_cast<const cuda::QSeg*>(M + W.segs_off),
-                        reinterpret_cast<const cuda::QTile*>(M + W.tiles_off) + j.tile0, uint32_t(j.ntile), I.dt.p, jl, gm.et, I.st);
-    tl.end();
+    const void* plane = j.ecsq ? static_cast<const void*>(I.arena.as<uint8_t>(j.plane_off)) : I.dt.p;
+    if (!j.ecsq) {
+      tl.begin(cuda::kSQuant);
+      cuda::launch_unpack(I.arena.as<uint8_t>(), reinterpret_cast<const cuda::QSeg*>(M + W.segs_off),
+                          reinterpret_cast<const cuda::QTile*>(M + W.tiles_off) + j.tile0, uint32_t(j.ntile), I.dt.p, jl, gm.et, I.st);
+      tl.end();
+    }
     // X = D B[:ru] (beta 0); the mean is added in the scatter (one f32 add
     // per value, as the CPU's GEMM with beta = 1 onto mu), saving a pass over X.
     tl.begin(cuda::kSProject);
-    I.proj->decode(I.dt.p, gm.et, gm.tf32, jl, I.gemm_basis(j.b, int(j.kv), gm.et), j.n_rows, T.p, j.ru, I.x.as<float>(), 0.0f);
+    I.proj->decode(plane, gm.et, gm.tf32, jl, I.gemm_basis(j.b, int(j.kv), gm.et), j.n_rows, T.p, j.ru, I.x.as<float>(), 0.0f);
     tl.end();
     tl.begin(cuda::kSGather);
     cuda::RopeDev rd;
@@ -262,6 +308,15 @@ void check_statuses(const CudaCodec::Impl& I, const DecodeWork& W, const std::st
   }
 }
 
+// What decoded the chunks: nvCOMP, libdeflate on the host or nothing
+// (stored) for the DP's, rANS on the host for the entropy-coded ones.
+std::string backend_name(const DecodeWork& W) {
+  std::string dp = W.nv_list.empty() ? (W.use_nv ? "stored" : "libdeflate-host") : "nvcomp";
+  if (W.n_ecsq == 0) return dp;
+  const bool dp_chunks = std::any_of(W.slots.begin(), W.slots.end(), [](const Slot& x) { return x.s->kind == kChunk && !x.ecsq; });
+  return dp_chunks ? dp + "+rans-host" : "rans-host";
+}
+
 }  // namespace
 
 std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<const uint8_t>>& containers, const std::string& origin,
@@ -276,22 +331,19 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<con
   for (size_t i = 0; i < containers.size(); ++i) {
     const std::string name = containers.size() == 1 ? origin : origin + "[" + std::to_string(i) + "]";
     W.plans.push_back(plan_decode(parse(containers[i], name, threads), I.cal, name));
-    require(container_version(W.plans.back().H.alloc) == 1,
-            name + ": entropy-coded chunks (container version 2) decode on the CPU only for now (kvtc::decompress)");
   }
   W.use_nv = cuda::nvc::built() && I.opt.nvcomp;
-  plan_slots(I, W);
+  plan_slots(I, W, gm);
   std::vector<CudaKvCapture> outs = allocate_outputs(W);
   plan_tables(I, W, outs, gm);
-  const double host_inflate_ms = stage_inputs(I, W, origin, threads);
+  const double host_inflate_ms = stage_inputs(I, W, origin, threads, gm);
   double host_ms = ms_since(t_host) - host_inflate_ms;
   cuda::Timeline tl(I.st, opt.stats != nullptr);
   inflate_and_transform(I, W, outs, gm, tl);
   t_host = cuda::clock_type::now();
   check_statuses(I, W, origin);
   host_ms += ms_since(t_host);
-  tl.fill(opt.stats, host_inflate_ms, host_ms, ms_since(t_start), threads, gm.precision,
-          W.nv_list.empty() ? (W.use_nv ? "stored" : "libdeflate-host") : "nvcomp");
+  tl.fill(opt.stats, host_inflate_ms, host_ms, ms_since(t_start), threads, gm.precision, backend_name(W));
   return outs;
 }
 

@@ -1,5 +1,9 @@
 #include "host_plan.h"
 
+#include <cstring>
+
+#include "core/scalar.h"
+#include "format/ecsq.h"
 #include "format/quantizers.h"
 
 namespace kvtc::cuda {
@@ -50,6 +54,33 @@ void append_decode_tiles(const std::vector<QSeg>& segs, size_t first, std::vecto
   for (size_t i = first; i < segs.size(); ++i) {
     const size_t codes = size_t(segs[i].n) * segs[i].size;
     for (size_t c = 0; c < codes; c += kDecTileCodes) tiles.push_back({uint32_t(i), uint32_t(c)});
+  }
+}
+
+uint16_t f32_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return uint16_t((x >> 16) | 0x40);  // NaN: quiet, sign kept
+  x += 0x7fff + ((x >> 16) & 1);
+  return uint16_t(x >> 16);
+}
+
+void ecsq_chunk_to_plane(const uint8_t* payload, size_t len, uint32_t row0, uint32_t n, uint32_t ru, void* dt, size_t ld, ElemType et,
+                         const std::string& where, std::vector<float>& scratch) {
+  scratch.resize(size_t(n) * ru);
+  container::ecsq_decode_chunk(payload, len, n, ru, scratch.data(), where, true);  // scratch[j * n + t]
+  for (uint32_t j = 0; j < ru; ++j) {
+    const float* src = scratch.data() + size_t(j) * n;
+    const size_t at = size_t(j) * ld + row0;
+    switch (et) {
+      case ElemType::kF32: std::memcpy(static_cast<float*>(dt) + at, src, size_t(n) * 4); break;
+      case ElemType::kBf16:
+        for (uint32_t t = 0; t < n; ++t) static_cast<uint16_t*>(dt)[at + t] = f32_to_bf16(src[t]);
+        break;
+      case ElemType::kF16:
+        for (uint32_t t = 0; t < n; ++t) static_cast<uint16_t*>(dt)[at + t] = f32_to_f16(src[t]);
+        break;
+    }
   }
 }
 

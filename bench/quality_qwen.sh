@@ -17,6 +17,11 @@
 #              Python file part is under 16K tokens): 2 prompts each (timed in
 #              bench/quality-qwen-16k-notes.md); its own record set, quality-qwen-16k
 #              (records made later with another calibration file need not wait for the first's)
+#   ecsq-4k    issue 32 item 5: vanilla, the DP at 16x and 32x and the entropy-coded mode at the ratios of
+#              equal error (23.2x, 47.3x: bench/results/entropy.md's Qwen rows) on niah, kvr, code, 100 prompts
+#              each, the same prompts as paired-4k; its own record set, quality-qwen-ecsq, made with the
+#              calibration of this machine (KVTC_QWEN_CALIB=.deps/calib/qwen-avx512-160k.safetensors: the
+#              first set's file was made on another CPU and is not here)
 # KVTC_QWEN_PAIRED=N sets paired-4k's count, KVTC_QWEN_SAMPLES=N the other
 # parts' (the same prompts, first N: a later, larger run adds the rest).
 set -euo pipefail
@@ -31,13 +36,14 @@ part_args() {
     tasks-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks niah vt kvr code --methods ${all[*]}" ;;
     text-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --methods ${all[*]}" ;;
     8k) echo "--context 8192 --samples ${KVTC_QWEN_SAMPLES:-4} --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
+    ecsq-4k) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
     16k) echo "--context 16384 --samples ${KVTC_QWEN_SAMPLES:-2} --tasks niah kvr ppl kld agree --methods vanilla kvtc-16x kvtc-32x" ;;
-    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k)" >&2; return 2 ;;
+    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k, ecsq-4k)" >&2; return 2 ;;
   esac
 }
 # The record set a part writes: one set is one calibration file.
-set_of() { if [ "$1" = 16k ]; then echo quality-qwen-16k; else echo quality-qwen; fi; }
-parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
+set_of() { case $1 in 16k) echo quality-qwen-16k ;; ecsq-4k) echo quality-qwen-ecsq ;; *) echo quality-qwen ;; esac; }
+parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k ecsq-4k; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
 for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked before hours of work
 [ $# -eq 0 ] || [ -f "$calib" ] || { echo "bench/quality_qwen.sh: $calib missing: run make calibrate-qwen" >&2; exit 2; }
 # The records are keyed by the calibration's id (a hash of its means and bases):
@@ -54,13 +60,15 @@ for part in "$@"; do
   "$lab" eval --model qwen --calib "$calib" --records "$res/$(set_of "$part").records.jsonl" --record-tag "$tag" $(part_args "$part") >/dev/null
 done
 [ -s "$res/quality-qwen.records.jsonl" ] || { echo "bench/quality_qwen.sh: no records yet ($res/quality-qwen.records.jsonl)" >&2; exit 2; }
-for name in quality-qwen quality-qwen-16k; do
+for name in quality-qwen quality-qwen-16k quality-qwen-ecsq; do
   rec="$res/$name.records.jsonl"
   [ -s "$rec" ] || continue
   {
     echo "- command: \`bench/quality_qwen.sh PART ...\` (records appended by every run; this report rebuilt from all of them)"
     echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
-    echo "- calibration: make calibrate-qwen (160K tokens, documents cut at 8,192 tokens); its id, in every record: $(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["calibration_id"][:16])' "$rec")…"
+    how="make calibrate-qwen"
+    [ "$name" != quality-qwen-ecsq ] || how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on the Intel Xeon of bench/results/entropy.md (.deps/calib/qwen-avx512-160k.safetensors, what make calibrate-qwen runs)"
+    echo "- calibration: $how (160K tokens, documents cut at 8,192 tokens); its id, in every record: $(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["calibration_id"][:16])' "$rec")…"
     echo "- parts (at their full counts; the prompts each context holds so far are counted below): $(for p in $(parts_of $name); do printf '%s = `%s`; ' "$p" "$(unset KVTC_QWEN_PAIRED KVTC_QWEN_SAMPLES; part_args $p)"; done)"
     echo "- commit and machine of each run: the \"run\" field of every record, listed under each context below"
   } >"$res/$name.header.part"

@@ -13,6 +13,7 @@ set(KVTC_DECODER_SOURCES
   src/format/ecsq.cpp
   src/format/plan.cpp
   src/format/quantizers.cpp
+  src/format/raw8.cpp
   src/codec/rope.cpp
   src/codec/features.cpp
   src/codec/calibration.cpp

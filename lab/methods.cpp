@@ -7,7 +7,7 @@
 namespace kvtc::lab {
 
 const char* const kMethodHelp =
-    "vanilla, kvtc-<R>x[-ecsq|-joint][-all][-global|-window][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, "
+    "vanilla, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, "
     "svd-<R>x, zstd, "
     "deflate";
 
@@ -35,15 +35,16 @@ bool starts(const std::string& s, const char* p) {
   return s.rfind(p, 0) == 0;
 }
 
-// kvtc-<R>x[-ecsq|-joint][-all][-global|-window][-f32|-bf16][@NAME],
-// parsed. -ecsq: the entropy-coded mode (container version 2)
+// kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16][@NAME],
+// parsed. -w8: the raw window at 8 bits (container version 3). -ecsq: the
+// entropy-coded mode (container version 2)
 // rate-controlled to R on the coded tokens (the DP's R is nominal: it
 // reaches ~1.13 R after DEFLATE). -global / -window: a sliding-window
 // model's block 0 (the global layers) or block 1 (the window) alone is
 // coded, the other kept f16, to tell apart what each block costs.
 struct KvtcSpec {
   double ratio = 0;
-  bool joint = false, all = false, ecsq = false;
+  bool joint = false, all = false, ecsq = false, w8 = false;
   int only_block = -1;  // -global: 0, -window: 1
   Precision precision = Precision::kAuto;
   std::string calib;
@@ -72,6 +73,7 @@ KvtcSpec parse_kvtc(const std::string& name) {
   else if (strip("-window"))
     k.only_block = 1;
   k.all = strip("-all");
+  k.w8 = strip("-w8");
   k.ecsq = strip("-ecsq");
   k.joint = !k.ecsq && strip("-joint");
   k.ratio = ratio_of(name, rest);
@@ -155,6 +157,7 @@ std::vector<uint8_t> kvtc_encode(const KvtcSpec& k, const KvCapture& c, const Ca
   CompressOptions opt;
   opt.precision = k.precision;
   if (k.all) opt.sink = 0, opt.window = 0;
+  if (k.w8) opt.window_bits = 8;
   return compress(c, cal, k.ecsq ? ecsq_allocation_set(cal, k.ratio) : allocation_set(cal, k.ratio, k.joint), opt);
 }
 

@@ -23,6 +23,13 @@ inline CompressOptions options(int threads = 0) {
   return o;
 }
 
+// Version 3's: the same, with the window at 8 bits.
+inline CompressOptions options_v3(int threads = 0) {
+  CompressOptions o = options(threads);
+  o.window_bits = 8;
+  return o;
+}
+
 // The decode the checksums pin: the CPU path with an f32 projection. The
 // golden calibration's basis is the identity (tests/fuzz/fuzz_common.h), so
 // every projected value is one exact product plus exact zeros, whatever

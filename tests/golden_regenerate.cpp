@@ -5,6 +5,7 @@
 //   build/tests/kvtc_golden_regenerate v1   # tests/golden/v1 (format version 1)
 //   build/tests/kvtc_golden_regenerate v2   # tests/golden/v2 (version 2, from v1's input)
 //   build/tests/kvtc_golden_regenerate v2-encoder  # only tests/golden/v2/reencoded.kvtc (an encoder change)
+//   build/tests/kvtc_golden_regenerate v3   # tests/golden/v3 (version 3: v2's coding, the window at 8 bits)
 //   build/tests/kvtc_golden_regenerate sums # only print the checksums of the files as they are
 #include <cstdio>
 #include <filesystem>
@@ -20,6 +21,7 @@ namespace {
 
 const std::string kDir = KVTC_GOLDEN_DIR;
 const std::string kDir2 = KVTC_GOLDEN_V2_DIR;
+const std::string kDir3 = KVTC_GOLDEN_V3_DIR;
 
 void regenerate_v1() {
   KvCapture c = fuzz::small_capture(64);
@@ -67,20 +69,36 @@ void regenerate_v2_encoder() {
   write_file_atomic(kDir2 + "/reencoded.kvtc", compress(c, cal, ecsq_allocation_set(cal, 2), golden::options()));
 }
 
+// The v1 capture and calibration, ecsq at 2x with the window at 8 bits:
+// entropy-coded chunks and raw8 sections in one file.
+void regenerate_v3() {
+  const KvCapture c = capture_load(kDir + "/original.safetensors");
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
+  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), golden::options_v3());
+  fs::create_directories(kDir3);
+  write_file_atomic(kDir3 + "/ok.kvtc", good);
+  std::vector<uint8_t> v = good;
+  v[4] = 4;
+  write_file_atomic(kDir3 + "/fail_version.kvtc", v);
+  v[4] = 2;
+  write_file_atomic(kDir3 + "/fail_raw8_in_v2.kvtc", v);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string what = argc == 2 ? argv[1] : "";
-  if (what != "v1" && what != "v2" && what != "v2-encoder" && what != "sums") {
-    std::fprintf(stderr, "usage: %s v1|v2|v2-encoder|sums\n", argv[0]);
+  if (what != "v1" && what != "v2" && what != "v2-encoder" && what != "v3" && what != "sums") {
+    std::fprintf(stderr, "usage: %s v1|v2|v2-encoder|v3|sums\n", argv[0]);
     return 2;
   }
   try {
     if (what == "v1") regenerate_v1();
     if (what == "v2") regenerate_v2();
     if (what == "v2" || what == "v2-encoder") regenerate_v2_encoder();
+    if (what == "v3") regenerate_v3();
     const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
-    for (const std::string& dir : {kDir, kDir2}) {
+    for (const std::string& dir : {kDir, kDir2, kDir3}) {
       const KvCapture c = decompress(read_file(dir + "/ok.kvtc"), cal, "ok.kvtc", golden::decode_options());
       std::printf("%s/ok.kvtc decodes to %s\n", dir.c_str(), golden::decoded_checksum(c).c_str());
     }

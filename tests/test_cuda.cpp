@@ -860,8 +860,8 @@ TEST(CudaCodecTest, BatchEqualsSingleAndAppendWorks) {
 
 TEST(CudaCodecTest, EntropyCodedContainersDecode) {
   REQUIRE_GPU();
-  // Container version 2 (the CPU's default since issue 32) decodes on the
-  // GPU: the host rANS-decodes, the device projects. Same container, two
+  // Container versions 2 and 3 (the CPU's default since issue 32, and the
+  // 8-bit window) decode on the GPU: the host rANS-decodes, the device projects. Same container, two
   // decoders: in f32 only GEMM summation order and RoPE ulps differ; the
   // 16-bit modes within the DP's tolerances. Encoding stays CPU-only.
   const KvCapture c = make_capture(331, "neox", 81, true, true);
@@ -913,6 +913,22 @@ TEST(CudaCodecTest, EntropyCodedContainersDecode) {
     FAIL() << "the GPU encoder accepted an ecsq allocation";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("ecsq"), std::string::npos) << e.what();
+  }
+  // Version 3 (the window at 8 bits): the host widens the raw8 sections to
+  // f16, the device copies them as raw ones; the same cache as the CPU's.
+  CompressOptions o8 = o;
+  o8.window_bits = 8;
+  const std::vector<uint8_t> v3 = compress(c, cal, al, o8);
+  ASSERT_EQ(container::parse(v3, "v3", 2).version, 3u);
+  const KvCapture ref3 = cpu_decode(v3, cal, "cpu-v3");
+  DecompressOptions f32;
+  f32.precision = Precision::kF32;
+  expect_close_f16(ref3, decompress_cuda(v3, cal, "v3.kvtc", f32), "version-3 container decoded on CPU and GPU", 4);
+  try {
+    compress_cuda(c, cal, make_alloc_set(c), o8);
+    FAIL() << "the GPU encoder accepted window_bits 8";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("window_bits 8"), std::string::npos) << e.what();
   }
 }
 

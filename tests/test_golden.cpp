@@ -31,6 +31,7 @@ CompressOptions golden_options(int threads = 0) {
 // CPU, see there). Printed by `kvtc_golden_regenerate sums`.
 const char* const kV1DecodedSha256 = "d6f73c234aff3d9b8deac82f6a695c2cea483df734156c179ce8a356d318d04c";
 const char* const kV2DecodedSha256 = "2da9a1b3e7e02a597812dea205d0e97034338f476f48485be2300f1ea1ceaba0";
+const char* const kV3DecodedSha256 = "57195d30147d5495b781c4c3f2cabb86e13b373dd3e35a7592ef0f94dc0da9a7";
 
 // The precision auto decode (bf16 where the CPU has AVX512-BF16, else f32)
 // errs within 2% of the f32 decode's error: bf16 rounds the projection's
@@ -148,15 +149,25 @@ KvCapture prefix_of(const KvCapture& full, uint32_t n) {
 
 }  // namespace
 
+void append_keeps_the_prefix_and_matches_one_shot(uint32_t window_bits);
+
 // Appending in groups of 16 leaves every earlier byte alone and decodes to
 // what compressing the grown cache in one go decodes to.
 TEST(Append, KeepsThePrefixAndMatchesOneShot) {
+  for (uint32_t wb : {16u, 8u}) {  // f16 window (any version) and 8-bit (version 3): the new window as the old one
+    SCOPED_TRACE("window_bits " + std::to_string(wb));
+    append_keeps_the_prefix_and_matches_one_shot(wb);
+  }
+}
+
+void append_keeps_the_prefix_and_matches_one_shot(uint32_t window_bits) {
   KvCapture full = fuzz::small_capture(112);
   Calibration cal = fuzz::small_calibration();
   CompressOptions o;
   o.sink = 2;
   o.window = 8;
   o.chunk_tokens = 32;
+  o.window_bits = window_bits;
   std::vector<uint8_t> bytes = compress(prefix_of(full, 64), cal, fuzz::small_alloc(), o);
   for (uint32_t n : {80u, 112u}) {
     AppendResult r = append(bytes, prefix_of(full, n), cal, "grow");
@@ -169,6 +180,9 @@ TEST(Append, KeepsThePrefixAndMatchesOneShot) {
     EXPECT_EQ(a.blocks[0].k, one.blocks[0].k);
     EXPECT_EQ(a.blocks[0].v, one.blocks[0].v);
     EXPECT_EQ(a.tokens, one.tokens);
+    const container::Parsed P = container::parse(r.bytes, "appended");
+    EXPECT_EQ(P.sections.back().kind, window_bits == 8 ? container::kRaw8 : container::kRaw);
+    EXPECT_EQ(P.version, window_bits == 8 ? 3u : 1u);
     bytes = r.bytes;
   }
   EXPECT_THROW(append(bytes, prefix_of(full, 112), cal, "same"), Error);  // nothing new
@@ -248,8 +262,7 @@ TEST(GoldenV2, ReencodeIsByteIdentical) {
 
 TEST(GoldenV2, MustFail) {
   const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
-  const std::pair<const char*, const char*> cases[] = {
-      {"fail_truncated.kvtc", "truncated"}, {"fail_version.kvtc", "versions 1 to 2"}, {"fail_ecsq_in_v1.kvtc", "need version 2"}};
+  const std::pair<const char*, const char*> cases[] = {{"fail_truncated.kvtc", "truncated"}, {"fail_ecsq_in_v1.kvtc", "need version 2"}};
   for (const auto& [file, needle] : cases) {
     try {
       decompress(read_file(kDir2 + "/" + file), cal, file);
@@ -257,6 +270,130 @@ TEST(GoldenV2, MustFail) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << file << ": " << e.what();
     }
+  }
+  // fail_version.kvtc is ok.kvtc labelled version 3: it failed while
+  // readers knew versions 1 and 2; version 3 is a superset, so it decodes.
+  EXPECT_EQ(decompress(read_file(kDir2 + "/fail_version.kvtc"), cal, "fail_version.kvtc").blocks[0].v,
+            decompress(read_file(kDir2 + "/ok.kvtc"), cal, "ok.kvtc").blocks[0].v);
+}
+
+// ---- version 3: the window at 8 bits (docs/format.md) ---------------------
+// v2's coding of the v1 input with window_bits 8: tests/golden/v3.
+namespace {
+
+const std::string kDir3 = KVTC_GOLDEN_V3_DIR;
+
+// Every value of tokens [t0, t1) of `dec` within half a step of `ref`'s
+// (plus the f16 rounding of the result), the step being the group's max
+// |x| / 127 as the format defines it: per channel over the tokens for keys,
+// per token over the head's dims for values.
+void expect_raw8_close(const KvBlock& ref, const KvBlock& dec, uint32_t t0, uint32_t t1) {
+  for (int kv = 0; kv < 2; ++kv) {
+    const auto& x = kv ? ref.v : ref.k;
+    const auto& y = kv ? dec.v : dec.k;
+    double worst = 0;
+    for (uint32_t l = 0; l < ref.n_layer(); ++l)
+      for (uint32_t h = 0; h < ref.n_head_kv; ++h)
+        for (uint32_t t = t0; t < t1; ++t)
+          for (uint32_t d = 0; d < ref.head_dim; ++d) {
+            float amax = 0;
+            for (uint32_t u = t0; u < t1; ++u)
+              for (uint32_t e = 0; e < ref.head_dim; ++e)
+                if (kv == 0 ? e == d : u == t) amax = std::max(amax, std::fabs(f16_to_f32(x[ref.index(l, h, u, e)])));
+            const float a = f16_to_f32(x[ref.index(l, h, t, d)]), b = f16_to_f32(y[dec.index(l, h, t, d)]);
+            const double bound = 0.5 * amax / 127 * (1 + 1e-3) + std::fabs(b) * 0x1p-11;
+            worst = std::max(worst, std::fabs(double(a) - b) / (bound > 0 ? bound : 1));
+          }
+    EXPECT_LE(worst, 1.0) << (kv ? "V" : "K") << ": a window value beyond half a step of its group";
+    EXPECT_GT(worst, 0.05) << (kv ? "V" : "K") << ": the window is not quantized at all";
+  }
+}
+
+}  // namespace
+
+TEST(GoldenV3, Decodes) {
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
+  const std::vector<uint8_t> bytes = read_file(kDir3 + "/ok.kvtc");
+  const ContainerInfo ci = inspect(bytes, "ok.kvtc");
+  EXPECT_EQ(ci.header.version, 3u);
+  EXPECT_EQ(ci.header.window_bits, 8u);
+  size_t raw8 = 0, raw = 0;
+  for (const auto& s : ci.sections) {
+    raw8 += s.kind == "raw8";
+    raw += s.kind == "raw";
+    if (s.kind == "raw8") {
+      EXPECT_EQ(s.t0, 64u - 8) << "raw8 holds the window only";
+    }
+  }
+  EXPECT_EQ(raw8, 2u);
+  EXPECT_EQ(raw, 2u);  // the sink stays f16
+  const KvCapture c = decompress(bytes, cal, "ok.kvtc", golden::decode_options());
+  EXPECT_EQ(golden::decoded_checksum(c), kV3DecodedSha256) << "v3/ok.kvtc no longer decodes to the values it decoded to";
+  const KvCapture ref = capture_load(kDir + "/original.safetensors");
+  EXPECT_EQ(c.tokens, ref.tokens);
+  for (uint32_t t : {0u, 1u})  // the sink, exact
+    for (uint32_t d = 0; d < 8; ++d) EXPECT_EQ(c.blocks[0].k[c.blocks[0].index(1, 0, t, d)], ref.blocks[0].k[ref.blocks[0].index(1, 0, t, d)]);
+  expect_raw8_close(ref.blocks[0], c.blocks[0], 56, 64);
+  const ReconError e = reconstruction_error(ref, c, 2, 8);  // coded tokens: as version 2's
+  EXPECT_LT(e.k, 0.002);
+  EXPECT_LT(e.v, 0.002);
+}
+
+// The raw8 sections are the format's own arithmetic (no encoder choice):
+// today's encoder must write them byte for byte, on any thread count.
+TEST(GoldenV3, ReencodedWindowIsByteIdentical) {
+  const KvCapture c = capture_load(kDir + "/original.safetensors");
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
+  const std::vector<uint8_t> golden = read_file(kDir3 + "/ok.kvtc");
+  auto raw8 = [](const std::vector<uint8_t>& b) {
+    std::vector<std::vector<uint8_t>> out;
+    for (const auto& s : container::parse(b, "c").sections)
+      if (s.kind == container::kRaw8) out.push_back(container::payload(s, "c"));
+    return out;
+  };
+  for (int threads : {1, 2}) {
+    const auto now = raw8(compress(c, cal, ecsq_allocation_set(cal, 2), golden::options_v3(threads)));
+    ASSERT_EQ(now.size(), 2u);
+    EXPECT_EQ(now, raw8(golden)) << "threads " << threads;
+  }
+}
+
+TEST(GoldenV3, MustFail) {
+  const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
+  const std::pair<const char*, const char*> cases[] = {{"fail_version.kvtc", "versions 1 to 3"}, {"fail_raw8_in_v2.kvtc", "needs version 3"}};
+  for (const auto& [file, needle] : cases) {
+    try {
+      decompress(read_file(kDir3 + "/" + file), cal, file);
+      ADD_FAILURE() << file << " decoded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << file << ": " << e.what();
+    }
+  }
+  // A raw8 section where the header says nothing of an 8-bit window, in a
+  // version-2 container: the section itself is refused.
+  const std::vector<uint8_t> ok = read_file(kDir3 + "/ok.kvtc");
+  const container::Parsed P = container::parse(ok, "ok.kvtc");
+  std::string js = P.header_json;
+  const size_t at = js.find(",\"window_bits\":8");
+  ASSERT_NE(at, std::string::npos);
+  js.erase(at, std::string(",\"window_bits\":8").size());
+  std::vector<uint8_t> v2(container::kFileHeaderBytes + js.size());
+  container::put_file_header(v2.data(), js, 2);
+  v2.insert(v2.end(), ok.begin() + P.header_end, ok.end());
+  try {
+    decompress(v2, cal, "v2.kvtc");
+    ADD_FAILURE() << "a raw8 section in a version-2 container decoded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("raw8 section"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("need version 3"), std::string::npos) << e.what();
+  }
+  CompressOptions o = golden::options_v3();
+  o.window_bits = 12;
+  try {
+    compress(capture_load(kDir + "/original.safetensors"), cal, fuzz::small_alloc(), o);
+    ADD_FAILURE() << "window_bits 12 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("window_bits must be 16 or 8"), std::string::npos) << e.what();
   }
 }
 

@@ -26,7 +26,7 @@ namespace kvtc {
 // The newest container version this library writes and reads. Version 2
 // adds entropy-coded chunks (Coding::kEntropy); a container without them is
 // still written as version 1, byte for byte what earlier releases wrote.
-constexpr uint32_t kContainerVersion = 2;
+constexpr uint32_t kContainerVersion = 3;
 
 // Arithmetic of the projection on the PCA basis (the codec's GEMM, ~90% of
 // its CPU time). kBF16 rounds the GEMM's inputs (centred features or
@@ -85,6 +85,12 @@ struct CompressOptions {
   double ecsq_step = 0;
   double ecsq_rounding = 0.35;
   double ecsq_min_sd = 0.7;
+  // Bits per value of the raw window (the last `window` tokens; the sink
+  // stays f16): 16 (f16, as the cache holds them) or 8 (int8 codes with an
+  // f16 scale per key channel / value token; container version 3,
+  // docs/format.md). 8 halves the window's bytes: at 4K tokens and 16x
+  // the window is ~1/3 of the container (bench/results/window8.md).
+  uint32_t window_bits = 16;
 };
 
 struct DecompressOptions {
@@ -149,6 +155,7 @@ struct ContainerHeader {
   int deflate_level = 0;
   bool has_tokens = false;
   bool keys_derope = true;
+  uint32_t window_bits = 16;                // 8: the window's sections are raw8 (version 3)
   CacheGeometry geometry;                   // model fingerprint and per-block layers, heads, dims, RoPE, window
   std::map<std::string, std::string> meta;  // the capture's provenance strings
   AllocationSet alloc;                      // per block and kind: allocation blocks and nominal ratio
@@ -159,7 +166,7 @@ struct ContainerHeader {
 struct ContainerInfo {
   ContainerHeader header;
   struct Section {
-    std::string kind;  // "positions", "tokens", "raw", "chunk"
+    std::string kind;  // "positions", "tokens", "raw", "raw8", "chunk"
     uint32_t block = 0, kv = 0, t0 = 0, t1 = 0;
     uint64_t stored_bytes = 0, raw_bytes = 0;
   };

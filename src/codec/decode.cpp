@@ -15,6 +15,7 @@
 #include "format/container.h"
 #include "format/ecsq.h"
 #include "format/plan.h"
+#include "format/raw8.h"
 #include "kvtc/codec.h"
 
 namespace kvtc {
@@ -61,7 +62,14 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
     {
       StageTimer st(ck, detail::kEntropy);
       pl = payload(s, origin);
-      if (s.kind == kRaw) {
+      if (is_raw(s.kind)) {
+        if (s.kind == kRaw8) {  // to the f16 layout of a raw section
+          std::vector<uint8_t> f16(size_t(n) * kb.features() * 2);
+          raw8_decode(
+              pl.data(), pl.size(), kb, s.kv, n, reinterpret_cast<uint16_t*>(f16.data()),
+              origin + ": raw8 section (block " + std::to_string(s.block) + ", tokens " + std::to_string(s.t0) + ".." + std::to_string(s.t1) + ")");
+          pl = std::move(f16);
+        }
         std::vector<uint16_t>& dst = s.kv == 0 ? kb.k : kb.v;
         size_t off = 0;
         for (uint32_t l = 0; l < kb.n_layer(); ++l)

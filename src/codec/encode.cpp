@@ -17,6 +17,7 @@
 #include "format/container.h"
 #include "format/ecsq.h"
 #include "format/plan.h"
+#include "format/raw8.h"
 #include "kvtc/codec.h"
 
 namespace kvtc {
@@ -368,6 +369,7 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
       case kPositions: pl = i32_bytes(kb.pos.data() + s.t0, s.t1 - s.t0); break;
       case kTokens: pl = i32_bytes(c.tokens.data() + s.t0, s.t1 - s.t0); break;
       case kRaw: pl = raw_bytes(kb, int(s.kv), s.t0, s.t1); break;
+      case kRaw8: pl = container::raw8_encode(kb, s.kv, s.t0, s.t1); break;
       default: {
         if (is_ecsq(alloc[s.block][s.kv])) {
           detail::StageTimer st(ck, detail::kEntropy);
@@ -408,9 +410,10 @@ uint64_t compress_bound(const KvCapture& c, const AllocationSet& alloc, const Co
   for (const SectionPlan& s : plan_sections(c, opt, 0, 0)) {
     const KvBlock& kb = c.blocks[s.block];
     const uint32_t t = s.t1 - s.t0;
-    const uint64_t payload = s.kind == kChunk ? packed_bytes(alloc[s.block][s.kv], t)
-                             : s.kind == kRaw ? uint64_t(t) * kb.features() * 2
-                                              : uint64_t(t) * 4;
+    const uint64_t payload = s.kind == kChunk  ? packed_bytes(alloc[s.block][s.kv], t)
+                             : s.kind == kRaw  ? uint64_t(t) * kb.features() * 2
+                             : s.kind == kRaw8 ? container::raw8_bytes(kb, s.kv, t)
+                                               : uint64_t(t) * 4;
     n += section_bound(payload);
   }
   return n;
@@ -429,7 +432,7 @@ std::vector<uint8_t> compress(const KvCapture& c, const Calibration& cal, const 
   const std::string hs = header_json(c, cal, E.alloc, opt);
   std::vector<uint8_t> out;
   out.reserve(size_t(std::min<uint64_t>(compress_bound(c, E.alloc, opt), uint64_t(1) << 32)));
-  write_file_header(out, hs, container_version(E.alloc));
+  write_file_header(out, hs, container_version(E.alloc, opt));
   write_body(out, c, cal, E.alloc, opt, plan, E, &clk, prec, t_start);
   return out;
 }
@@ -446,6 +449,7 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
   opt.window = H.window;
   opt.chunk_tokens = H.chunk_tokens;
   opt.deflate_level = H.deflate_level;
+  opt.window_bits = H.window_bits;  // the new window as the old one
   const AllocationSet& alloc = H.alloc;
   check_compress_inputs(c, cal, alloc, opt);
   require(H.has_tokens == !c.tokens.empty(), origin + ": the capture must carry token ids exactly when the container does");
@@ -476,7 +480,7 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
     require(P.sections.size() >= 2, origin + ": no window sections at the end");
     for (size_t i = P.sections.size() - 2; i < P.sections.size(); ++i) {
       const Section& s = P.sections[i];
-      require(s.kind == kRaw && s.t0 == Lo.w_begin && s.t1 == n_old, origin + ": the last sections are not the raw window (not appendable)");
+      require(is_raw(s.kind) && s.t0 == Lo.w_begin && s.t1 == n_old, origin + ": the last sections are not the raw window (not appendable)");
     }
     tail = size_t(P.sections[P.sections.size() - 2].data - container.data()) - kSectionHeaderBytes;
   }

@@ -8,7 +8,8 @@
 //             by libdeflate) into pinned host memory, one upload;
 //             entropy-coded chunks (version 2) are rANS-decoded here by the
 //             host threads, straight into their job's coefficient plane
-//             (host_plan.h says why);
+//             (host_plan.h says why), and 8-bit raw tokens (version 3)
+//             widened to f16 (a few MB: the window);
 //   inflate   nvCOMP decompresses every deflated section in one batched call;
 //   transform raw sections copied into the cache layout; per job: unpack +
 //             dequantize (DP chunks; an entropy-coded job's plane is already
@@ -23,6 +24,7 @@
 #include "core/parallel.h"
 #include "format/chunk.h"
 #include "format/plan.h"
+#include "format/raw8.h"
 #include "host_plan.h"
 #include "kvtc/error.h"
 #include "quant.cuh"
@@ -45,7 +47,9 @@ struct Slot {
   bool ecsq = false;
   size_t job = 0;     // ecsq: the job whose plane it fills
   uint32_t row0 = 0;  // ecsq: its first row there
-  uint64_t payload() const { return deflated ? out_off : in_off; }
+  // raw8: decoded to f16 on the host into out_off (n x features x 2 bytes)
+  bool raw8 = false;
+  uint64_t payload() const { return deflated || raw8 ? out_off : in_off; }
 };
 struct Job {
   uint32_t cap, b, kv, n_rows, ru;
@@ -91,18 +95,25 @@ void plan_slots(CudaCodec::Impl& I, DecodeWork& W, const cuda::GemmMode& gm) {
       Slot x{i, &s};
       x.deflated = s.stored_len != s.raw_len;
       x.ecsq = s.kind == kChunk && is_ecsq(W.plans[i].H.alloc[s.block][s.kv]);
+      x.raw8 = s.kind == kRaw8;
       if (x.ecsq) {
         W.n_ecsq++;
         ecsq_rows[{i, s.block, s.kv}] += s.t1 - s.t0;
-      } else if (!x.deflated || W.use_nv) {
-        W.arena = cuda::round_up(W.arena, I.align);
-        x.in_off = W.arena;
-        W.arena += s.stored_len;
-      }
-      if (x.deflated && !x.ecsq) {
+      } else if (x.raw8) {
         W.arena = cuda::round_up(W.arena, I.align);
         x.out_off = W.arena;
-        W.arena += s.raw_len;
+        W.arena += uint64_t(s.t1 - s.t0) * W.plans[i].host.blocks[s.block].features() * 2;
+      } else {
+        if (!x.deflated || W.use_nv) {
+          W.arena = cuda::round_up(W.arena, I.align);
+          x.in_off = W.arena;
+          W.arena += s.stored_len;
+        }
+        if (x.deflated) {
+          W.arena = cuda::round_up(W.arena, I.align);
+          x.out_off = W.arena;
+          W.arena += s.raw_len;
+        }
       }
       W.slots.push_back(x);
     }
@@ -132,7 +143,7 @@ std::vector<CudaKvCapture> allocate_outputs(const DecodeWork& W) {
 // segments and tiles, RoPE factors: all into the table blob.
 void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm) {
   for (size_t k = 0; k < W.slots.size(); ++k)
-    if (W.slots[k].deflated && W.use_nv && !W.slots[k].ecsq) {
+    if (W.slots[k].deflated && W.use_nv && !W.slots[k].ecsq && !W.slots[k].raw8) {
       W.nv_list.push_back(k);
       W.nv_max = std::max<size_t>(W.nv_max, W.slots[k].s->raw_len);
       W.nv_total += W.slots[k].s->raw_len;
@@ -156,7 +167,7 @@ void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapt
   }
   // Raw sections -> cache layout.
   for (const Slot& x : W.slots) {
-    if (x.s->kind != kRaw) continue;
+    if (!is_raw(x.s->kind)) continue;
     const KvBlock& kb = outs[x.cap].host.blocks[x.s->block];
     uint8_t* cache = static_cast<uint8_t*>(outs[x.cap].kv[x.s->block][x.s->kv].get());
     const uint32_t n = x.s->t1 - x.s->t0;
@@ -235,6 +246,13 @@ double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& 
                                 name + ": chunk section (block " + std::to_string(x.s->block) + (x.s->kv ? " V" : " K") + ", tokens " +
                                     std::to_string(x.s->t0) + ".." + std::to_string(x.s->t1) + ")",
                                 scratch);
+    } else if (x.raw8) {
+      const std::string name = W.plans.size() == 1 ? origin : origin + "[" + std::to_string(x.cap) + "]";
+      const std::vector<uint8_t> pl = payload(*x.s, name);
+      raw8_decode(pl.data(), pl.size(), W.plans[x.cap].host.blocks[x.s->block], x.s->kv, x.s->t1 - x.s->t0,
+                  reinterpret_cast<uint16_t*>(I.h_stage.b(x.out_off)),
+                  name + ": raw8 section (block " + std::to_string(x.s->block) + ", tokens " + std::to_string(x.s->t0) + ".." +
+                      std::to_string(x.s->t1) + ")");
     } else if (!x.deflated || W.use_nv) {
       std::memcpy(I.h_stage.b(x.in_off), x.s->data, x.s->stored_len);
     } else {

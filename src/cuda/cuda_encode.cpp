@@ -81,6 +81,7 @@ void check_inputs(const CudaCodec::Impl& I, const std::vector<const CudaKvCaptur
     check_compress_inputs(c->host, I.cal, alloc, opt);
     require(container_version(alloc) == 1,
             "compress: the GPU backend codes the DP allocations only; entropy-coded (ecsq) allocations need the CPU encoder for now");
+    require(opt.window_bits == 16, "compress: the GPU backend writes f16 windows only; window_bits 8 needs the CPU encoder for now");
     require(c->kv.size() == c->host.blocks.size(), "compress: device K/V missing for some blocks");
     for (size_t b = 0; b < c->kv.size(); ++b)
       for (int kv = 0; kv < 2; ++kv)

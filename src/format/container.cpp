@@ -17,6 +17,7 @@ const char* section_name(uint32_t kind) {
     case kTokens: return "tokens";
     case kRaw: return "raw";
     case kChunk: return "chunk";
+    case kRaw8: return "raw8";
     default: return "unknown";
   }
 }
@@ -148,7 +149,7 @@ Parsed parse(const uint8_t* b, size_t size, const std::string& origin, int threa
     s.xxh = get_u64(p + 36);
     at.push_back(off);
     off += kSectionHeaderBytes;
-    require(s.kind >= kPositions && s.kind <= kChunk, where + ": unknown section kind " + std::to_string(s.kind));
+    require(s.kind >= kPositions && s.kind <= kRaw8, where + ": unknown section kind " + std::to_string(s.kind));
     require(s.stored_len <= size - off,
             where + ": stored_len " + std::to_string(s.stored_len) + " exceeds the " + std::to_string(size - off) + " bytes left (truncated file?)");
     require(s.raw_len <= (uint64_t(1) << 36) && s.stored_len <= s.raw_len, where + ": implausible lengths");

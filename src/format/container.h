@@ -17,7 +17,11 @@ constexpr size_t kFileHeaderBytes = 4 + 4 + 4 + 8;     // magic, version, header
 constexpr size_t kSectionHeaderBytes = 5 * 4 + 3 * 8;  // kind, block, kv, t0, t1, raw_len, stored_len, xxh64
 constexpr uint32_t kMaxHeaderBytes = 16u << 20;
 
-enum SectionKind : uint32_t { kPositions = 1, kTokens = 2, kRaw = 3, kChunk = 4 };
+// kRaw8 (version 3): raw tokens at 8 bits (format/raw8.h).
+enum SectionKind : uint32_t { kPositions = 1, kTokens = 2, kRaw = 3, kChunk = 4, kRaw8 = 5 };
+inline bool is_raw(uint32_t kind) {
+  return kind == kRaw || kind == kRaw8;
+}
 const char* section_name(uint32_t kind);
 
 struct Section {
@@ -30,7 +34,8 @@ uint64_t xxh64(const uint8_t* p, size_t n);
 
 // The file header (magic, version, header length, header checksum) and the
 // JSON: kFileHeaderBytes + json.size() bytes at dst.
-// `version`: 1 unless an allocation is entropy-coded (docs/format.md).
+// `version`: 1 unless an allocation is entropy-coded (2) or the window is
+// 8-bit (3) (docs/format.md).
 void put_file_header(uint8_t* dst, const std::string& json, uint32_t version = 1);
 void write_file_header(std::vector<uint8_t>& o, const std::string& json, uint32_t version = 1);  // appends
 // One section header (kSectionHeaderBytes) at dst; xxh is the checksum of

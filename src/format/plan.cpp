@@ -8,6 +8,7 @@
 #include "core/capture_io.h"
 #include "format/ecsq.h"
 #include "format/quantizers.h"
+#include "format/raw8.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -45,7 +46,7 @@ std::vector<SectionPlan> plan_sections(const KvCapture& c, const CompressOptions
     const uint32_t n = c.blocks[b].n_tokens();
     const TokenLayout L = token_layout(n, opt.sink, opt.window);
     if (L.w_begin < n)
-      for (uint32_t kv = 0; kv < 2; ++kv) out.push_back({kRaw, b, kv, L.w_begin, n});
+      for (uint32_t kv = 0; kv < 2; ++kv) out.push_back({opt.window_bits == 8 ? kRaw8 : kRaw, b, kv, L.w_begin, n});
   }
   return out;
 }
@@ -144,6 +145,7 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
   require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
           "compress: chunk_tokens must be a multiple of 16 in 16..65536");
   require(opt.deflate_level >= 0 && opt.deflate_level <= 12, "compress: deflate level must be 0..12");
+  require(opt.window_bits == 16 || opt.window_bits == 8, "compress: window_bits must be 16 or 8, got " + std::to_string(opt.window_bits));
   if (!c.tokens.empty()) require(c.tokens.size() == c.blocks[0].n_tokens(), "compress: tokens and positions differ in length");
   for (size_t b = 0; b < c.blocks.size(); ++b)
     if (c.blocks[b].k.size() == c.blocks[b].numel() && c.blocks[b].v.size() == c.blocks[b].numel()) require_finite(c.blocks[b], b);
@@ -156,14 +158,19 @@ uint32_t container_version(const AllocationSet& alloc) {
   return 1;
 }
 
+uint32_t container_version(const AllocationSet& alloc, const CompressOptions& opt) {
+  return opt.window_bits == 8 ? 3 : container_version(alloc);
+}
+
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
   nlohmann::ordered_json h;
   h["format"] = "kvtc";
-  h["version"] = container_version(alloc);
+  h["version"] = container_version(alloc, opt);
   h["calibration_id"] = cal.id;
   h["model_sha256"] = c.model_sha256;
   h["sink"] = opt.sink;
   h["window"] = opt.window;
+  if (opt.window_bits != 16) h["window_bits"] = opt.window_bits;  // absent: 16 (versions 1 and 2 byte for byte)
   h["chunk_tokens"] = opt.chunk_tokens;
   h["deflate_level"] = opt.deflate_level;
   h["has_tokens"] = !c.tokens.empty();
@@ -201,6 +208,8 @@ ContainerHeader parse_header(const std::string& js, const std::string& origin) {
     h.calibration_id = j.at("calibration_id").get<std::string>();
     h.sink = j.at("sink").get<uint32_t>();
     h.window = j.at("window").get<uint32_t>();
+    h.window_bits = j.value("window_bits", 16u);
+    require(h.window_bits == 16 || h.window_bits == 8, "window_bits must be 16 or 8, got " + std::to_string(h.window_bits));
     h.chunk_tokens = j.at("chunk_tokens").get<uint32_t>();
     h.deflate_level = j.value("deflate_level", 0);
     h.has_tokens = j.at("has_tokens").get<bool>();
@@ -278,6 +287,8 @@ ContainerHeader read_header(const Parsed& P, const std::string& origin) {
   H.version = P.version;
   require(container_version(H.alloc) <= H.version,
           origin + ": entropy-coded (ecsq) allocations in a version " + std::to_string(H.version) + " container (they need version 2)");
+  require(H.window_bits == 16 || H.version >= 3,
+          origin + ": an 8-bit window (window_bits 8) in a version " + std::to_string(H.version) + " container (it needs version 3)");
   derive_token_counts(P, H, origin);
   return H;
 }
@@ -336,7 +347,7 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
   for (size_t b = 0; b < nb; ++b)
     for (auto& s : seen[b]) s.assign(H.n_tokens[b], 0);
   for (const Section& s : P.sections) {
-    if (s.kind != kRaw && s.kind != kChunk) continue;
+    if (!is_raw(s.kind) && s.kind != kChunk) continue;
     const std::string where = origin + ": " + section_name(s.kind) + " section (block " + std::to_string(s.block) + ", tokens " +
                               std::to_string(s.t0) + ".." + std::to_string(s.t1) + ")";
     require(s.kv <= 1, where + ": kv must be 0 or 1");
@@ -351,6 +362,10 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
     if (s.kind == kRaw) {
       const uint64_t want = uint64_t(n) * kb.features() * 2;
       require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of raw f16");
+    } else if (s.kind == kRaw8) {
+      require(H.version >= 3, where + ": 8-bit raw tokens in a version " + std::to_string(H.version) + " container (they need version 3)");
+      const uint64_t want = raw8_bytes(kb, s.kv, n);
+      require(s.raw_len == want, where + ": expected " + std::to_string(want) + " bytes of 8-bit raw tokens");
     } else {
       require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
       const Allocation& al = H.alloc[s.block][s.kv];

@@ -50,8 +50,10 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
 // layers, heads and dims where the calibration records them.
 void check_geometry(const CacheGeometry& g, const Calibration& cal, const std::string& who);
 // The container version an allocation needs: 2 where any (block, kind) is
-// entropy-coded, else 1.
+// entropy-coded, else 1; with the options: 3 where the window is 8-bit
+// (opt.window_bits 8), else the allocation's.
 uint32_t container_version(const AllocationSet& alloc);
+uint32_t container_version(const AllocationSet& alloc, const CompressOptions& opt);
 // The JSON header of docs/format.md.
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt);
 

@@ -23,6 +23,9 @@ int main(int argc, char** argv) {
   write_file_atomic(dir + "/container/seed.kvtc", compress(c, fuzz::small_calibration(), fuzz::small_alloc(), o));
   // Container version 2: entropy-coded chunks (the rANS decoder).
   write_file_atomic(dir + "/container/seed_ecsq.kvtc", compress(c, fuzz::small_calibration(), ecsq_allocation_set(fuzz::small_calibration(), 2), o));
+  // Container version 3: the window at 8 bits (raw8 sections).
+  o.window_bits = 8;
+  write_file_atomic(dir + "/container/seed_raw8.kvtc", compress(c, fuzz::small_calibration(), ecsq_allocation_set(fuzz::small_calibration(), 2), o));
   write_file_atomic(dir + "/safetensors/capture.safetensors", capture_serialize(c));
   write_file_atomic(dir + "/safetensors/calibration.safetensors", calibration_serialize(fuzz::small_calibration()));
   const std::vector<uint8_t> seq_state = state_from_capture(c, StateLayout{{1}, 1, 0});

@@ -171,6 +171,11 @@ Action add_compress(CLI::App& app) {
   sub->add_option("-r,--ratio", a->ratio, "Nominal compression ratio (DP budget = 16 bits / ratio per feature)")->capture_default_str();
   sub->add_option("--sink", a->opt.sink, "Raw tokens at the start")->capture_default_str();
   sub->add_option("--window", a->opt.window, "Raw recent tokens")->capture_default_str();
+  sub->add_option("--window-bits", a->opt.window_bits,
+                  "Bits per value of the raw window: 16 (f16) or 8 (int8 with an f16 scale per key channel / value token; "
+                  "container version 3, docs/format.md)")
+      ->check(CLI::IsMember({8, 16}))
+      ->capture_default_str();
   sub->add_option("--chunk", a->opt.chunk_tokens, "Tokens per independently decodable chunk (multiple of 16)")->capture_default_str();
   sub->add_option("--level", a->opt.deflate_level, "DEFLATE level (0 = store)")->check(CLI::Range(0, 12))->capture_default_str();
   sub->add_option("--precision", a->precision, "Projection: auto (bf16 where the CPU has AVX512-BF16 or AMX), f32 or bf16")

@@ -272,6 +272,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "                         (default: 0, the largest of 1024, --cache-ram and two context-full prompts of the model)\n"
           "--kvtc-threads N         threads compressing beside inference (default: 1)\n"
           "--kvtc-window N          the newest tokens of a stored prompt kept raw, uncompressed (default: 128, the paper's)\n"
+          "--kvtc-window-bits B     those tokens at B = 16 bits (f16) or 8 (int8 with an f16 scale per key channel / value token,\n"
+          "                         container version 3: about half their bytes; default: 16)\n"
           "--kvtc-redis URL         a shared tier below RAM and disk on one Redis, redis://[[user]:password@]host[:port][/db]:\n"
           "                         every replica with the same model, calibration and flags resumes any conversation\n"
           "--kvtc-redis-cluster L   ... or on a Redis Cluster: L = host:port,host:port,... (any of its masters)\n"
@@ -356,6 +358,9 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       } else if (a == "--kvtc-window") {
         p.window = std::stoi(val, &used);
         if (p.window < 0 || p.window > 65536) throw std::out_of_range("");
+      } else if (a == "--kvtc-window-bits") {
+        p.window_bits = std::stoi(val, &used);
+        if (p.window_bits != 8 && p.window_bits != 16) throw std::out_of_range("");
       } else if (a == "--kvtc-threads") {
         p.threads = std::stoi(val, &used);
         if (p.threads < 1 || p.threads > 1024) throw std::out_of_range("");
@@ -404,7 +409,9 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
     } catch (const std::exception&) {
       err = a + ": bad value '" + val +
-            "' (ratio in [1, 4096], restore cost in (0, 1e9], calibration tokens >= 64, share in (0, 1000], sizes and threads whole numbers >= 0)";
+            "' (ratio in [1, 4096], restore cost in (0, 1e9], calibration tokens >= 64, share in (0, 1000], window bits 8 or 16, sizes and threads "
+            "whole "
+            "numbers >= 0)";
       return false;
     }
   }
@@ -716,6 +723,8 @@ std::unique_ptr<kvtc::PromptStore> open_store(const kvtc_prompt_cache::impl& I, 
   const kvtc::StoreStats s = store->stats();
   const double global = kvtc::global_ratio_of(I.geom, o);
   if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
+  if (!o.raw && o.window_bits == 8)
+    SRV_INF("kvtc: the newest %u tokens of a prompt are kept at 8 bits (container version 3; --kvtc-window-bits 16: f16)\n", o.window);
   if (!o.raw)
     SRV_INF("%s\n", o.entropy_coded && I.geom.blocks.size() == 1
                         ? "kvtc: pieces are entropy-coded (container version 2; --kvtc-dp: the DP allocation with DEFLATE)"
@@ -894,6 +903,7 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     if (cfg.redis_ttl_s >= 0) o.redis_ttl_s = cfg.redis_ttl_s;
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
+    o.window_bits = uint32_t(cfg.window_bits);
     o.kv_settings = kvtc::context_kv_settings(ctx);  // --rope-freq-base, --rope-scaling, YaRN: part of the salt
     o.restore_threads = 0;                           // a restore holds the loop: every core decodes
     // The queue of raw states waiting for the worker: a save is the slot's

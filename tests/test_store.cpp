@@ -57,6 +57,7 @@ struct TempDir {
 StoreOptions small(bool async = false) {
   StoreOptions o;
   o.entropy_coded = false;
+  o.window_bits = 16;
   o.ratio = 8;
   o.chunk_tokens = 64;
   o.sink = 4;
@@ -875,6 +876,51 @@ TEST(Store, EntropyCodedPieces) {
   // tokens; the DP's DEFLATE goes past it, by ~13% on real caches).
   EXPECT_LT(double(s.stats().ram_bytes), 1.25 * double(dp.stats().ram_bytes));
   EXPECT_LT(s.stats().ram_bytes, in.f16_bytes() / 2);
+}
+
+TEST(Store, EightBitWindowPieces) {
+  // StoreOptions::window_bits 8 (kvtc-server --kvtc-window-bits 8): the
+  // tail's raw window in container version 3 (raw8), so another salt; the
+  // chunks decode to the same values, the window within its quantization's
+  // error, in fewer bytes. A raw store stays f16 (the exact baseline).
+  StoreOptions o8 = small(), o16 = small();
+  o8.window_bits = 8;
+  PromptStore s8(cal(), lowrank_geometry(), o8), s16(cal(), lowrank_geometry(), o16);
+  EXPECT_NE(s8.fingerprint(), s16.fingerprint());
+  o8.raw = o16.raw = true;
+  EXPECT_EQ(PromptStore(cal(), lowrank_geometry(), o8).fingerprint(), PromptStore(cal(), lowrank_geometry(), o16).fingerprint());
+  const auto p = seq(1000, 300);  // 4 chunks of 64 and a 44-token tail holding the 32-token window
+  const KvCapture in = prompt_capture(p);
+  s8.put(p, in);
+  s16.put(p, in);
+  auto a = s8.take({}, cat(p, seq(3, 3)));
+  auto b = s16.take({}, cat(p, seq(3, 3)));
+  ASSERT_TRUE(a && b);
+  ASSERT_EQ(a->common_prefix, 300u);
+  const KvBlock &x = a->cache.blocks[0], &y = b->cache.blocks[0];
+  size_t same = 0, differ = 0;
+  for (uint32_t l = 0; l < x.n_layer(); ++l)
+    for (uint32_t h = 0; h < x.n_head_kv; ++h)
+      for (uint32_t t = 0; t < 300; ++t)
+        for (uint32_t d = 0; d < x.head_dim; ++d) {
+          const bool eq = x.k[x.index(l, h, t, d)] == y.k[y.index(l, h, t, d)] && x.v[x.index(l, h, t, d)] == y.v[y.index(l, h, t, d)];
+          if (t < 300 - 32) {
+            ASSERT_TRUE(eq) << "token " << t << " (coded or sink) differs between the 8- and 16-bit-window stores";
+            ++same;
+          } else {
+            differ += !eq;
+          }
+        }
+  EXPECT_GT(differ, 0u) << "the window is not quantized";
+  const ReconError w8 = reconstruction_error(in, a->cache, 300 - 32, 0), w16 = reconstruction_error(in, b->cache, 300 - 32, 0);
+  EXPECT_EQ(w16.k + w16.v, 0.0);  // f16 window: exact
+  EXPECT_GT(w8.k + w8.v, 0.0);
+  EXPECT_LT(w8.k, 1e-4);  // int8 with a scale per group: ~1e-5 relative squared error
+  EXPECT_LT(w8.v, 1e-4);
+  EXPECT_LT(s8.stats().ram_bytes, s16.stats().ram_bytes);
+  StoreOptions bad = small();
+  bad.window_bits = 12;
+  EXPECT_THROW(PromptStore(cal(), lowrank_geometry(), bad), Error);
 }
 
 // The system refusing a read (EMFILE, EACCES, EIO) is not the file's fault:

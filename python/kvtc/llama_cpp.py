@@ -311,7 +311,8 @@ class KvtcCache(BaseLlamaCache):
       entropy_coded: the entropy-coded pieces (the default: ~20% fewer bytes
       than the DP at equal error, as fast to restore); False: the paper's DP
       allocation with DEFLATE (a sliding-window model's pieces are DP-coded
-      either way).
+      either way). window_bits: the last `window` tokens as f16 (16) or as
+      int8 with f16 scales (8: about half their bytes; container version 3).
     disk_dir, disk_capacity_bytes: a disk tier (0: no limit); redis_url: a
       shared tier (redis://[[user]:password@]host:port/db), or redis_cluster:
       a Redis Cluster's host:port seeds; redis_user, redis_password_file:
@@ -357,6 +358,7 @@ class KvtcCache(BaseLlamaCache):
         encrypt: bool = False,
         sink: int = 4,
         window: int = 128,
+        window_bits: int = 16,
         chunk_tokens: int = 256,
         threads: int = 0,
         async_puts: bool = True,
@@ -398,6 +400,7 @@ class KvtcCache(BaseLlamaCache):
             chunk_tokens=chunk_tokens,
             sink=sink,
             window=window,
+            window_bits=window_bits,
             ram_bytes=capacity_bytes,
             disk_dir=os.fspath(disk_dir) if disk_dir is not None else "",
             disk_bytes=disk_capacity_bytes,

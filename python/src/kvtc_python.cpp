@@ -257,10 +257,12 @@ nb::object int_array(std::vector<int32_t> v) {
 
 // ---- options ------------------------------------------------------------------
 
-kvtc::CompressOptions compress_options(uint32_t sink, uint32_t window, uint32_t chunk_tokens, int level, int threads, const std::string& precision) {
+kvtc::CompressOptions compress_options(uint32_t sink, uint32_t window, uint32_t chunk_tokens, int level, int threads, const std::string& precision,
+                                       uint32_t window_bits) {
   kvtc::CompressOptions o;
   o.sink = sink;
   o.window = window;
+  o.window_bits = window_bits;  // 16 or 8; compress says which else
   o.chunk_tokens = chunk_tokens;
   o.deflate_level = level;
   o.threads = threads;
@@ -346,7 +348,7 @@ class PyCalibration {
 
   nb::bytes compress(nb::handle k, nb::handle v, nb::handle positions, double ratio, uint32_t sink, uint32_t window, nb::handle tokens,
                      uint32_t chunk_tokens, int level, int threads, const std::string& precision, bool joint,
-                     const std::map<std::string, std::string>& meta, const std::string& coding, double step) const {
+                     const std::map<std::string, std::string>& meta, const std::string& coding, double step, uint32_t window_bits) const {
     const kvtc::CacheGeometry& g = cal_->geometry;
     const size_t nb_ = g.blocks.size();
     const auto ks = per_block(k, nb_, "k"), vs = per_block(v, nb_, "v"), ps = per_block(positions, nb_, "positions");
@@ -383,7 +385,7 @@ class PyCalibration {
     }
     if (!tokens.is_none()) c.tokens = int_vector(tokens, "tokens");
     const auto alloc_set = alloc(ratio, joint, coding);
-    kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision, window_bits);
     o.ecsq_step = ecsq_step(coding, step);
     std::vector<uint8_t> out;
     {
@@ -418,12 +420,13 @@ class PyCalibration {
   }
 
   nb::bytes compress_state(nb::handle blob, double ratio, uint32_t sink, uint32_t window, nb::handle tokens, uint32_t chunk_tokens, int level,
-                           int threads, const std::string& precision, bool joint, const std::string& coding, double step) const {
+                           int threads, const std::string& precision, bool joint, const std::string& coding, double step,
+                           uint32_t window_bits) const {
     const Bytes in(blob, "compress_state");
     std::vector<int32_t> tok;
     if (!tokens.is_none()) tok = int_vector(tokens, "tokens");
     const auto alloc_set = alloc(ratio, joint, coding);
-    kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision);
+    kvtc::CompressOptions o = compress_options(sink, window, chunk_tokens, level, threads, precision, window_bits);
     o.ecsq_step = ecsq_step(coding, step);
     std::vector<uint8_t> out;
     {
@@ -631,7 +634,7 @@ class PyStore {
           const std::string& disk_dir, uint64_t disk_bytes, bool async, int threads, int restore_threads, const std::string& redis_url,
           const std::string& precision, bool entropy_coded, const std::string& model_sha256, nb::handle kv_settings, const std::string& secret_file,
           bool encrypt, const std::vector<std::string>& redis_cluster, const std::string& redis_user, const std::string& redis_password_file,
-          int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms, double global_ratio)
+          int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms, double global_ratio, uint32_t window_bits)
       : cal_(cal), log_(std::make_shared<LogLines>()) {
     if (cal.decoder_only()) throw Error(cal.path() + ": the store compresses; load the calibration without decoder_only");
     std::vector<std::string> warnings;
@@ -648,6 +651,7 @@ class PyStore {
     o.chunk_tokens = chunk_tokens;
     o.sink = sink;
     o.window = window;
+    o.window_bits = window_bits;
     o.ram_bytes = ram_bytes;
     o.disk_dir = disk_dir;
     o.disk_bytes = disk_bytes;
@@ -947,10 +951,10 @@ NB_MODULE(_kvtc, m) {
       .def("info", &PyCalibration::info, "Geometry (layers, KV heads, head_dim, RoPE) per block, components kept, stored ratios, provenance.")
       .def("compress", &PyCalibration::compress, "k"_a, "v"_a, "positions"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
-           "meta"_a = std::map<std::string, std::string>(), "coding"_a = "ecsq", "step"_a = 0.0,
+           "meta"_a = std::map<std::string, std::string>(), "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 16u,
            nb::sig("def compress(self, k: object, v: object, positions: object, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False, meta: dict[str, str] = {}, coding: str = 'ecsq', step: float = 0.0) -> bytes"),
+                   "joint: bool = False, meta: dict[str, str] = {}, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 16) -> bytes"),
            "Compresses a KV cache into a .kvtc container (docs/format.md) and returns its bytes.\n\n"
            "k, v: float16 or float32 arrays [layers, kv_heads, tokens, head_dim] (numpy, or anything with __dlpack__ on the CPU,\n"
            "such as a torch tensor; any strides), keys as the model stores them (RoPE applied); a list of two per array for\n"
@@ -960,7 +964,9 @@ NB_MODULE(_kvtc, m) {
            "threads: 0 = all hardware threads. precision: 'auto', 'f32' or 'bf16' (the projection's arithmetic).\n"
            "coding: 'ecsq', the default (one quantizer step for every component, rANS, rate-controlled to `ratio` on the coded\n"
            "tokens; container version 2: ~20% fewer bytes than 'dp' at equal error), or 'dp' (the paper's DP allocation +\n"
-           "DEFLATE, version 1; needed for the GPU codec); step > 0 fixes ecsq's step instead.\n"
+           "DEFLATE, version 1; needed for the GPU encoder); step > 0 fixes ecsq's step instead.\n"
+           "window_bits: 16 keeps the window f16; 8 stores it as int8 with an f16 scale per key channel / value token\n"
+           "(container version 3, about half its bytes).\n"
            "Raises kvtc.Error on a shape, dtype or calibration mismatch and on NaN/inf values. Releases the GIL while coding.")
       .def("decompress", &PyCalibration::decompress, "data"_a, nb::kw_only(), "dtype"_a = "float16", "return_tokens"_a = false, "threads"_a = 0,
            "precision"_a = "auto",
@@ -971,13 +977,13 @@ NB_MODULE(_kvtc, m) {
            "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")
       .def("compress_state", &PyCalibration::compress_state, "blob"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
-           "coding"_a = "ecsq", "step"_a = 0.0,
+           "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 16u,
            nb::sig("def compress_state(self, blob: bytes | bytearray | memoryview, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False, coding: str = 'ecsq', step: float = 0.0) -> bytes"),
+                   "joint: bool = False, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 16) -> bytes"),
            "Compresses a llama.cpp state of an f16 cache: a sequence state (llama_state_seq_get_data) or a whole context's\n"
            "(llama_state_get_data, llama-cpp-python's LlamaState.llama_state). The container records which, and the layout.\n"
-           "coding and step as in compress.")
+           "coding, step and window_bits as in compress.")
       .def("decompress_state", &PyCalibration::decompress_state, "data"_a, nb::kw_only(), "v_trans"_a = nb::none(), "streams"_a = nb::none(),
            "seq_id"_a = nb::none(), "threads"_a = 0, "precision"_a = "auto",
            nb::sig("def decompress_state(self, data: bytes | bytearray | memoryview, *, v_trans: int | None = None, "
@@ -1057,13 +1063,14 @@ NB_MODULE(_kvtc, m) {
                       "kvtc-server's prompt cache is made of. Thread-safe; puts are compressed on a worker thread.")
       .def(nb::init<const PyCalibration&, double, bool, uint32_t, uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, bool, int, int,
                     const std::string&, const std::string&, bool, const std::string&, nb::handle, const std::string&, bool,
-                    const std::vector<std::string>&, const std::string&, const std::string&, int64_t, int, int, double>(),
+                    const std::vector<std::string>&, const std::string&, const std::string&, int64_t, int, int, double, uint32_t>(),
            "calibration"_a, nb::kw_only(), "ratio"_a = 16.0, "raw"_a = false, "chunk_tokens"_a = 256u, "sink"_a = 4u, "window"_a = 128u,
            "ram_bytes"_a = 0, "disk_dir"_a = "", "disk_bytes"_a = 0, "async_puts"_a = true, "threads"_a = 0, "restore_threads"_a = 0,
            "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = true, "model_sha256"_a = "", "kv_settings"_a = nb::none(),
            "secret_file"_a = "", "encrypt"_a = false, "redis_cluster"_a = std::vector<std::string>{}, "redis_user"_a = "",
            "redis_password_file"_a = "", "redis_ttl_s"_a = int64_t(86400), "redis_lookup_timeout_ms"_a = 100, "redis_timeout_ms"_a = 2000,
-           "global_ratio"_a = 0.0,
+           "global_ratio"_a = 0.0, "window_bits"_a = 16u,
+           "window_bits: the tail's raw window as f16 (16) or int8 with f16 scales (8: container version 3, about half its bytes).\n"
            "global_ratio: a sliding-window model's global layers' ratio (0: min(ratio, 4), kvtc::global_ratio_of).\n"
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
            "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded (default True): pieces in the entropy-coded\n"

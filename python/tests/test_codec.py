@@ -100,6 +100,34 @@ def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
     assert kvtc.PromptStore(cal, entropy_coded=False).fingerprint != kvtc.PromptStore(cal).fingerprint
 
 
+def test_eight_bit_window(cal, cap, smol_capture, smol_calibration, work):
+    """window_bits=8 writes what `kvtc compress --window-bits 8` writes
+    (container version 3, raw8 window sections): the window within its
+    int8 quantization's error, the rest as with f16, fewer bytes; the store
+    takes it too (another fingerprint)."""
+    k, v, pos, tokens, meta = cap
+    out = str(work / "cli-w8.kvtc")
+    run("compress", smol_capture, "--calib", smol_calibration, "--window-bits", "8", "-o", out)
+    with open(out, "rb") as f:
+        cli = f.read()
+    data = cal.compress(k, v, pos, tokens=tokens, meta=meta, window_bits=8)
+    assert data == cli
+    assert kvtc.inspect(data)["version"] == 3
+    f16 = cal.compress(k, v, pos, tokens=tokens, meta=meta)
+    assert len(data) < len(f16) - k[:, :, -128:].nbytes * 2 // 3  # the window's K and V: about half their f16 bytes saved
+    k8, v8, _ = cal.decompress(data)
+    k16, v16, _ = cal.decompress(f16)
+    np.testing.assert_array_equal(k8[:, :, :-128], k16[:, :, :-128])
+    np.testing.assert_array_equal(v8[:, :, :-128], v16[:, :, :-128])
+    for a, b in ((k, k8), (v, v8)):
+        w, w8 = a[:, :, -128:].astype(np.float64), b[:, :, -128:].astype(np.float64)
+        err = ((w - w8) ** 2).sum() / (w ** 2).sum()
+        assert 0 < err < 1e-3
+    with pytest.raises(kvtc.Error, match="window_bits must be 16 or 8"):
+        cal.compress(k, v, pos, window_bits=4)
+    assert kvtc.PromptStore(cal, window_bits=8).fingerprint != kvtc.PromptStore(cal, window_bits=16).fingerprint
+
+
 def test_clean_errors(cal, cap, smol_calibration):
     k, v, pos, tokens, _ = cap
     data = cal.compress(k, v, pos)

@@ -33,6 +33,7 @@ CompressOptions PieceCodec::copt(uint32_t sink, uint32_t window) const {
   o.window = opt_.raw ? 1u << 30 : window;  // raw: every token in the raw window
   o.chunk_tokens = C_;
   o.deflate_level = opt_.raw ? 0 : opt_.deflate_level;
+  o.window_bits = opt_.raw ? 16 : opt_.window_bits;  // raw: the exact baseline
   o.precision = opt_.precision;
   o.threads = 1;  // the store runs pieces in parallel instead
   return o;

@@ -273,7 +273,10 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   SchemeFields f;
   f.model_sha256 = g.model_sha256;
   f.calibration_id = cal.id;
-  f.container_version = container::container_version(alloc);
+  require(opt.window_bits == 16 || opt.window_bits == 8, "kvtc store: window_bits must be 16 or 8, got " + std::to_string(opt.window_bits));
+  CompressOptions pieces;  // what names the pieces' container version (PieceCodec::copt)
+  pieces.window_bits = opt.raw ? 16 : opt.window_bits;
+  f.container_version = container::container_version(alloc, pieces);
   f.chunk_tokens = opt.chunk_tokens;
   f.ratio = opt.raw ? "raw" : ratio_key(opt.ratio) + (ecsq ? "-ecsq" : "");
   f.sink = opt.sink;

@@ -29,6 +29,7 @@
 #   make bench-calib-curve       the same on SmolLM2                   -> bench/results/calibration-smollm2-curve{,-ecsq}.md
 #   make bench-quality-qwen  its quality, resumable (hours)  -> bench/results/quality-qwen.md
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
+#   make bench-window8  the 8-bit window against f16, paired (~45 min) -> bench/results/window8.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
@@ -38,7 +39,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
 
 all: build
 
@@ -144,6 +145,9 @@ bench-calib-curve-qwen: $(QWEN_CALIB) $(QWEN_SIZE_CALIBS) build
 # The same on the default model (SmolLM2-135M): 8K-64K tokens beside the
 # 160K one (~35 min on 2 cores with every fit) -> bench/results/calibration-smollm2-curve.md.
 SMOL_CURVE_CALIBS := $(foreach n,8 16 32 64,.deps/calib/smollm2-$(n)k.safetensors)
+bench-window8: $(CALIB) build
+	bench/window8.sh
+
 bench-calib-curve: $(CALIB) $(SMOL_CURVE_CALIBS) build
 	python3 bench/calib_curve.py --model smollm2 --ref $(CALIB) --calib $(SMOL_CURVE_CALIBS) --name calibration-smollm2-curve
 	python3 bench/calib_curve.py --model smollm2 --ref $(CALIB) --calib $(SMOL_CURVE_CALIBS) --name calibration-smollm2-curve-ecsq --coding ecsq

@@ -10,6 +10,10 @@ Writes bench/results/NAME.md and NAME.json. The JSON has the shape of
 half_width, paired_diff), plus per method and task the prompt count `n`,
 so bench/plots.py reads both. --header is markdown put under the title
 (command, commit, machine of the runs), --notes markdown put at the end.
+--pair A:B (repeatable) adds, per context, the paired difference B − A of
+every score over the prompts both methods have (e.g. one option on and off
+at the same ratio): what a difference from vanilla cannot resolve when both
+sit near it.
 
 Records are grouped by model, calibration, seed, continuation and greedy
 settings, which must agree (one evaluation per file set); a record written
@@ -176,6 +180,59 @@ def summarize(recs):
     return out
 
 
+def paired(recs, pairs):
+    """Per context (and pooled over contexts: key "all"), for each (a, b)
+    of pairs: b − a per score over the prompts both have (mean, 95%
+    half-width, n; pass/fail: worse / better counts and the bound on the
+    share b made worse), plus for kld the mean of b / a − 1 (relative)."""
+    out = defaultdict(list)
+    for a, b in pairs:
+        for ctx in sorted({r["context"] for r in recs.values()}) + ["all"]:
+            va, vb = defaultdict(dict), defaultdict(dict)
+            for r in recs.values():
+                if (ctx == "all" or r["context"] == ctx) and r["method"] in (a, b):
+                    for s, v in r["scores"].items():
+                        (va if r["method"] == a else vb)[(r["task"], s)][(r["context"], r["index"])] = v
+            pj = {"a": a, "b": b, "diff": {}}
+            for task, s in COLUMNS + [("text", "agree_all")]:
+                common = sorted(set(va.get((task, s), {})) & set(vb.get((task, s), {})))
+                if not common:
+                    continue
+                d = [vb[(task, s)][i] - va[(task, s)][i] for i in common]
+                m, h = mean_half(d)
+                pj["diff"][s] = {"mean": m, "half_width": h, "n": len(common)}
+                if s == "kld" and all(va[(task, s)][i] > 0 for i in common):
+                    rm, rh = mean_half([vb[(task, s)][i] / va[(task, s)][i] - 1 for i in common])
+                    pj["diff"][s].update(relative_mean=rm, relative_half_width=rh, higher=sum(1 for x in d if x > 0))
+                if s in BINARY:
+                    worse = sum(1 for x in d if x < 0)
+                    pj["diff"][s].update(worse=worse, better=sum(1 for x in d if x > 0), worse_upper95=100 * upper95(worse, len(common)))
+            if pj["diff"]:
+                out[ctx].append(pj)
+    return out
+
+
+def pair_markdown(cj):
+    L = []
+    for pj in cj.get("pairs", []):
+        if not L:
+            where = "pooled over every context" if cj["context"] == "all" else f"at {cj['context']} tokens"
+            L += [f"Paired differences {where} (second method minus first, prompt by prompt; ± 95% half-width):", ""]
+        cells = []
+        for s, d in pj["diff"].items():
+            if s == "agree_all":
+                continue
+            c = f"{LABEL.get(s, s)} {d['mean']:+.3g}" + (f" ± {d['half_width']:.2g}" if d["half_width"] is not None else "") + f" (n {d['n']}"
+            if "worse" in d:
+                c += f"; worse on {d['worse']}, better on {d['better']}; loss ≤ {d['worse_upper95']:.1f}"
+            if "relative_mean" in d:
+                rh = d["relative_half_width"]
+                c += f"; {100 * d['relative_mean']:+.1f}%" + (f" ± {100 * rh:.1f}%" if rh is not None else "") + f" of the first's, higher on {d['higher']}"
+            cells.append(c + ")")
+        L.append(f"- {pj['b']} − {pj['a']}: " + "; ".join(cells))
+    return L + [""] if L else []
+
+
 def fmt(v, h, s):
     if v is None:
         return "–"
@@ -184,7 +241,7 @@ def fmt(v, h, s):
     return f"{v:.1f}" + (f" ± {h:.1f}" if h is not None else "")
 
 
-def markdown(name, contexts, header, notes, dup):
+def markdown(name, contexts, header, notes, dup, pooled_pairs=None):
     L = [f"# kvtc quality: {name}", ""]
     if header:
         L += [header.rstrip(), ""]
@@ -231,7 +288,10 @@ def markdown(name, contexts, header, notes, dup):
                 L.append(f"- {m['name']} ({'+'.join(d['tasks'])}): {d['n']} prompts, worse on {d['worse']}, better on {d['better']} "
                          f"(Δ {d['mean']:+.2f} points); share made worse ≤ {d['worse_upper95']:.1f} points (95%)")
             L.append("")
+        L += pair_markdown(cj)
         L += differences(cj)
+    if pooled_pairs:
+        L += pair_markdown({"context": "all", "pairs": pooled_pairs})
     if notes:
         L += [notes.rstrip(), ""]
     return "\n".join(L)
@@ -287,6 +347,7 @@ def main():
     ap.add_argument("--header")
     ap.add_argument("--notes")
     ap.add_argument("--results", default=RES)
+    ap.add_argument("--pair", action="append", default=[], metavar="A:B", help="also the paired difference B - A per context")
     ap.add_argument("--check-calib", metavar="CAL", help="only check that the records were made with calibration CAL (exit 1 if not)")
     a = ap.parse_args()
     recs, dup, bad = load(a.records)
@@ -294,14 +355,28 @@ def main():
         check_calib(a.check_calib, recs)
         return
     contexts = summarize(recs)
+    pairs = []
+    for x in a.pair:
+        if x.count(":") != 1 or "" in x.split(":"):
+            sys.exit(f"--pair {x}: METHOD_A:METHOD_B expected")
+        pairs.append(tuple(x.split(":")))
+    pooled_pairs = []
+    for ctx, pjs in paired(recs, pairs).items():
+        if ctx == "all":
+            pooled_pairs = pjs if len(contexts) > 1 else []
+        for cj in contexts:
+            if cj["context"] == ctx:
+                cj["pairs"] = pjs
     any_rec = next(iter(recs.values()))
     result = {"records": [os.path.relpath(p, TOP) for p in a.records], "model_sha256": any_rec["model_sha256"],
               "calibration_id": any_rec["calibration_id"], "seed": any_rec["seed"], "continuation_tokens": any_rec["continuation"],
               "greedy_tokens": any_rec["greedy"], "records_counted": len(recs), "duplicates": dup, "unreadable_lines": bad, "contexts": contexts}
+    if pooled_pairs:
+        result["pairs_pooled"] = pooled_pairs
     header = open(a.header).read() if a.header else ""
     notes = open(a.notes).read() if a.notes else ""
     os.makedirs(a.results, exist_ok=True)
-    for ext, text in (("json", json.dumps(result, indent=1) + "\n"), ("md", markdown(a.name, contexts, header, notes, dup) + "\n")):
+    for ext, text in (("json", json.dumps(result, indent=1) + "\n"), ("md", markdown(a.name, contexts, header, notes, dup, pooled_pairs) + "\n")):
         path = os.path.join(a.results, f"{a.name}.{ext}")
         with open(path + ".part", "w") as f:
             f.write(text)

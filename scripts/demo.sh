@@ -30,7 +30,7 @@ echo
 echo "== 1. prefill $tokens tokens of $doc and capture the KV cache"
 "$kvtc" capture --text "$text" --max-tokens "$tokens" -o "$out/session.safetensors"
 echo
-echo "== 2. compress it ${ratio}x (sink 4 and window 128 tokens kept raw)"
+echo "== 2. compress it ${ratio}x (sink 4 tokens kept raw f16, the newest 128 raw at 8 bits)"
 "$kvtc" compress "$out/session.safetensors" --calib "$cal" --ratio "$ratio" -o "$out/session.kvtc"
 "$kvtc" inspect "$out/session.kvtc"
 echo

@@ -273,7 +273,7 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
           "--kvtc-threads N         threads compressing beside inference (default: 1)\n"
           "--kvtc-window N          the newest tokens of a stored prompt kept raw, uncompressed (default: 128, the paper's)\n"
           "--kvtc-window-bits B     those tokens at B = 16 bits (f16) or 8 (int8 with an f16 scale per key channel / value token,\n"
-          "                         container version 3: about half their bytes; default: 16)\n"
+          "                         container version 3: about half their bytes; default: 8)\n"
           "--kvtc-redis URL         a shared tier below RAM and disk on one Redis, redis://[[user]:password@]host[:port][/db]:\n"
           "                         every replica with the same model, calibration and flags resumes any conversation\n"
           "--kvtc-redis-cluster L   ... or on a Redis Cluster: L = host:port,host:port,... (any of its masters)\n"
@@ -724,7 +724,7 @@ std::unique_ptr<kvtc::PromptStore> open_store(const kvtc_prompt_cache::impl& I, 
   const double global = kvtc::global_ratio_of(I.geom, o);
   if (o.raw) SRV_INF("%s\n", "kvtc: --kvtc-raw: pieces are stored as raw f16, uncompressed (a baseline)");
   if (!o.raw && o.window_bits == 8)
-    SRV_INF("kvtc: the newest %u tokens of a prompt are kept at 8 bits (container version 3; --kvtc-window-bits 16: f16)\n", o.window);
+    SRV_INF("kvtc: the newest %u tokens of a prompt are kept raw at 8 bits (container version 3; --kvtc-window-bits 16: f16)\n", o.window);
   if (!o.raw)
     SRV_INF("%s\n", o.entropy_coded && I.geom.blocks.size() == 1
                         ? "kvtc: pieces are entropy-coded (container version 2; --kvtc-dp: the DP allocation with DEFLATE)"

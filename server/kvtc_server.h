@@ -35,7 +35,7 @@ struct kvtc_server_params {
   int64_t pending_mib = 0;                 // --kvtc-pending-mib N: raw state waiting to be compressed at most (0: sized for the model)
   int threads = 1;                         // --kvtc-threads N: compression threads beside inference
   int window = 128;                        // --kvtc-window N: the newest tokens of a stored prompt kept raw (docs/method.md §6)
-  int window_bits = 16;                    // --kvtc-window-bits 8|16: those tokens at 8 bits (container version 3) or f16
+  int window_bits = 8;                     // --kvtc-window-bits 8|16: those tokens at 8 bits (container version 3), the default, or f16
   bool raw = false;                        // --kvtc-raw: store raw f16 through the same tiers (a benchmark baseline)
   bool ecsq = false;                       // --kvtc-ecsq: entropy-coded pieces (container version 2), the default, asked for explicitly
   bool dp = false;                         // --kvtc-dp: the DP allocation with DEFLATE (container version 1) instead

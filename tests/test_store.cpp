@@ -879,10 +879,11 @@ TEST(Store, EntropyCodedPieces) {
 }
 
 TEST(Store, EightBitWindowPieces) {
-  // StoreOptions::window_bits 8 (kvtc-server --kvtc-window-bits 8): the
+  // StoreOptions::window_bits 8 (the default; kvtc-server --kvtc-window-bits): the
   // tail's raw window in container version 3 (raw8), so another salt; the
   // chunks decode to the same values, the window within its quantization's
   // error, in fewer bytes. A raw store stays f16 (the exact baseline).
+  ASSERT_EQ(StoreOptions{}.window_bits, 8u);  // the default (bench/results/window8.md)
   StoreOptions o8 = small(), o16 = small();
   o8.window_bits = 8;
   PromptStore s8(cal(), lowrank_geometry(), o8), s16(cal(), lowrank_geometry(), o16);

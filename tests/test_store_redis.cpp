@@ -46,6 +46,7 @@ fs::path tmp(const std::string& name) {
 StoreOptions small() {
   StoreOptions o;
   o.entropy_coded = false;
+  o.window_bits = 16;  // f16 windows: whole_roundtrip compares exactly
   o.ratio = 8;
   o.chunk_tokens = 64;
   o.sink = 4;

@@ -81,10 +81,12 @@ struct StoreOptions {
   uint32_t chunk_tokens = 256;  // tokens per shared chunk (multiple of 16)
   uint32_t sink = 4;            // raw tokens at the start (in the first chunk)
   uint32_t window = 128;        // raw tokens at the end (in the tail)
-  // Bits per value of the tail's raw window: 16 (f16) or 8 (container
-  // version 3, CompressOptions::window_bits; raw stores stay f16). Part of
-  // the salt through the pieces' container version.
-  uint32_t window_bits = 16;
+  // Bits per value of the tail's raw window: 8 (the default: container
+  // version 3, CompressOptions::window_bits; about half the window's
+  // bytes, its KL within the noise of f16's, bench/results/window8.md) or
+  // 16 (f16). Raw stores stay f16. Part of the salt through the pieces'
+  // container version.
+  uint32_t window_bits = 8;
   int deflate_level = 6;
   Precision precision = Precision::kAuto;
   uint64_t ram_bytes = 0;   // the RAM tier's budget of stored bytes; 0: no limit

@@ -311,8 +311,9 @@ class KvtcCache(BaseLlamaCache):
       entropy_coded: the entropy-coded pieces (the default: ~20% fewer bytes
       than the DP at equal error, as fast to restore); False: the paper's DP
       allocation with DEFLATE (a sliding-window model's pieces are DP-coded
-      either way). window_bits: the last `window` tokens as f16 (16) or as
-      int8 with f16 scales (8: about half their bytes; container version 3).
+      either way). window_bits: the last `window` tokens as int8 with f16
+      scales (8, the default: about half their bytes, container version 3)
+      or f16 (16).
     disk_dir, disk_capacity_bytes: a disk tier (0: no limit); redis_url: a
       shared tier (redis://[[user]:password@]host:port/db), or redis_cluster:
       a Redis Cluster's host:port seeds; redis_user, redis_password_file:
@@ -358,7 +359,7 @@ class KvtcCache(BaseLlamaCache):
         encrypt: bool = False,
         sink: int = 4,
         window: int = 128,
-        window_bits: int = 16,
+        window_bits: int = 8,
         chunk_tokens: int = 256,
         threads: int = 0,
         async_puts: bool = True,

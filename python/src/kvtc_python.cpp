@@ -951,10 +951,10 @@ NB_MODULE(_kvtc, m) {
       .def("info", &PyCalibration::info, "Geometry (layers, KV heads, head_dim, RoPE) per block, components kept, stored ratios, provenance.")
       .def("compress", &PyCalibration::compress, "k"_a, "v"_a, "positions"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
-           "meta"_a = std::map<std::string, std::string>(), "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 16u,
+           "meta"_a = std::map<std::string, std::string>(), "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 8u,
            nb::sig("def compress(self, k: object, v: object, positions: object, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False, meta: dict[str, str] = {}, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 16) -> bytes"),
+                   "joint: bool = False, meta: dict[str, str] = {}, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 8) -> bytes"),
            "Compresses a KV cache into a .kvtc container (docs/format.md) and returns its bytes.\n\n"
            "k, v: float16 or float32 arrays [layers, kv_heads, tokens, head_dim] (numpy, or anything with __dlpack__ on the CPU,\n"
            "such as a torch tensor; any strides), keys as the model stores them (RoPE applied); a list of two per array for\n"
@@ -965,8 +965,8 @@ NB_MODULE(_kvtc, m) {
            "coding: 'ecsq', the default (one quantizer step for every component, rANS, rate-controlled to `ratio` on the coded\n"
            "tokens; container version 2: ~20% fewer bytes than 'dp' at equal error), or 'dp' (the paper's DP allocation +\n"
            "DEFLATE, version 1; needed for the GPU encoder); step > 0 fixes ecsq's step instead.\n"
-           "window_bits: 16 keeps the window f16; 8 stores it as int8 with an f16 scale per key channel / value token\n"
-           "(container version 3, about half its bytes).\n"
+           "window_bits: 8 (the default) stores the window as int8 with an f16 scale per key channel / value token (container\n"
+           "version 3: about half its bytes, its KL within the noise of f16's); 16 keeps it f16, exact.\n"
            "Raises kvtc.Error on a shape, dtype or calibration mismatch and on NaN/inf values. Releases the GIL while coding.")
       .def("decompress", &PyCalibration::decompress, "data"_a, nb::kw_only(), "dtype"_a = "float16", "return_tokens"_a = false, "threads"_a = 0,
            "precision"_a = "auto",
@@ -977,10 +977,10 @@ NB_MODULE(_kvtc, m) {
            "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")
       .def("compress_state", &PyCalibration::compress_state, "blob"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
-           "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 16u,
+           "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 8u,
            nb::sig("def compress_state(self, blob: bytes | bytearray | memoryview, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 16) -> bytes"),
+                   "joint: bool = False, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 8) -> bytes"),
            "Compresses a llama.cpp state of an f16 cache: a sequence state (llama_state_seq_get_data) or a whole context's\n"
            "(llama_state_get_data, llama-cpp-python's LlamaState.llama_state). The container records which, and the layout.\n"
            "coding, step and window_bits as in compress.")
@@ -1069,8 +1069,9 @@ NB_MODULE(_kvtc, m) {
            "redis_url"_a = "", "precision"_a = "auto", "entropy_coded"_a = true, "model_sha256"_a = "", "kv_settings"_a = nb::none(),
            "secret_file"_a = "", "encrypt"_a = false, "redis_cluster"_a = std::vector<std::string>{}, "redis_user"_a = "",
            "redis_password_file"_a = "", "redis_ttl_s"_a = int64_t(86400), "redis_lookup_timeout_ms"_a = 100, "redis_timeout_ms"_a = 2000,
-           "global_ratio"_a = 0.0, "window_bits"_a = 16u,
-           "window_bits: the tail's raw window as f16 (16) or int8 with f16 scales (8: container version 3, about half its bytes).\n"
+           "global_ratio"_a = 0.0, "window_bits"_a = 8u,
+           "window_bits: the tail's raw window as int8 with f16 scales (8, the default: container version 3, about half its bytes)\n"
+           "or f16 (16).\n"
            "global_ratio: a sliding-window model's global layers' ratio (0: min(ratio, 4), kvtc::global_ratio_of).\n"
            "ram_bytes / disk_bytes: budgets of stored bytes (0: none). disk_dir: the disk tier (survives restarts).\n"
            "raw=True keeps f16 pieces (no coding): the exact baseline. entropy_coded (default True): pieces in the entropy-coded\n"

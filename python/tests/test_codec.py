@@ -59,9 +59,9 @@ def test_bytes_equal_the_cli_container(cal, cap, smol_capture, smol_calibration,
     k3, _, _ = cal.decompress(bytearray(data), dtype="float32")
     assert k3.dtype == np.float32
     np.testing.assert_array_equal(k3, k_cli.astype(np.float32))
-    # The sink and window are exact; the coded middle is close.
+    # The sink is exact; the coded middle is close.
     np.testing.assert_array_equal(k2[:, :, :4], k[:, :, :4])
-    np.testing.assert_array_equal(v2[:, :, -128:], v[:, :, -128:])
+    np.testing.assert_array_equal(v2[:, :, :4], v[:, :, :4])  # the window is 8-bit by default: test_eight_bit_window
     kf, k2f = k.astype(np.float64), k2.astype(np.float64)
     assert ((kf - k2f) ** 2).sum() / (kf ** 2).sum() < 0.05
     info = kvtc.inspect(memoryview(data))
@@ -80,7 +80,8 @@ def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
         cli = f.read()
     data = cal.compress(k, v, pos, ratio=18, tokens=tokens, meta=meta, coding="ecsq")
     assert data == cli
-    assert kvtc.inspect(data)["version"] == 2
+    assert kvtc.inspect(data)["version"] == 3  # the 8-bit window's version
+    assert kvtc.inspect(cal.compress(k, v, pos, coding="ecsq", window_bits=16))["version"] == 2
     dec = str(work / "cli-ecsq.safetensors")
     run("decompress", out, "--calib", smol_calibration, "-o", dec)
     k_cli, v_cli, _, _, _ = read_capture(dec)
@@ -113,7 +114,8 @@ def test_eight_bit_window(cal, cap, smol_capture, smol_calibration, work):
     data = cal.compress(k, v, pos, tokens=tokens, meta=meta, window_bits=8)
     assert data == cli
     assert kvtc.inspect(data)["version"] == 3
-    f16 = cal.compress(k, v, pos, tokens=tokens, meta=meta)
+    assert data == cal.compress(k, v, pos, tokens=tokens, meta=meta)  # the default
+    f16 = cal.compress(k, v, pos, tokens=tokens, meta=meta, window_bits=16)
     assert len(data) < len(f16) - k[:, :, -128:].nbytes * 2 // 3  # the window's K and V: about half their f16 bytes saved
     k8, v8, _ = cal.decompress(data)
     k16, v16, _ = cal.decompress(f16)
@@ -125,6 +127,7 @@ def test_eight_bit_window(cal, cap, smol_capture, smol_calibration, work):
         assert 0 < err < 1e-3
     with pytest.raises(kvtc.Error, match="window_bits must be 16 or 8"):
         cal.compress(k, v, pos, window_bits=4)
+    assert kvtc.PromptStore(cal, window_bits=8).fingerprint == kvtc.PromptStore(cal).fingerprint  # the default
     assert kvtc.PromptStore(cal, window_bits=8).fingerprint != kvtc.PromptStore(cal, window_bits=16).fingerprint
 
 

@@ -46,6 +46,8 @@ struct BenchArgs {
   std::vector<double> ratios{8, 16, 32, 64};
   std::vector<int> levels;                      // DEFLATE level sweep (empty: none)
   std::vector<std::string> precisions{"auto"};  // projection precisions, a row each
+  std::vector<std::string> codings{"dp"};       // dp, ecsq (the entropy-coded mode at the nominal ratio): a row each
+  uint32_t window_bits = 16;                    // the raw window's width (CompressOptions::window_bits)
   std::string device = "cpu";                   // or cuda (tools/kvtc/bench_cuda.cpp)
   int batch = 1;                                // sequences per codec call (cuda)
   int threads = 0, repeat = 3;
@@ -165,6 +167,8 @@ nlohmann::ordered_json load_and_describe(BenchRun& B) {
   require(B.cuda || a.batch == 1, "bench: --batch is for --device cuda (the CPU codec takes one sequence per call)");
   if (B.cuda) {
     require(a.levels.empty(), "bench: --levels sweeps the CPU's libdeflate; leave it out with --device cuda");
+    require(a.window_bits == 16 && std::find(a.codings.begin(), a.codings.end(), "ecsq") == a.codings.end(),
+            "bench: the GPU encoder codes the DP with an f16 window only (docs/gpu.md): --device cuda takes --coding dp --window-bits 16");
 #if KVTC_WITH_CUDA
     R["device"] = cuda_bench_device(a.precisions);  // Error with the reason when no GPU is usable
 #else
@@ -290,9 +294,12 @@ void cpu_codec_row(const BenchRun& B, const KvCapture& cap, const AllocationSet&
 
 // Projection throughput: 2 n p r flops per coded K/V and sequence, over the
 // stage's thread time x threads (GPU: its wall time).
-void projection_gflops(const Calibration& cal, const AllocationSet& al, const std::vector<uint8_t>& bytes, nlohmann::ordered_json& X) {
+// The components used are the container's (an entropy-coded kind keeps
+// what its step needs, fewer than its allocation set offers).
+void projection_gflops(const Calibration& cal, const std::vector<uint8_t>& bytes, nlohmann::ordered_json& X) {
   double flops = 0;
   const ContainerInfo ci = inspect(bytes, "bench");
+  const AllocationSet& al = ci.header.alloc;
   for (size_t b = 0; b < al.size(); ++b)
     for (int kv = 0; kv < 2; ++kv) {
       const auto& bl = al[b][kv].blocks;
@@ -329,17 +336,20 @@ void restore_timings(const BenchRun& B, Session& s, const KvCapture& cap, const 
 // (CPU or GPU), its projection throughput, peak memory and, on real text,
 // the restore into llama.cpp.
 nlohmann::ordered_json codec_row(const BenchRun& B, Session& s, const KvCapture& cap, uint32_t ctx, double ratio, const std::string& pname,
-                                 const nlohmann::ordered_json& C) {
+                                 const std::string& coding, const nlohmann::ordered_json& C) {
   const BenchArgs& a = B.a;
-  AllocationSet al = allocation_set(B.cal, ratio);
+  AllocationSet al = coding == "ecsq" ? ecsq_allocation_set(B.cal, ratio) : allocation_set(B.cal, ratio);
   CompressOptions co;
   co.threads = B.threads;
+  co.window_bits = a.window_bits;
   std::vector<uint8_t> bytes;
   const double rss0 = vm_kb("VmRSS:");
   reset_peak();
   KvCapture dec;
   nlohmann::ordered_json X;
   X["nominal_ratio"] = ratio;
+  X["coding"] = coding;
+  X["window_bits"] = a.window_bits;
   if (B.cuda) {
 #if KVTC_WITH_CUDA
     X.update(cuda_bench_row(cap, B.cal, al, co, pname, a.batch, a.repeat, &dec, &bytes));
@@ -349,10 +359,10 @@ nlohmann::ordered_json codec_row(const BenchRun& B, Session& s, const KvCapture&
   }
   const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
   const double enc_ms = X["compress_ms"].get<double>(), dec_ms = X["decompress_ms"].get<double>();
-  projection_gflops(B.cal, al, bytes, X);
+  projection_gflops(B.cal, bytes, X);
   X["peak_extra_mb"] = peak_mb;
   if (ctx <= B.model->info().n_ctx_train) restore_timings(B, s, cap, dec, ctx, C, X);
-  std::fprintf(stderr, "[bench] %u tokens, %gx %s: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio,
+  std::fprintf(stderr, "[bench] %u tokens, %gx %s %s: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio, coding.c_str(),
                X["precision"].get<std::string>().c_str(), X["ratio"].get<double>(), enc_ms, dec_ms,
                std::chrono::duration<double>(clock_type::now() - B.t_start).count());
   return X;
@@ -371,11 +381,12 @@ nlohmann::ordered_json measure_context(const BenchRun& B, Session& s, const std:
   lossless_baselines(cap, C);
   C["ratios"] = nlohmann::json::array();
   for (double ratio : a.ratios)
-    for (const std::string& pname : a.precisions) {
-      const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
-      if (C["tiled"].get<bool>() && ratio != only) continue;
-      C["ratios"].push_back(codec_row(B, s, cap, ctx, ratio, pname, C));
-    }
+    for (const std::string& coding : a.codings)
+      for (const std::string& pname : a.precisions) {
+        const double only = std::find(a.ratios.begin(), a.ratios.end(), 16.0) != a.ratios.end() ? 16.0 : a.ratios.front();
+        if (C["tiled"].get<bool>() && ratio != only) continue;
+        C["ratios"].push_back(codec_row(B, s, cap, ctx, ratio, pname, coding, C));
+      }
   // The per-context figure asked for: restore at 16x (else the first
   // ratio), the first precision's row. Chosen before C gains a key: an
   // ordered_json object is a vector, so inserting moves C["ratios"].
@@ -470,14 +481,17 @@ void codec_markdown(const BenchRun& B, const nlohmann::ordered_json& R, std::ost
       }
       // threads, or GPU x sequences per call
       const std::string thr = cuda ? "GPU x" + std::to_string(X["batch"].get<int>()) : std::to_string(X["encode_stages"]["threads"].get<int>());
+      const std::string nominal =
+          (X.value("coding", std::string("dp")) == "ecsq" ? " ecsq" : "") + std::string(X.value("window_bits", 16u) == 8 ? " w8" : "");
       std::snprintf(
           b, sizeof b,
-          "| %u | %.1f | %gx | %s | %.2f | %.2fx | %.0f | %.0f | %.2f | %.2f | %s | %s | %.0f/%.0f | %.5f/%.5f | %s | %.0f | %s | %s | %s |\n",
-          C["tokens"].get<uint32_t>(), C["raw_mb"].get<double>(), X["nominal_ratio"].get<double>(), X["precision"].get<std::string>().c_str(),
-          X["compressed_mb"].get<double>(), X["ratio"].get<double>(), X["compress_ms"].get<double>(), X["decompress_ms"].get<double>(),
-          X["encode_gbs"].get<double>(), X["decode_gbs"].get<double>(), st(X["encode_stages"]).c_str(), st(X["decode_stages"]).c_str(),
-          X["project_gflops_encode"].get<double>(), X["project_gflops_decode"].get<double>(), X["rel_error_k"].get<double>(),
-          X["rel_error_v"].get<double>(), thr.c_str(), X["peak_extra_mb"].get<double>(), rest.c_str(), rec.c_str(), sp.c_str());
+          "| %u | %.1f | %gx%s | %s | %.2f | %.2fx | %.0f | %.0f | %.2f | %.2f | %s | %s | %.0f/%.0f | %.5f/%.5f | %s | %.0f | %s | %s | %s |\n",
+          C["tokens"].get<uint32_t>(), C["raw_mb"].get<double>(), X["nominal_ratio"].get<double>(), nominal.c_str(),
+          X["precision"].get<std::string>().c_str(), X["compressed_mb"].get<double>(), X["ratio"].get<double>(), X["compress_ms"].get<double>(),
+          X["decompress_ms"].get<double>(), X["encode_gbs"].get<double>(), X["decode_gbs"].get<double>(), st(X["encode_stages"]).c_str(),
+          st(X["decode_stages"]).c_str(), X["project_gflops_encode"].get<double>(), X["project_gflops_decode"].get<double>(),
+          X["rel_error_k"].get<double>(), X["rel_error_v"].get<double>(), thr.c_str(), X["peak_extra_mb"].get<double>(), rest.c_str(), rec.c_str(),
+          sp.c_str());
       md << b;
     }
   }
@@ -579,6 +593,12 @@ Action add_bench(CLI::App& app) {
   sub->add_option("--precision", a->precisions, "Projection precisions, a row each: auto, f32, bf16 (cuda also tf32, f16; auto = f32 there)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "bf16", "tf32", "f16"}));
+  sub->add_option("--coding", a->codings, "dp (the paper's DP + DEFLATE) and/or ecsq (the entropy-coded mode): a row each")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dp", "ecsq"}));
+  sub->add_option("--window-bits", a->window_bits, "The raw window: 16 (f16) or 8 (container version 3)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({8, 16}));
   sub->add_option("--device", a->device, "cpu, or cuda: the GPU codec on caches held in GPU memory (docs/gpu.md)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));

@@ -932,6 +932,34 @@ TEST(CudaCodecTest, EntropyCodedContainersDecode) {
   }
 }
 
+// A CPU-written container's raw window is one DEFLATE stream per K/V (here
+// 600 tokens x 64 features x 2 B = 76,800 B); nvCOMP inflates one stream on
+// one thread block, so streams over its 64 KiB chunk go to libdeflate on
+// the host threads (an H200 spent ~140 ms on a 1.5 MB window otherwise:
+// bench/results/gpu.md). Same bytes out either way.
+TEST(CudaCodecTest, LargeDeflatedSectionsInflateOnTheHost) {
+  REQUIRE_GPU();
+  const KvCapture c = make_capture(700, "norm", 61);
+  const Calibration cal = make_calibration(c, false);
+  CompressOptions o = small_opts(6);
+  o.window = 600;
+  const std::vector<uint8_t> bytes = compress(c, cal, make_alloc_set(c), o);
+  size_t big = 0, small = 0;
+  for (const container::Section& s : container::parse(bytes, "big").sections) {
+    if (s.stored_len == s.raw_len || s.kind == container::kPositions || s.kind == container::kTokens) continue;  // those two: plan_decode's
+    (s.raw_len > cuda::kNvcompMaxChunkBytes ? big : small)++;
+  }
+  ASSERT_GT(big, 0u) << "the test needs a deflated section over 64 KiB";
+  DecompressOptions d;
+  d.precision = Precision::kF32;
+  CodecStats st;
+  d.stats = &st;
+  const KvCapture g = decompress_cuda(bytes, cal, "big", d);
+  expect_close_f16(cpu_decode(bytes, cal, "big"), g, "CPU container with a 76.8 KB raw window, CPU vs GPU", 4);
+  if (cuda::nvc::built())
+    EXPECT_EQ(st.entropy_backend, small ? "nvcomp+libdeflate-host" : "libdeflate-host") << big << " large, " << small << " small deflated sections";
+}
+
 TEST(CudaCodecTest, ErrorsMatchTheCpuDecoder) {
   REQUIRE_GPU();
   const KvCapture c = make_capture(100, "norm", 51);

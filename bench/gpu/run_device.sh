@@ -58,7 +58,9 @@ for l in libdeflate libxxhash libcrypto libgtest libgtest_main; do
 done
 cuda_root=$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")
 cublas_lib=no cublas_hdr=no
-ls "$cuda_root"/lib64/libcublas.so* "$cuda_root"/lib/libcublas.so* "$cuda_root"/targets/x86_64-linux/lib/libcublas.so* >/dev/null 2>&1 && cublas_lib=yes
+# One ls per place: ls over several paths fails when any one is absent (an
+# H200 image had it only under targets/x86_64-linux/lib).
+for d in lib64 lib targets/x86_64-linux/lib; do ls "$cuda_root/$d"/libcublas.so* >/dev/null 2>&1 && cublas_lib=yes; done
 { [ -f "$cuda_root/include/cublas_v2.h" ] || [ -f "$cuda_root/targets/x86_64-linux/include/cublas_v2.h" ]; } && cublas_hdr=yes
 if [ $cublas_lib = yes ] && [ $cublas_hdr = yes ]; then
   echo "cuBLAS: ok ($cuda_root)"

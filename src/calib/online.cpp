@@ -75,8 +75,9 @@ uint64_t OnlineCalibrator::add(const KvCapture& c, std::span<const int32_t> toke
   require(b.n_tokens() == tokens.size(),
           "calibrate (served prompts): the cache holds " + std::to_string(b.n_tokens()) + " tokens, the prompt " + std::to_string(tokens.size()));
   for (uint32_t t = 0; t < b.n_tokens(); ++t)
-    require(b.pos[t] == int32_t(t), "calibrate (served prompts): cache token " + std::to_string(t) + " is at position " + std::to_string(b.pos[t]) +
-                                        ", a prompt's cache holds positions 0..n-1 in order");
+    if (b.pos[t] != int32_t(t))
+      throw Error("calibrate (served prompts): cache token " + std::to_string(t) + " is at position " + std::to_string(b.pos[t]) +
+                  ", a prompt's cache holds positions 0..n-1 in order");
   stride = std::max<uint32_t>(1, stride);
   const size_t R = I.opt.run_tokens, n = tokens.size();
   I.seen_tokens += n;

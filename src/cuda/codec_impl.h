@@ -8,6 +8,8 @@
 
 #include <array>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -23,6 +25,42 @@
 namespace kvtc::cuda {
 
 using clock_type = std::chrono::steady_clock;
+
+// KVTC_CUDA_TRACE=1: one stderr line per compress/decompress call with the
+// host's own phases in ms (the Timeline's stages are device events and
+// lump the host's work into one "host" figure; bench/results/gpu.md found
+// it 75% of an 8 x 32K decode). Off: one getenv per process, no clock reads.
+class HostTrace {
+ public:
+  explicit HostTrace(const char* who) : who_(who), on_(enabled()) {
+    if (on_) t_ = clock_type::now();
+  }
+  void mark(const char* phase) {
+    if (!on_) return;
+    const auto now = clock_type::now();
+    line_ += std::string(" ") + phase + "=" + std::to_string(std::chrono::duration<double, std::milli>(now - t_).count()).substr(0, 7);
+    t_ = now;
+  }
+  void count(const char* what, size_t n) {
+    if (on_) line_ += std::string(" ") + what + "#" + std::to_string(n);
+  }
+  ~HostTrace() {
+    if (on_) std::fprintf(stderr, "[kvtc-cuda-trace] %s:%s\n", who_, line_.c_str());
+  }
+  static bool enabled() {
+    static const bool on = [] {
+      const char* e = std::getenv("KVTC_CUDA_TRACE");
+      return e != nullptr && *e != '\0' && *e != '0';
+    }();
+    return on;
+  }
+
+ private:
+  const char* who_;
+  bool on_;
+  clock_type::time_point t_;
+  std::string line_;
+};
 
 // Grow-only device buffer (workspaces reused call after call).
 struct DevBuf {

@@ -44,6 +44,12 @@ struct Slot {
   const Section* s;
   uint64_t in_off = 0, out_off = 0;  // arena offsets of the stored bytes and (deflated) the payload
   bool deflated = false;
+  // Inflated by nvCOMP: deflated, nvCOMP there, and at most 64 KiB raw. One
+  // nvCOMP stream inflates on one thread block: a CPU-written 1.47 MB raw
+  // window section (128 tokens x 5760 features) held an H200's 8K decode
+  // for ~140 ms of its 156; with it on the host threads the decode takes
+  // 23 ms in all (bench/results/gpu.md).
+  bool nv = false;
   bool ecsq = false;
   size_t job = 0;     // ecsq: the job whose plane it fills
   uint32_t row0 = 0;  // ecsq: its first row there
@@ -64,6 +70,7 @@ struct DecodeWork {
   bool use_nv = false;
   std::vector<Slot> slots;
   uint64_t arena = 0;
+  uint64_t upload = 0;          // arena bytes [0, upload) staged on the host and uploaded; nvCOMP's outputs follow
   std::vector<size_t> nv_list;  // slots inflated by nvCOMP
   size_t nv_max = 0, nv_total = 0, nv_temp = 0;
   size_t in_ptrs_off = 0, in_sizes_off = 0, out_sizes_off = 0, out_ptrs_off = 0;
@@ -75,6 +82,7 @@ struct DecodeWork {
   size_t segs_off = 0, tiles_off = 0;
   std::map<std::pair<uint32_t, uint32_t>, size_t> factors_off;             // per (container, block)
   size_t n_ecsq = 0;                                                       // entropy-coded chunk sections
+  size_t n_host_inflate = 0;                                               // deflated sections inflated by libdeflate on the host
   std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint64_t> plane_off;  // per entropy-coded (container, block, kind)
   cuda::Blob meta;
   size_t max_rows = 0, max_ru = 0, max_table = 0;
@@ -96,6 +104,8 @@ void plan_slots(CudaCodec::Impl& I, DecodeWork& W, const cuda::GemmMode& gm) {
       x.deflated = s.stored_len != s.raw_len;
       x.ecsq = s.kind == kChunk && is_ecsq(W.plans[i].H.alloc[s.block][s.kv]);
       x.raw8 = s.kind == kRaw8;
+      x.nv = x.deflated && W.use_nv && !x.ecsq && !x.raw8 && s.raw_len <= cuda::kNvcompMaxChunkBytes;
+      if (x.deflated && !x.nv && !x.ecsq && !x.raw8) W.n_host_inflate++;
       if (x.ecsq) {
         W.n_ecsq++;
         ecsq_rows[{i, s.block, s.kv}] += s.t1 - s.t0;
@@ -104,12 +114,12 @@ void plan_slots(CudaCodec::Impl& I, DecodeWork& W, const cuda::GemmMode& gm) {
         x.out_off = W.arena;
         W.arena += uint64_t(s.t1 - s.t0) * W.plans[i].host.blocks[s.block].features() * 2;
       } else {
-        if (!x.deflated || W.use_nv) {
+        if (!x.deflated || x.nv) {
           W.arena = cuda::round_up(W.arena, I.align);
           x.in_off = W.arena;
           W.arena += s.stored_len;
         }
-        if (x.deflated) {
+        if (x.deflated && !x.nv) {  // inflated on the host into the upload
           W.arena = cuda::round_up(W.arena, I.align);
           x.out_off = W.arena;
           W.arena += s.raw_len;
@@ -124,8 +134,18 @@ void plan_slots(CudaCodec::Impl& I, DecodeWork& W, const cuda::GemmMode& gm) {
     W.plane_off[key] = W.arena;
     W.arena += uint64_t(W.plans[std::get<0>(key)].r_used[std::get<1>(key)][std::get<2>(key)]) * cuda::round_up(rows, 16) * cuda::elem_bytes(gm.et);
   }
+  // nvCOMP's outputs last: written on the device, so the upload stops
+  // before them (the DP's inflated chunks are ~1.1x its stored bytes: the
+  // upload of an 8 x 32K batch was about twice what it carried).
+  W.upload = W.arena;
+  for (Slot& x : W.slots)
+    if (x.nv) {
+      W.arena = cuda::round_up(W.arena, I.align);
+      x.out_off = W.arena;
+      W.arena += x.s->raw_len;
+    }
   I.arena.reserve(std::max<uint64_t>(W.arena, 1));
-  I.h_stage.reserve(std::max<uint64_t>(W.arena, 1));
+  I.h_stage.reserve(std::max<uint64_t>(W.upload, 1));
 }
 
 std::vector<CudaKvCapture> allocate_outputs(const DecodeWork& W) {
@@ -143,7 +163,7 @@ std::vector<CudaKvCapture> allocate_outputs(const DecodeWork& W) {
 // segments and tiles, RoPE factors: all into the table blob.
 void plan_tables(CudaCodec::Impl& I, DecodeWork& W, const std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm) {
   for (size_t k = 0; k < W.slots.size(); ++k)
-    if (W.slots[k].deflated && W.use_nv && !W.slots[k].ecsq && !W.slots[k].raw8) {
+    if (W.slots[k].nv) {
       W.nv_list.push_back(k);
       W.nv_max = std::max<size_t>(W.nv_max, W.slots[k].s->raw_len);
       W.nv_total += W.slots[k].s->raw_len;
@@ -253,20 +273,20 @@ double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& 
                   reinterpret_cast<uint16_t*>(I.h_stage.b(x.out_off)),
                   name + ": raw8 section (block " + std::to_string(x.s->block) + ", tokens " + std::to_string(x.s->t0) + ".." +
                       std::to_string(x.s->t1) + ")");
-    } else if (!x.deflated || W.use_nv) {
+    } else if (!x.deflated || x.nv) {
       std::memcpy(I.h_stage.b(x.in_off), x.s->data, x.s->stored_len);
     } else {
       std::vector<uint8_t> pl = payload(*x.s, origin);
       std::memcpy(I.h_stage.b(x.out_off), pl.data(), pl.size());
     }
   });
-  return W.use_nv && W.n_ecsq == 0 ? 0.0 : ms_since(t_in);
+  return W.n_ecsq == 0 && W.n_host_inflate == 0 ? 0.0 : ms_since(t_in);
 }
 
 void inflate_and_transform(CudaCodec::Impl& I, const DecodeWork& W, std::vector<CudaKvCapture>& outs, const cuda::GemmMode& gm, cuda::Timeline& tl) {
   tl.begin(cuda::kSTransfer);
   I.upload_meta(W.meta);
-  check(cudaMemcpyAsync(I.arena.p, I.h_stage.p, W.arena, cudaMemcpyHostToDevice, I.st), "containers H2D");
+  if (W.upload) check(cudaMemcpyAsync(I.arena.p, I.h_stage.p, W.upload, cudaMemcpyHostToDevice, I.st), "containers H2D");
   tl.end();
   const uint8_t* M = I.meta.as<uint8_t>();
   if (!W.nv_list.empty()) {
@@ -329,7 +349,7 @@ void check_statuses(const CudaCodec::Impl& I, const DecodeWork& W, const std::st
 // What decoded the chunks: nvCOMP, libdeflate on the host or nothing
 // (stored) for the DP's, rANS on the host for the entropy-coded ones.
 std::string backend_name(const DecodeWork& W) {
-  std::string dp = W.nv_list.empty() ? (W.use_nv ? "stored" : "libdeflate-host") : "nvcomp";
+  std::string dp = W.nv_list.empty() ? (W.n_host_inflate ? "libdeflate-host" : "stored") : W.n_host_inflate ? "nvcomp+libdeflate-host" : "nvcomp";
   if (W.n_ecsq == 0) return dp;
   const bool dp_chunks = std::any_of(W.slots.begin(), W.slots.end(), [](const Slot& x) { return x.s->kind == kChunk && !x.ecsq; });
   return dp_chunks ? dp + "+rans-host" : "rans-host";
@@ -345,22 +365,33 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<con
   const int threads = Impl::threads(opt.threads);
   check(cudaSetDevice(I.opt.device), "cudaSetDevice");
   auto t_host = cuda::clock_type::now();
+  cuda::HostTrace trace("decompress");
   DecodeWork W;
   for (size_t i = 0; i < containers.size(); ++i) {
     const std::string name = containers.size() == 1 ? origin : origin + "[" + std::to_string(i) + "]";
     W.plans.push_back(plan_decode(parse(containers[i], name, threads), I.cal, name));
   }
+  trace.mark("parse+plan");
   W.use_nv = cuda::nvc::built() && I.opt.nvcomp;
   plan_slots(I, W, gm);
+  trace.mark("slots");
+  trace.count("slots", W.slots.size());
+  trace.count("ecsq", W.n_ecsq);
+  trace.count("threads", size_t(threads));
   std::vector<CudaKvCapture> outs = allocate_outputs(W);
+  trace.mark("outputs");
   plan_tables(I, W, outs, gm);
+  trace.mark("tables");
   const double host_inflate_ms = stage_inputs(I, W, origin, threads, gm);
+  trace.mark("stage");
   double host_ms = ms_since(t_host) - host_inflate_ms;
   cuda::Timeline tl(I.st, opt.stats != nullptr);
   inflate_and_transform(I, W, outs, gm, tl);
+  trace.mark("device");
   t_host = cuda::clock_type::now();
   check_statuses(I, W, origin);
   host_ms += ms_since(t_host);
+  trace.mark("check");
   tl.fill(opt.stats, host_inflate_ms, host_ms, ms_since(t_start), threads, gm.precision, backend_name(W));
   return outs;
 }

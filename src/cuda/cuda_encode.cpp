@@ -429,14 +429,19 @@ void CudaCodec::compress(const std::vector<const CudaKvCapture*>& caps, const Al
   if (caps.empty()) return;
   check(cudaSetDevice(I.opt.device), "cudaSetDevice");
   auto t_host = cuda::clock_type::now();
+  cuda::HostTrace trace("compress");
   check_inputs(I, caps, alloc, opt);
   EncodePlan E = plan_encode(I, caps, alloc, opt);
+  trace.mark("plan");
   I.arena.reserve(std::max<uint64_t>(E.arena, 1));
   const EntropyPlan P = plan_entropy(I, E);
+  trace.mark("entropy-plan");
   double host_ms = ms_since(t_host);
   cuda::Timeline tl(I.st, opt.stats != nullptr);
   transform_and_deflate(I, caps, E, P, gm, tl);
+  trace.mark("device");
   const Assembled A = assemble(I, caps, E, P, threads, tl, out, host_ms);
+  trace.mark("assemble");
   tl.fill(opt.stats, A.host_deflate_ms, host_ms, ms_since(t_start), threads, gm.precision, A.backend.empty() ? "stored" : A.backend);
 }
 

@@ -335,7 +335,7 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
     } else {
       require(s.block == 0 && H.has_tokens, where + ": unexpected");
       for (uint32_t t = s.t0; t < s.t1; ++t) {
-        require(!tok_seen[t], where + ": token " + std::to_string(t) + " given twice");
+        if (tok_seen[t]) throw Error(where + ": token " + std::to_string(t) + " given twice");  // message only on failure: per token
         tok_seen[t] = 1;
       }
       std::memcpy(c.tokens.data() + s.t0, pl.data(), pl.size());
@@ -355,7 +355,7 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
     require(s.t0 < s.t1 && s.t1 <= H.n_tokens[s.block], where + ": bad token range");
     auto& cover = seen[s.block][s.kv];
     for (uint32_t t = s.t0; t < s.t1; ++t) {
-      require(!cover[t], where + ": token " + std::to_string(t) + " decoded twice");
+      if (cover[t]) throw Error(where + ": token " + std::to_string(t) + " decoded twice");
       cover[t] = 1;
     }
     const uint32_t n = s.t1 - s.t0;
@@ -382,8 +382,9 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
   for (size_t b = 0; b < nb; ++b)
     for (int kv = 0; kv < 2; ++kv)
       for (uint32_t t = 0; t < H.n_tokens[b]; ++t)
-        require(seen[b][kv][t], origin + ": token " + std::to_string(t) + " of block " + std::to_string(b) + (kv ? " (V)" : " (K)") +
-                                    " is missing (truncated file?)");
+        if (!seen[b][kv][t])
+          throw Error(origin + ": token " + std::to_string(t) + " of block " + std::to_string(b) + (kv ? " (V)" : " (K)") +
+                      " is missing (truncated file?)");
   return D;
 }
 

@@ -49,8 +49,9 @@ const KvCapture& PieceCodec::checked_capture(std::span<const int32_t> tokens, co
   const size_t n = tokens.size();
   require(b.n_tokens() == n, "kvtc store: the cache holds " + std::to_string(b.n_tokens()) + " tokens, the prompt " + std::to_string(n));
   for (size_t t = 0; t < n; ++t)
-    require(b.pos[t] == int32_t(t), "kvtc store: token " + std::to_string(t) + " sits at position " + std::to_string(b.pos[t]) +
-                                        "; the store keeps prompts at positions 0..n-1");
+    if (b.pos[t] != int32_t(t))
+      throw Error("kvtc store: token " + std::to_string(t) + " sits at position " + std::to_string(b.pos[t]) +
+                  "; the store keeps prompts at positions 0..n-1");
   if (n_swa_) (void)window_cells(c.blocks[1], uint32_t(n), n_swa_, "kvtc store: the put's sliding-window block");  // code_tail copies it
   return c;
 }

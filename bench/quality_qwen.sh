@@ -74,7 +74,10 @@ for name in quality-qwen quality-qwen-16k quality-qwen-ecsq; do
   } >"$res/$name.header.part"
   notes=()
   [ -f "$top/bench/$name-notes.md" ] && notes=(--notes "$top/bench/$name-notes.md")
-  python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}"
+  # The entropy-coded mode against the DP at the ratio of equal error (issue 32 item 5).
+  pairs=()
+  [ "$name" != quality-qwen-ecsq ] || pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq)
+  python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}" "${pairs[@]}"
   rm -f "$res/$name.header.part"
 done
 # The figure: both models, at the context each has most prompts at.

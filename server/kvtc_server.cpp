@@ -409,9 +409,8 @@ bool kvtc_server_take_args(int& argc, char** argv, std::string& err) {
       if (used != val.size() || val.empty()) throw std::invalid_argument("");
     } catch (const std::exception&) {
       err = a + ": bad value '" + val +
-            "' (ratio in [1, 4096], restore cost in (0, 1e9], calibration tokens >= 64, share in (0, 1000], window bits 8 or 16, sizes and threads "
-            "whole "
-            "numbers >= 0)";
+            "' (ratio in [1, 4096], restore cost in (0, 1e9], calibration tokens >= 64, share in (0, 1000], window bits 8 or 16, "
+            "sizes and threads whole numbers >= 0)";
       return false;
     }
   }

@@ -956,8 +956,9 @@ TEST(CudaCodecTest, LargeDeflatedSectionsInflateOnTheHost) {
   d.stats = &st;
   const KvCapture g = decompress_cuda(bytes, cal, "big", d);
   expect_close_f16(cpu_decode(bytes, cal, "big"), g, "CPU container with a 76.8 KB raw window, CPU vs GPU", 4);
-  if (cuda::nvc::built())
+  if (cuda::nvc::built()) {
     EXPECT_EQ(st.entropy_backend, small ? "nvcomp+libdeflate-host" : "libdeflate-host") << big << " large, " << small << " small deflated sections";
+  }
 }
 
 TEST(CudaCodecTest, ErrorsMatchTheCpuDecoder) {

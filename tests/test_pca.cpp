@@ -2,6 +2,7 @@
 // orthonormal basis, full-rank round trip (this tests the algorithm).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <random>
 #include <thread>
@@ -9,6 +10,7 @@
 
 #include "calib/pca.h"
 #include "core/parallel.h"
+#include "kvtc/error.h"
 
 using namespace kvtc;
 
@@ -241,4 +243,25 @@ TEST(Parallel, ConcurrentRegionsGiveOpenBlasItsThreadsBack) {
     });
   for (auto& t : ts) t.join();
   EXPECT_EQ(openblas_get_num_threads(), before);
+}
+
+// The error a caller sees is the lowest failing index's, as a serial loop
+// would throw, whichever thread fails first: index 5 sleeps before it
+// throws, so the other thread reaches 40 and throws first (the old rule,
+// "first thrown", reported 40).
+TEST(Parallel, RethrowsTheLowestFailingIndex) {
+  for (int rep = 0; rep < 3; ++rep) {
+    try {
+      kvtc::detail::parallel_for(64, 2, [](size_t i) {
+        if (i == 5) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          throw kvtc::Error("5");
+        }
+        if (i == 40) throw kvtc::Error("40");
+      });
+      FAIL() << "no exception";
+    } catch (const kvtc::Error& e) {
+      EXPECT_STREQ(e.what(), "5");
+    }
+  }
 }

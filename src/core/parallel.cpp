@@ -56,7 +56,11 @@ void parallel_for(size_t n, int threads, const std::function<void(size_t)>& f) {
     for (size_t i = 0; i < n; ++i) f(i);
     return;
   }
+  // The exception of the lowest failing i, as the serial loop would throw:
+  // indices past it are skipped, those before it still run (one may fail
+  // first), so which error a caller sees does not depend on the timing.
   std::exception_ptr err;
+  size_t err_i = n;
   {
     const BlasHeldToOne held;
     std::mutex mu;
@@ -64,13 +68,16 @@ void parallel_for(size_t n, int threads, const std::function<void(size_t)>& f) {
     for (size_t i = 0; i < n; ++i) {
       {
         std::lock_guard<std::mutex> lk(mu);
-        if (err) continue;
+        if (i > err_i) continue;
       }
       try {
         f(i);
       } catch (...) {
         std::lock_guard<std::mutex> lk(mu);
-        if (!err) err = std::current_exception();
+        if (i < err_i) {
+          err_i = i;
+          err = std::current_exception();
+        }
       }
     }
   }

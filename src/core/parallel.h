@@ -13,8 +13,9 @@ namespace kvtc::detail {
 // 0 -> all hardware threads; never more than n_jobs.
 int resolve_threads(int requested, size_t n_jobs);
 
-// Runs f(i) for i in [0, n) on `threads` threads. The first exception
-// thrown by any f is rethrown once all have stopped. While more than one
+// Runs f(i) for i in [0, n) on `threads` threads. The exception of the
+// lowest i whose f threw is rethrown once all have stopped (as a serial
+// loop would; later indices are skipped once one has failed). While more than one
 // thread runs, OpenBLAS is held to one thread per call: two cores running
 // two chunk GEMMs beat one GEMM split two ways plus idle quantization, and
 // nested pools would oversubscribe.

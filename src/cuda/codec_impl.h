@@ -38,7 +38,9 @@ class HostTrace {
   void mark(const char* phase) {
     if (!on_) return;
     const auto now = clock_type::now();
-    line_ += std::string(" ") + phase + "=" + std::to_string(std::chrono::duration<double, std::milli>(now - t_).count()).substr(0, 7);
+    char b[64];
+    std::snprintf(b, sizeof b, " %s=%.2f", phase, std::chrono::duration<double, std::milli>(now - t_).count());
+    line_ += b;
     t_ = now;
   }
   void count(const char* what, size_t n) {

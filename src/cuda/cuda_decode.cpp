@@ -17,7 +17,6 @@
 //             the cache;
 //   check     nvCOMP's statuses (a corrupt stream is an Error naming the section).
 #include <algorithm>
-#include <exception>
 #include <map>
 #include <tuple>
 
@@ -105,8 +104,9 @@ void plan_slots(CudaCodec::Impl& I, DecodeWork& W, const cuda::GemmMode& gm) {
       x.deflated = s.stored_len != s.raw_len;
       x.ecsq = s.kind == kChunk && is_ecsq(W.plans[i].H.alloc[s.block][s.kv]);
       x.raw8 = s.kind == kRaw8;
-      x.nv = x.deflated && W.use_nv && !x.ecsq && !x.raw8 && s.raw_len <= cuda::kNvcompMaxChunkBytes;
-      if (x.deflated && !x.nv && !x.ecsq && !x.raw8) W.n_host_inflate++;
+      const bool inflate = x.deflated && !x.ecsq && !x.raw8;  // a DP chunk or an f16 raw section, deflated
+      x.nv = inflate && W.use_nv && s.raw_len <= cuda::kNvcompMaxChunkBytes;
+      W.n_host_inflate += inflate && !x.nv;
       if (x.ecsq) {
         W.n_ecsq++;
         ecsq_rows[{i, s.block, s.kv}] += s.t1 - s.t0;
@@ -399,20 +399,13 @@ std::vector<CudaKvCapture> CudaCodec::decompress(const std::vector<std::span<con
   DecodeWork W;
   // One container: its checksums on `threads` threads; a batch: one
   // container per thread (8 x 32K: 35-45 ms one after another on an H200's
-  // host). The error of the first bad container in batch order is thrown.
+  // host). parallel_for throws the first bad container's error, in batch order.
   const size_t nc = containers.size();
   W.plans.resize(nc);
-  std::vector<std::exception_ptr> errs(nc);
   detail::parallel_for(nc, detail::resolve_threads(threads, nc), [&](size_t i) {
     const std::string name = nc == 1 ? origin : origin + "[" + std::to_string(i) + "]";
-    try {
-      W.plans[i] = plan_decode(parse(containers[i], name, nc == 1 ? threads : 1), I.cal, name);
-    } catch (...) {
-      errs[i] = std::current_exception();
-    }
+    W.plans[i] = plan_decode(parse(containers[i], name, nc == 1 ? threads : 1), I.cal, name);
   });
-  for (const std::exception_ptr& e : errs)
-    if (e) std::rethrow_exception(e);
   trace.mark("parse+plan");
   W.use_nv = cuda::nvc::built() && I.opt.nvcomp;
   plan_slots(I, W, gm);

@@ -198,6 +198,14 @@ nlohmann::ordered_json machine_yardsticks(const BenchRun& B) {
     std::fprintf(stderr, "[bench] GEMM %s: %.0f GFLOP/s (2048^3), %.0f GFLOP/s (256 x 1024 x %u)\n", k.c_str(),
                  base["gemm_peak_gflops_" + k].get<double>(), base["gemm_codec_shape_gflops_" + k].get<double>(), T0.p);
   }
+  // The int8 decode's GEMM (s8 codes [256][1024] times an s8 basis [1024][p],
+  // f32 out), where --precision int8 is asked for: giga-operations, as above.
+  if (std::find(B.precs.begin(), B.precs.end(), Precision::kInt8) != B.precs.end()) {
+    base["gemm_peak_gops_int8"] = projection_gemm_gflops(Precision::kInt8, 2048, 2048, 2048, a.repeat);
+    base["gemm_codec_shape_gops_int8"] = projection_gemm_gflops(Precision::kInt8, 256, T0.p, 1024, a.repeat);
+    std::fprintf(stderr, "[bench] GEMM int8: %.0f GOP/s (2048^3), %.0f GOP/s (256 x %u x 1024)\n", base["gemm_peak_gops_int8"].get<double>(),
+                 base["gemm_codec_shape_gops_int8"].get<double>(), T0.p);
+  }
   base["memcpy_gbs"] = memcpy_gbs(size_t(256) << 20, a.repeat);
   return base;
 }
@@ -271,7 +279,9 @@ void cpu_codec_row(const BenchRun& B, const KvCapture& cap, const AllocationSet&
     const double ms = ms_since(t0);
     if (ms < dec_ms) dec_ms = ms, dec_st = st;
   }
-  X["precision"] = precision_name(enc_st.projection);
+  // int8 is a decode mode: "int8" names the row, the encoder's precision beside it.
+  X["precision"] = dec_st.projection == Precision::kInt8 ? std::string("int8 (enc ") + precision_name(enc_st.projection) + ")"
+                                                         : std::string(precision_name(enc_st.projection));
   X["batch"] = 1;
   X["compressed_mb"] = double(bytes->size()) / 1e6;
   X["ratio"] = double(raw) / double(bytes->size());
@@ -590,9 +600,11 @@ Action add_bench(CLI::App& app) {
       ->check(CLI::Range(64u, 1u << 20));
   sub->add_option("-r,--ratio", a->ratios, "Nominal ratios")->capture_default_str()->check(CLI::Range(1.0, 4096.0));
   sub->add_option("--levels", a->levels, "Also sweep these DEFLATE levels at the longest real context, 16x")->check(CLI::Range(0, 12));
-  sub->add_option("--precision", a->precisions, "Projection precisions, a row each: auto, f32, bf16 (cuda also tf32, f16; auto = f32 there)")
+  sub->add_option("--precision", a->precisions,
+                  "Projection precisions, a row each: auto, f32, bf16, int8 (decode; the encoder runs as auto) (cuda also tf32, f16; auto = f32 "
+                  "there)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "f32", "bf16", "tf32", "f16"}));
+      ->check(CLI::IsMember({"auto", "f32", "bf16", "tf32", "f16", "int8"}));
   sub->add_option("--coding", a->codings, "dp (the paper's DP + DEFLATE) and/or ecsq (the entropy-coded mode): a row each")
       ->capture_default_str()
       ->check(CLI::IsMember({"dp", "ecsq"}));

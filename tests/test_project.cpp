@@ -60,6 +60,114 @@ TEST(Precision, NamesParseAndResolve) {
     EXPECT_EQ(detail::resolve_precision(Precision::kBF16, "t"), Precision::kBF16);
   else
     EXPECT_THROW(detail::resolve_precision(Precision::kBF16, "t"), Error);
+  // int8: a decode mode whose float GEMMs run as auto's.
+  EXPECT_EQ(parse_precision("int8"), Precision::kInt8);
+  EXPECT_STREQ(precision_name(Precision::kInt8), "int8");
+  if (int8_projection_available(&why))
+    EXPECT_EQ(detail::resolve_precision(Precision::kInt8, "t"), Precision::kInt8);
+  else
+    EXPECT_THROW(detail::resolve_precision(Precision::kInt8, "t"), Error);
+  EXPECT_FALSE(why.empty());
+  EXPECT_EQ(detail::float_precision(Precision::kInt8), detail::resolve_precision(Precision::kAuto, "t"));
+  EXPECT_EQ(detail::float_precision(Precision::kF32), Precision::kF32);
+}
+
+namespace {
+// An entropy-coded chunk's reconstructions as ecsq_decode_chunk writes
+// them, component-major: sign(q) (|q| - offset) step.
+std::vector<float> ecsq_values(const std::vector<int32_t>& q, float step, float offset) {
+  std::vector<float> d(q.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    const float a = q[i] == 0 ? 0.0f : (float(std::abs(q[i])) - offset) * step;
+    d[i] = q[i] < 0 ? -a : a;
+  }
+  return d;
+}
+}  // namespace
+
+// The integer GEMM sums exactly at the ends of its operands' ranges: codes
+// +-127 (16 - 1/8 in steps of 1/8: offset 0.125) against basis entries
+// +-63, every product the same sign; and two codes past 8 bits come back
+// whole. oneDNN's AVX2 kernel adds pairs of
+// u8 x s8 products in 16 bits: with the basis at +-127 it saturates (here:
+// 2,752,895 for 4,129,024; measured with a probe of oneDNN 2.6), which this
+// would catch as a ~30% error. Synthetic on purpose: the arithmetic's
+// bounds, not a model.
+TEST(Projector, Int8GemmIsExactAtTheRangeEnds) {
+  if (!int8_projection_available()) GTEST_SKIP() << "no native int8 GEMM on this CPU";
+  const uint32_t n = 48, p = 80, r = 256;
+  Transform T;
+  T.p = p, T.r = r;
+  T.mu.assign(p, 0.5f);
+  T.basis.resize(size_t(r) * p);
+  auto sj = [](uint32_t j) { return j % 3 == 1 ? -1 : 1; };
+  auto sf = [](uint32_t f) { return f % 5 == 2 ? -1 : 1; };
+  for (uint32_t j = 0; j < r; ++j)
+    for (uint32_t f = 0; f < p; ++f) T.basis[size_t(j) * p + f] = 0.125f * float(sj(j) * sf(f));
+  std::vector<int32_t> q(size_t(r) * n);
+  for (uint32_t j = 0; j < r; ++j)
+    for (uint32_t t = 0; t < n; ++t) q[size_t(j) * n + t] = 16 * sj(j) * (t % 2 ? -1 : 1);
+  // Codes past 8 bits, rare enough to stay in the integer GEMM: clamped
+  // there, their remainders added apart.
+  q[size_t(5) * n + 0] = 1000 * sj(5);
+  q[size_t(200) * n + 7] = -3000 * sj(200);
+  const float step = 0.5f, offset = 0.125f;
+  const std::vector<float> d = ecsq_values(q, step, offset);
+  const detail::Projector P(T, r, Precision::kInt8);
+  std::vector<float> y(size_t(n) * p);
+  P.decode_ecsq(d.data(), n, step, offset, y.data(), nullptr);
+  // Every term is (|q| - 0.125) * 0.5 * 0.125 * sign: exact in f32 as in double.
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t f = 0; f < p; ++f) {
+      double want = 0.5;
+      for (uint32_t j = 0; j < r; ++j) {
+        const int32_t c = q[size_t(j) * n + t];
+        want += (c < 0 ? -1 : 1) * (std::abs(c) - 0.125) * 0.5 * 0.125 * sj(j) * sf(f);
+      }
+      ASSERT_NEAR(y[size_t(t) * p + f], want, 1e-5 * std::fabs(want)) << "token " << t << ", feature " << f;
+    }
+}
+
+// On chunks shaped like the codec's (Laplace codes whose spread falls along
+// the components; the first ones mostly past the 8-bit range, most of the
+// energy, in the float GEMM, the others' outliers added apart): near the
+// float GEMM's result (measured 2.2e-3 against f32; bf16's own rounding,
+// ~2^-9 per input, would add up to ~4e-3: bound 1e-2), and not equal to it
+// (it ran in integers: above 1e-4). A
+// chunk whose every component has a code past 8 bits runs wholly in the
+// float GEMM: bit for bit what decode() gives.
+TEST(Projector, Int8NearTheFloatGemmOnEntropyCodedChunks) {
+  if (!int8_projection_available()) GTEST_SKIP() << "no native int8 GEMM on this CPU";
+  std::mt19937 g(5);
+  const uint32_t n = 256, p = 640, r = 320;
+  const Transform T = random_transform(p, r, g);
+  std::exponential_distribution<double> ex(1.0);
+  std::vector<int32_t> q(size_t(r) * n);
+  for (uint32_t j = 0; j < r; ++j)
+    for (uint32_t t = 0; t < n; ++t) {
+      const double v = (g() % 2 ? 1 : -1) * ex(g) * 40.0 * std::pow(0.98, j);
+      q[size_t(j) * n + t] = int32_t(std::lround(v));
+    }
+  const float step = 0.25f, offset = 0.1f;
+  const std::vector<float> d = ecsq_values(q, step, offset);
+  const Precision fp = detail::float_precision(Precision::kInt8);
+  const detail::Projector I(T, r, Precision::kInt8), F(T, r, fp);
+  std::vector<float> yi(size_t(n) * p), yf(size_t(n) * p);
+  I.decode_ecsq(d.data(), n, step, offset, yi.data(), nullptr);
+  F.decode_ecsq(d.data(), n, step, offset, yf.data(), nullptr);
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t f = 0; f < p; ++f) yi[size_t(t) * p + f] -= T.mu[f], yf[size_t(t) * p + f] -= T.mu[f];
+  const double diff = rel_diff(yf, yi);
+  std::printf("  int8 against %s: rel. diff %.2e\n", precision_name(fp), diff);
+  EXPECT_LT(diff, 1e-2);
+  EXPECT_GT(diff, 1e-4);
+  // Every code past 8 bits (|q| >= 17: 8 |q| - round(8 offset) >= 135):
+  // the float GEMM alone.
+  for (int32_t& c : q) c = c < 0 ? c - 17 : c + 17;
+  const std::vector<float> big = ecsq_values(q, step, offset);
+  I.decode_ecsq(big.data(), n, step, offset, yi.data(), nullptr);
+  F.decode_ecsq(big.data(), n, step, offset, yf.data(), nullptr);
+  EXPECT_EQ(yi, yf);
 }
 
 // bf16 rounds each input to 8 significant bits (relative error <= 2^-9 per

@@ -36,8 +36,15 @@ constexpr uint32_t kContainerVersion = 3;
 // on the GPU only; the CPU refuses them. kAuto: bf16 where the CPU runs it
 // natively, else f32; on the GPU, f32. Any precision decodes any container;
 // byte-identical output across machines needs kF32.
-enum class Precision : uint8_t { kAuto, kF32, kBF16, kTF32, kF16 };
-const char* precision_name(Precision p);          // "auto", "f32", "bf16", "tf32", "f16"
+// kInt8 (CPU decode; an opt-in, not what kAuto picks): the entropy-coded
+// chunks' integer codes, in fixed point with 3 fraction bits for the
+// reconstruction offset, times the basis in 7-bit integers with one scale
+// per feature, in oneDNN's integer GEMM (VNNI or AMX where the CPU has
+// them, AVX2's vpmaddubsw otherwise); a chunk's leading components whose
+// codes pass the 8-bit range, the DP's chunks and the encoder run as kAuto
+// would. ~0.5% more error than f32 (bench/results/speed-int8.md).
+enum class Precision : uint8_t { kAuto, kF32, kBF16, kTF32, kF16, kInt8 };
+const char* precision_name(Precision p);          // "auto", "f32", "bf16", "tf32", "f16", "int8"
 Precision parse_precision(const std::string& s);  // Error naming the accepted values
 
 // Time per codec stage. CPU: milliseconds of thread time summed over the
@@ -213,6 +220,10 @@ ReconError reconstruction_error(const KvCapture& ref, const KvCapture& dec, uint
 // example "brg:avx512_core_bf16") or the reason it is not available.
 // Thread-safe; probes once.
 bool bf16_projection_available(std::string* impl = nullptr);
+// The same for Precision::kInt8's integer GEMM (oneDNN's s8 x s8 matmul:
+// "gemm:jit" on AVX2 and later, whose kernel uses VNNI where the CPU has
+// it; a reference kernel does not count).
+bool int8_projection_available(std::string* impl = nullptr);
 
 struct LibraryInfo {
   std::string version;                    // kvtc's
@@ -221,6 +232,8 @@ struct LibraryInfo {
   bool f16c = false;                      // the f16 conversions use F16C
   std::string bf16_projection;            // oneDNN's kernel, or why there is none
   bool bf16 = false;
+  std::string int8_projection;  // the same for Precision::kInt8
+  bool int8 = false;
 };
 LibraryInfo library_info();
 

@@ -1029,6 +1029,8 @@ NB_MODULE(_kvtc, m) {
         d["cpu_features"] = i.cpu_features;
         d["bf16_projection"] = i.bf16_projection;
         d["bf16"] = i.bf16;
+        d["int8_projection"] = i.int8_projection;
+        d["int8"] = i.int8;
         return d;
       },
       "The library's version, this CPU and the projection kernels it runs.");

@@ -84,18 +84,22 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
     const uint32_t ru = D.r_used[s.block][s.kv];
     const uint32_t kp = kpad(s.block, int(s.kv));
     std::vector<float> d(size_t(n) * std::max(kp, 1u)), feat(size_t(n) * kb.features());
-    const bool ecsq = is_ecsq(H.alloc[s.block][s.kv]);
-    if (ecsq) {
-      StageTimer st(ck, detail::kEntropy);
-      ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(),
-                        origin + ": chunk section (block " + std::to_string(s.block) + (s.kv ? " V" : " K") + ", tokens " + std::to_string(s.t0) +
-                            ".." + std::to_string(s.t1) + ")",
-                        true);
+    if (is_ecsq(H.alloc[s.block][s.kv])) {
+      const std::string where = origin + ": chunk section (block " + std::to_string(s.block) + (s.kv ? " V" : " K") + ", tokens " +
+                                std::to_string(s.t0) + ".." + std::to_string(s.t1) + ")";
+      {
+        StageTimer st(ck, detail::kEntropy);
+        ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(), where, true);
+      }
+      // X = D B[:ru] + mu, D component-major (int8: its integer codes in part)
+      P.decode_ecsq(d.data(), n, ecsq_chunk_step(pl.data(), pl.size(), where), ecsq_chunk_offset(pl.data(), pl.size(), where), feat.data(), ck);
     } else {
-      StageTimer st(ck, detail::kQuant);
-      unpack_chunk(pl.data(), H.alloc[s.block][s.kv].blocks, n, ru, d.data());
+      {
+        StageTimer st(ck, detail::kQuant);
+        unpack_chunk(pl.data(), H.alloc[s.block][s.kv].blocks, n, ru, d.data());
+      }
+      P.decode(d.data(), n, feat.data(), ck);  // X = D B[:ru] + mu
     }
-    P.decode(d.data(), n, feat.data(), ck, ecsq);  // X = D B[:ru] + mu (ecsq: D component-major)
     StageTimer st(ck, detail::kGather);
     const bool rerope = kind == KvKind::kKey && H.keys_derope;
     scatter_features(feat.data(), kind, rerope ? &kb.rope : nullptr, s.t0, s.t1, kb);

@@ -426,7 +426,8 @@ std::vector<uint8_t> compress(const KvCapture& c, const Calibration& cal, const 
             "compress: block " + std::to_string(b) + " K/V size differs from its shape");
   const auto t_start = std::chrono::steady_clock::now();
   detail::StageClock clk;
-  const Precision prec = detail::resolve_precision(opt.precision, "compress");
+  // kInt8 is a decode mode: the encoder runs as kAuto would.
+  const Precision prec = detail::float_precision(detail::resolve_precision(opt.precision, "compress"));
   const std::vector<SectionPlan> plan = plan_sections(c, opt, 0, 0);
   const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, {}, true, prec, opt.stats ? &clk : nullptr);
   const std::string hs = header_json(c, cal, E.alloc, opt);
@@ -494,7 +495,7 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
     }
   const auto t_start = std::chrono::steady_clock::now();
   detail::StageClock clk;
-  const Precision prec = detail::resolve_precision(opt.precision, "append");
+  const Precision prec = detail::float_precision(detail::resolve_precision(opt.precision, "append"));
   const std::vector<SectionPlan> plan = plan_sections(c, opt, n_old, Lo.w_begin);
   const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, steps, false, prec, opt.stats ? &clk : nullptr);
   AppendResult r;

@@ -12,6 +12,7 @@ LibraryInfo library_info() {
   li.cpu_features = cpu_feature_names(f);
   li.f16c = f.f16c && f.avx;
   li.bf16 = bf16_projection_available(&li.bf16_projection);
+  li.int8 = int8_projection_available(&li.int8_projection);
   return li;
 }
 

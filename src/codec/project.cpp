@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <list>
 #include <map>
@@ -34,6 +35,7 @@ const char* precision_name(Precision p) {
     case Precision::kBF16: return "bf16";
     case Precision::kTF32: return "tf32";
     case Precision::kF16: return "f16";
+    case Precision::kInt8: return "int8";
   }
   return "?";
 }
@@ -44,7 +46,8 @@ Precision parse_precision(const std::string& s) {
   if (s == "bf16") return Precision::kBF16;
   if (s == "tf32") return Precision::kTF32;
   if (s == "f16") return Precision::kF16;
-  throw Error("precision: expected auto, f32, bf16, tf32 or f16, got '" + s + "'");
+  if (s == "int8") return Precision::kInt8;
+  throw Error("precision: expected auto, f32, bf16, tf32, f16 or int8, got '" + s + "'");
 }
 
 namespace {
@@ -82,6 +85,21 @@ bool native(const std::string& impl) {
   return impl.rfind("ref", 0) != 0 && impl.find("any") == std::string::npos;
 }
 
+// kInt8's decode: src [m][k] s8 codes, weights [k][n] s8 basis, dst f32
+// += per-column scale * (src weights): the sum post-op adds to what the
+// float GEMM of the leading components and the mean left in dst.
+dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k) {
+  using D = dnnl::memory::dims;
+  dnnl::memory::desc src(D{m, k}, dt::s8, tag::ab), wei(D{k, n}, dt::s8, tag::ab), dst(D{m, n}, dt::f32, tag::ab);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  attr.set_output_scales(2, {DNNL_RUNTIME_F32_VAL});
+  dnnl::post_ops po;
+  po.append_sum(1.0f);
+  attr.set_post_ops(po);
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), attr, engine());
+}
+
 // Primitives are JIT-compiled (0.5-3 ms each), so each thread keeps the few
 // shapes a call uses (full and last chunks, K and V). A primitive made
 // inside the codec's parallel region is set up for one thread; one made
@@ -90,28 +108,35 @@ struct Matmul {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
 };
-const Matmul& matmul_for(bool decode, uint32_t m, uint32_t n, uint32_t k, bool src_t) {
+enum MatmulKind : uint32_t { kEncodeBf16, kDecodeBf16, kDecodeS8 };
+const Matmul& matmul_for(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, bool src_t) {
   thread_local std::map<std::array<uint32_t, 6>, Matmul> cache;
   const uint32_t nthr = omp_in_parallel() ? 1u : uint32_t(omp_get_max_threads());
-  const std::array<uint32_t, 6> key{decode, m, n, k, nthr, src_t};
+  const std::array<uint32_t, 6> key{kind, m, n, k, nthr, src_t};
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 64) cache.clear();  // a long-lived thread seeing many shapes
-    dnnl::matmul::primitive_desc pd = make_pd(decode, m, n, k, src_t);
+    dnnl::matmul::primitive_desc pd = kind == kDecodeS8 ? make_pd_s8(m, n, k) : make_pd(kind == kDecodeBf16, m, n, k, src_t);
     it = cache.emplace(key, Matmul{pd, dnnl::matmul(pd)}).first;
   }
   return it->second;
 }
 
-void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, const uint16_t* b, const float* bias, float* c, bool src_t = false) {
+// Runs a cached primitive; `bias_or_scales` is the bias (bf16 decode) or
+// the output scales (s8).
+void execute(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, const void* a, const void* b, const float* bias_or_scales, float* c, bool src_t) {
   try {
-    const Matmul& mm = matmul_for(decode, m, n, k, src_t);
+    const Matmul& mm = matmul_for(kind, m, n, k, src_t);
     const dnnl::matmul::primitive_desc& pd = mm.pd;
     thread_local dnnl::stream s(engine());
-    std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, dnnl::memory(pd.src_desc(), engine(), const_cast<uint16_t*>(a))},
-                                               {DNNL_ARG_WEIGHTS, dnnl::memory(pd.weights_desc(), engine(), const_cast<uint16_t*>(b))},
+    std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, dnnl::memory(pd.src_desc(), engine(), const_cast<void*>(a))},
+                                               {DNNL_ARG_WEIGHTS, dnnl::memory(pd.weights_desc(), engine(), const_cast<void*>(b))},
                                                {DNNL_ARG_DST, dnnl::memory(pd.dst_desc(), engine(), c)}};
-    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias)));
+    if (bias_or_scales && kind == kDecodeS8)
+      args.emplace(DNNL_ARG_ATTR_OUTPUT_SCALES,
+                   dnnl::memory({{dnnl::memory::dim(n)}, dt::f32, tag::a}, engine(), const_cast<float*>(bias_or_scales)));
+    else if (bias_or_scales)
+      args.emplace(DNNL_ARG_BIAS, dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias_or_scales)));
     const size_t scratch = pd.scratchpad_desc().get_size();
     if (scratch > 0) {
       thread_local std::vector<uint8_t> pad;
@@ -121,9 +146,18 @@ void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, con
     mm.prim.execute(s, args);
     s.wait();
   } catch (const dnnl::error& e) {
-    throw Error(std::string("bf16 projection (oneDNN matmul ") + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
-                "): " + e.what());
+    throw Error(std::string(kind == kDecodeS8 ? "int8" : "bf16") + " projection (oneDNN matmul " + std::to_string(m) + "x" + std::to_string(n) + "x" +
+                std::to_string(k) + "): " + e.what());
   }
+}
+
+void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, const uint16_t* b, const float* bias, float* c, bool src_t = false) {
+  execute(decode ? kDecodeBf16 : kEncodeBf16, m, n, k, a, b, bias, c, src_t);
+}
+
+// c[m][n] += scales[n] * (a[m][k] b[k][n]), integers summed exactly in 32 bits.
+void run_s8(uint32_t m, uint32_t n, uint32_t k, const int8_t* a, const int8_t* b, const float* scales, float* c) {
+  execute(kDecodeS8, m, n, k, a, b, scales, c, false);
 }
 #endif
 
@@ -161,26 +195,56 @@ void sub_to_bf16(const float* x, const float* mu, uint16_t* out, size_t n) {
 
 }  // namespace
 
-bool bf16_projection_available(std::string* impl) {
-  static const std::pair<bool, std::string> probe = []() -> std::pair<bool, std::string> {
+namespace {
 #if KVTC_HAVE_DNNL
-    try {
-      const std::string name = make_pd(false, 64, 64, 64).impl_info_str();
-      if (!native(name)) return {false, "oneDNN has only a reference bf16 kernel here (" + name + "): the CPU lacks AVX512-BF16 and AMX"};
-      return {true, name};
-    } catch (const dnnl::error& e) {
-      return {false, std::string("oneDNN has no bf16 matmul on this CPU (") + e.what() + "): the CPU lacks AVX512-BF16 and AMX"};
-    }
+// Whether oneDNN has a native kernel for the primitive `make` describes
+// (`what`: "bf16" or "int8"; `lacks`: what the reason adds), probed once
+// by the caller's static.
+template <class Make>
+std::pair<bool, std::string> probe_native(const char* what, const std::string& lacks, Make make) {
+  try {
+    const std::string name = make().impl_info_str();
+    if (!native(name)) return {false, std::string("oneDNN has only a reference ") + what + " kernel here (" + name + ")" + lacks};
+    return {true, name};
+  } catch (const dnnl::error& e) {
+    return {false, std::string("oneDNN has no ") + what + " matmul on this CPU (" + e.what() + ")" + lacks};
+  }
+}
+#define KVTC_PROBE(what, lacks, pd) probe_native(what, lacks, [] { return pd; })
 #else
-    return {false, "built without oneDNN (libdnnl-dev)"};
+#define KVTC_PROBE(what, lacks, pd) std::pair<bool, std::string>(false, "built without oneDNN (libdnnl-dev)")
 #endif
-  }();
+}  // namespace
+
+bool bf16_projection_available(std::string* impl) {
+  static const std::pair<bool, std::string> probe = KVTC_PROBE("bf16", ": the CPU lacks AVX512-BF16 and AMX", make_pd(false, 64, 64, 64));
   if (impl) *impl = probe.second;
   return probe.first;
 }
 
+bool int8_projection_available(std::string* impl) {
+  static const std::pair<bool, std::string> probe = KVTC_PROBE("int8", "", make_pd_s8(64, 64, 64));
+  if (impl) *impl = probe.second;
+  return probe.first;
+}
+#undef KVTC_PROBE
+
 double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat) {
   p = detail::resolve_precision(p, "projection_gemm_gflops");
+  if (p == Precision::kInt8) {  // the decoder's shape: codes [m][k] times the basis [k][n]
+#if KVTC_HAVE_DNNL
+    std::vector<int8_t> a(size_t(m) * k, 3), b(size_t(k) * n, -5);
+    std::vector<float> sc(n, 0.01f), c(size_t(m) * n, 0.0f);
+    double best = 1e300;
+    for (int i = 0; i < std::max(1, repeat) + 1; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run_s8(m, n, k, a.data(), b.data(), sc.data(), c.data());
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (i > 0) best = std::min(best, s);
+    }
+    return 2.0 * m * n * k / (best * 1e9);
+#endif
+  }
   // Values of the codec's scale; the time does not depend on them.
   std::vector<float> a(size_t(m) * k, 0.5f), b(size_t(n) * k, 0.25f), c(size_t(m) * n);
   std::vector<uint16_t> ab, bb;
@@ -213,21 +277,31 @@ Precision resolve_precision(Precision requested, const char* who) {
   if (requested == Precision::kTF32 || requested == Precision::kF16)
     throw Error(std::string(who) + ": precision " + precision_name(requested) + " is a GPU mode; the CPU projection runs f32 or bf16");
   if (requested == Precision::kBF16 && !bf16) throw Error(std::string(who) + ": precision bf16 asked for, but " + why + "; use f32 or auto");
+  if (requested == Precision::kInt8 && !int8_projection_available(&why))
+    throw Error(std::string(who) + ": precision int8 asked for, but " + why + "; use f32, bf16 or auto");
   return requested;
+}
+
+Precision float_precision(Precision resolved) {
+  if (resolved != Precision::kInt8) return resolved;
+  return bf16_projection_available() ? Precision::kBF16 : Precision::kF32;
 }
 
 namespace {
 // Rounded bases by transform (transform_key: calibration id, block, K or
-// V), shape and rows. Newest first; 8 at most (2 per block and ratio in use)
-// and 256 MiB (SmolLM2's 5,760 features: 1,000 rows are 11 MiB). `probe`,
-// 16 of the f32 entries, guards against a key that does not name the
-// content (a Calibration whose bases were changed after its id was set).
+// V), kind (bf16 or int8), shape and rows. Newest first; 8 at most (2 per
+// block and ratio in use) and 256 MiB (SmolLM2's 5,760 features: 1,000
+// rows are 11 MiB in bf16). `probe`, 16 of the f32 entries, guards against
+// a key that does not name the content (a Calibration whose bases were
+// changed after its id was set).
 constexpr size_t kProbe = 16;
 struct RoundedBasis {
   std::string key;
+  bool s8;
   uint32_t p, ru;
   std::array<float, kProbe> probe;
-  std::shared_ptr<const std::vector<uint16_t>> rows;
+  std::shared_ptr<const void> rows;
+  size_t bytes;
 };
 std::mutex g_rounded_mu;
 std::list<RoundedBasis> g_rounded;
@@ -238,6 +312,23 @@ std::shared_ptr<const std::vector<uint16_t>> round_basis(const Transform& T, uin
   auto rows = std::make_shared<std::vector<uint16_t>>(size_t(ru) * T.p);
   sub_to_bf16(T.basis.data(), nullptr, rows->data(), rows->size());
   return rows;
+}
+
+std::shared_ptr<const Int8Basis> quantize_basis(const Transform& T, uint32_t ru) {
+  auto b = std::make_shared<Int8Basis>();
+  const uint32_t p = T.p;
+  b->q.resize(size_t(ru) * p);
+  b->scale.assign(p, 0.0f);
+  for (uint32_t j = 0; j < ru; ++j)
+    for (uint32_t f = 0; f < p; ++f) b->scale[f] = std::max(b->scale[f], std::fabs(T.basis[size_t(j) * p + f]));
+  std::vector<float> inv(p);
+  for (uint32_t f = 0; f < p; ++f) {
+    b->scale[f] = b->scale[f] > 0 ? b->scale[f] / 63.0f : 1.0f;
+    inv[f] = 1.0f / b->scale[f];
+  }
+  for (uint32_t j = 0; j < ru; ++j)
+    for (uint32_t f = 0; f < p; ++f) b->q[size_t(j) * p + f] = int8_t(std::clamp(std::nearbyint(T.basis[size_t(j) * p + f] * inv[f]), -63.0f, 63.0f));
+  return b;
 }
 
 std::array<float, kProbe> probe_of(const Transform& T, uint32_t ru) {
@@ -253,39 +344,47 @@ std::string transform_key(const Calibration& cal, size_t block, int kv) {
   return cal.id + "/" + std::to_string(block) + (kv ? "/v" : "/k");
 }
 
-Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key) : T_(T), ru_(ru), prec_(resolved) {
-  require(prec_ != Precision::kAuto, "Projector: unresolved precision");
-  if (prec_ != Precision::kBF16 || ru_ == 0) return;
-  require(size_t(ru_) * T.p <= T.basis.size(), "Projector: more rows than the basis holds");
-  if (key.empty()) {
-    basis_bf16_ = round_basis(T, ru_);
-    return;
-  }
-  const std::array<float, kProbe> probe = probe_of(T, ru_);
+// The rounded rows of T (bf16, or int8 with s8) from the cache, or made
+// by `make` (outside the lock: two threads may both make them once) and
+// kept; an empty key makes them uncached.
+template <class V, class Make>
+std::shared_ptr<const V> cached_rows(const Transform& T, uint32_t ru, const std::string& key, bool s8, size_t bytes, Make make) {
+  if (key.empty()) return make();
+  const std::array<float, kProbe> probe = probe_of(T, ru);
   {
     std::lock_guard<std::mutex> g(g_rounded_mu);
     for (auto it = g_rounded.begin(); it != g_rounded.end(); ++it)
-      if (it->ru == ru_ && it->p == T.p && it->key == key) {
+      if (it->ru == ru && it->p == T.p && it->s8 == s8 && it->key == key) {
         if (std::memcmp(it->probe.data(), probe.data(), sizeof probe) != 0) {
-          g_rounded.erase(it);  // not what the key names (anymore): rounded again below
+          g_rounded.erase(it);  // not what the key names (anymore): made again below
           break;
         }
-        basis_bf16_ = it->rows;
         g_rounded.splice(g_rounded.begin(), g_rounded, it);
-        return;
+        return std::static_pointer_cast<const V>(it->rows);
       }
   }
-  basis_bf16_ = round_basis(T, ru_);  // outside the lock: two threads may both round it once
+  std::shared_ptr<const V> rows = make();
   std::lock_guard<std::mutex> g(g_rounded_mu);
-  g_rounded.push_front({key, T.p, ru_, probe, basis_bf16_});
-  size_t bytes = 0, kept = 0;
+  g_rounded.push_front({key, s8, T.p, ru, probe, rows, bytes});
+  size_t total = 0, kept = 0;
   for (auto it = g_rounded.begin(); it != g_rounded.end(); ++it, ++kept) {
-    bytes += it->rows->size() * 2;
-    if (kept + 1 > kRoundedMax || (kept > 0 && bytes > kRoundedBytes)) {
+    total += it->bytes;
+    if (kept + 1 > kRoundedMax || (kept > 0 && total > kRoundedBytes)) {
       g_rounded.erase(it, g_rounded.end());
       break;
     }
   }
+  return rows;
+}
+
+Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key)
+    : T_(T), ru_(ru), prec_(float_precision(resolved)), int8_(resolved == Precision::kInt8) {
+  require(prec_ != Precision::kAuto, "Projector: unresolved precision");
+  if (ru_ == 0) return;
+  require(size_t(ru_) * T.p <= T.basis.size(), "Projector: more rows than the basis holds");
+  const size_t n = size_t(ru_) * T.p;
+  if (prec_ == Precision::kBF16) basis_bf16_ = cached_rows<std::vector<uint16_t>>(T, ru_, key, false, n * 2, [&] { return round_basis(T, ru_); });
+  if (int8_) basis_s8_ = cached_rows<Int8Basis>(T, ru_, key, true, n + size_t(T.p) * 4, [&] { return quantize_basis(T, ru_); });
 }
 
 void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const {
@@ -323,28 +422,129 @@ void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk, bool com
 }
 
 void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk, bool component_major) const {
+  decode_rows(d, n, ru_, x, clk, component_major);
+}
+
+void Projector::decode_rows(const float* d, uint32_t n, uint32_t k, float* x, StageClock* clk, bool component_major) const {
   const uint32_t p = T_.p;
-  if (prec_ == Precision::kF32 || ru_ == 0) {
+  require(k <= ru_ && (component_major || k == ru_), "Projector: rows to decode");
+  if (prec_ == Precision::kF32 || k == 0) {
     {
       StageTimer st(clk, kCenter);
       for (uint32_t t = 0; t < n; ++t) std::memcpy(x + size_t(t) * p, T_.mu.data(), size_t(p) * 4);
     }
-    if (ru_ == 0) return;
+    if (k == 0) return;
     StageTimer st(clk, kProject);
-    cblas_sgemm(CblasRowMajor, component_major ? CblasTrans : CblasNoTrans, CblasNoTrans, int(n), int(p), int(ru_), 1.0f, d,
+    cblas_sgemm(CblasRowMajor, component_major ? CblasTrans : CblasNoTrans, CblasNoTrans, int(n), int(p), int(k), 1.0f, d,
                 component_major ? int(n) : int(ru_), T_.basis.data(), int(p), 1.0f, x, int(p));
     return;
   }
 #if KVTC_HAVE_DNNL
-  std::vector<uint16_t> db(size_t(n) * ru_);
+  std::vector<uint16_t> db(size_t(n) * k);
   {
     StageTimer st(clk, kCenter);
-    sub_to_bf16(d, nullptr, db.data(), db.size());
+    sub_to_bf16(d, nullptr, db.data(), db.size());  // component-major: the first k rows are the first k * n values
   }
   StageTimer st(clk, kProject);
-  run(true, n, p, ru_, db.data(), basis_bf16_->data(), T_.mu.data(), x, component_major);
+  run(true, n, p, k, db.data(), basis_bf16_->data(), T_.mu.data(), x, component_major);
 #else
   throw Error("Projector: bf16 without oneDNN");
+#endif
+}
+
+// kInt8's codes: v = sign(q) (8 |q| - round(8 offset)), the reconstruction
+// sign(q) (|q| - offset) in units of step / 8 with the offset rounded to
+// 1/8 (an error of 1/16 step at most on a nonzero code). Fraction bits, on
+// SmolLM2's 4K cache at 22.8x (256-token chunks of ~1,550 components; before
+// outliers were corrected apart): 2 left 32-64 components to the float GEMM
+// and added 1.3% to the error, 3 left 128-368 and added 0.5%, 4 left
+// 400-1,000 and added nothing measurable.
+constexpr int kFracBits = 3;
+
+void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset, float* x, StageClock* clk) const {
+  if (!int8_ || ru_ == 0) return decode(d, n, x, clk, true);
+#if KVTC_HAVE_DNNL
+  const uint32_t p = T_.p;
+  // |d| = (|q| - offset) step exactly up to f32 rounding (|q| <= 2^25 - 1:
+  // the rounding stays far below 1/2), so |q| = round(|d| / step + offset),
+  // and truncating |d| / step + offset + 1/2 rounds. Written without
+  // branches over locals (an int8_t store may alias captured values): GCC
+  // vectorises the loops below; with std::nearbyint (libm per value) and
+  // branches they ran 5-12 ns a code.
+  const float iv = 1.0f / step, half = offset + 0.5f;
+  const int32_t ro = int32_t(std::lround(std::ldexp(double(offset), kFracBits)));
+  // A component runs in the float GEMM when more than a quarter of its
+  // codes pass 8 bits (the leading ones: the step is shared and their
+  // variance is largest); in the others a code past 8 bits is clamped and
+  // its remainder added apart (p multiply-adds, as the float GEMM would
+  // spend on it: the integer GEMM is 1.3-2x faster, so a quarter still pays).
+  // j0, the first integer component, rounded up to 32 so that a few
+  // primitive shapes serve every chunk.
+  struct Outlier {
+    uint32_t t, j;
+    int32_t rest;
+  };
+  std::vector<Outlier> outliers;
+  std::vector<int8_t> a;
+  uint32_t j0 = 0;
+  {
+    StageTimer st(clk, kQuant);
+    for (uint32_t j = 0; j < ru_; ++j) {
+      const float* row = d + size_t(j) * n;
+      uint32_t over = 0;
+      for (uint32_t t = 0; t < n; ++t) {
+        const float av = std::fabs(row[t]);
+        over += uint32_t(((int32_t(av * iv + half) << kFracBits) - ro) * int32_t(av > 0.0f) > 127);
+      }
+      if (over > n / 4) j0 = j + 1;
+    }
+    j0 = std::min(ru_, (j0 + 31) / 32 * 32);
+    const uint32_t k = ru_ - j0;
+    std::vector<int8_t> cm(size_t(k) * n);
+    for (uint32_t i = 0; i < k; ++i) {
+      const float* row = d + size_t(j0 + i) * n;
+      int8_t* out = cm.data() + size_t(i) * n;
+      uint32_t over = 0;
+      for (uint32_t t = 0; t < n; ++t) {
+        const float v = row[t], av = std::fabs(v);
+        const int32_t m = ((int32_t(av * iv + half) << kFracBits) - ro) * int32_t(av > 0.0f), c = std::min(m, 127), sg = -int32_t(v < 0.0f);
+        over += uint32_t(m > 127);
+        out[t] = int8_t((c ^ sg) - sg);
+      }
+      if (over)
+        for (uint32_t t = 0; t < n; ++t) {
+          const float v = row[t], av = std::fabs(v);
+          const int32_t m = av > 0.0f ? (int32_t(av * iv + half) << kFracBits) - ro : 0;
+          if (m > 127) outliers.push_back({t, j0 + i, v < 0 ? 127 - m : m - 127});
+        }
+    }
+    // Token-major for the GEMM (its transposed-source kernel ran ~20% slower
+    // here), in 32 x 32 tiles.
+    a.resize(size_t(n) * k);
+    constexpr uint32_t kTile = 32;
+    for (uint32_t t0 = 0; t0 < n; t0 += kTile)
+      for (uint32_t i0 = 0; i0 < k; i0 += kTile)
+        for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
+          for (uint32_t i = i0; i < std::min(k, i0 + kTile); ++i) a[size_t(t) * k + i] = cm[size_t(i) * n + t];
+  }
+  decode_rows(d, n, j0, x, clk, true);  // the mean and the leading components
+  if (j0 == ru_) return;
+  const float unit = std::ldexp(step, -kFracBits);
+  const float* scale = basis_s8_->scale.data();
+  std::vector<float> sc(p);
+  for (uint32_t f = 0; f < p; ++f) sc[f] = scale[f] * unit;
+  StageTimer st(clk, kProject);
+  run_s8(n, p, ru_ - j0, a.data(), basis_s8_->q.data() + size_t(j0) * p, sc.data(), x);
+  // The clamped codes' remainders, on the same integer basis: what the
+  // integer GEMM would have added with wider codes.
+  for (const Outlier& o : outliers) {
+    const int8_t* qrow = basis_s8_->q.data() + size_t(o.j) * p;
+    float* xr = x + size_t(o.t) * p;
+    const float r = float(o.rest);
+    for (uint32_t f = 0; f < p; ++f) xr[f] += r * (sc[f] * float(qrow[f]));
+  }
+#else
+  throw Error("Projector: int8 without oneDNN");
 #endif
 }
 

@@ -16,9 +16,14 @@
 namespace kvtc::detail {
 
 // kAuto -> kBF16 where bf16_projection_available(), else kF32. An explicit
-// kBF16 on a CPU without a native kernel, or a GPU-only precision (kTF32,
-// kF16), is an Error naming `who`.
+// kBF16 on a CPU without a native kernel, kInt8 without
+// int8_projection_available(), or a GPU-only precision (kTF32, kF16), is an
+// Error naming `who`.
 Precision resolve_precision(Precision requested, const char* who);
+
+// What the float GEMMs run in for a resolved precision: kInt8's encoder,
+// its DP chunks and its leading components run as kAuto would.
+Precision float_precision(Precision resolved);
 
 // The name of calibration `cal`'s transform (block, kv: 0 keys, 1 values)
 // for Projector's cache: the calibration id (SHA-256 of every mean and
@@ -37,6 +42,16 @@ std::string transform_key(const Calibration& cal, size_t block, int kv);
 // again may put its value basis where its key basis was (the Python tests'
 // KvtcCaches did, and coded values on the keys' rows: KL 0.8-1.6 after a
 // restore instead of 0.024).
+// A basis in 7-bit integers for kInt8: B[j][f] ~ q[j][f] * scale[f], |q|
+// <= 63 (oneDNN's AVX2 kernel without VNNI adds two u8 x s8 products in
+// 16 bits: 255 * 63 * 2 fits, 255 * 127 * 2 saturates), one scale per
+// feature over all ru rows. Made from the f32 basis by IEEE division and
+// rounding: the same bytes on every CPU.
+struct Int8Basis {
+  std::vector<int8_t> q;     // [ru][p]
+  std::vector<float> scale;  // [p]
+};
+
 class Projector {
  public:
   Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key = {});
@@ -48,14 +63,26 @@ class Projector {
   // X[n][p] = D[n][ru] B[:ru] + mu; with component_major, d is D' [ru][n]
   // (the entropy-coded chunks' order).
   void decode(const float* d, uint32_t n, float* x, StageClock* clk, bool component_major = false) const;
+  // The same for an entropy-coded chunk: d is D' [ru][n] as
+  // ecsq_decode_chunk writes it, sign(q) (|q| - offset) step, with the
+  // chunk's step and offset. With kInt8 the components from the first whose
+  // fixed-point codes fit 8 bits on run in the integer GEMM (the others as
+  // decode()); otherwise exactly decode(d, n, x, clk, true).
+  void decode_ecsq(const float* d, uint32_t n, float step, float offset, float* x, StageClock* clk) const;
 
   uint32_t ru() const { return ru_; }
 
  private:
+  // decode() over D's first k rows (component-major d with n columns, or
+  // token-major with ru_ columns).
+  void decode_rows(const float* d, uint32_t n, uint32_t k, float* x, StageClock* clk, bool component_major) const;
+
   const Transform& T_;
   uint32_t ru_;
-  Precision prec_;
+  Precision prec_;  // of the float GEMMs: kF32 or kBF16
+  bool int8_ = false;
   std::shared_ptr<const std::vector<uint16_t>> basis_bf16_;  // [ru][p], bf16 path only
+  std::shared_ptr<const Int8Basis> basis_s8_;                // kInt8 only
 };
 
 }  // namespace kvtc::detail

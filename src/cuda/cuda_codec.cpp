@@ -91,6 +91,7 @@ GemmMode gemm_mode(Precision p) {
     case Precision::kTF32: return {Precision::kTF32, ElemType::kF32, true};
     case Precision::kBF16: return {Precision::kBF16, ElemType::kBf16, false};
     case Precision::kF16: return {Precision::kF16, ElemType::kF16, false};
+    case Precision::kInt8: throw Error("CUDA: precision int8 is a CPU decode mode (oneDNN's integer GEMM); the GPU runs f32, tf32, bf16 or f16");
   }
   throw Error("CUDA: unknown precision");
 }

@@ -392,15 +392,21 @@ float ecsq_chunk_step(const uint8_t* buf, size_t len, const std::string& where) 
   return step;
 }
 
+float ecsq_chunk_offset(const uint8_t* buf, size_t len, const std::string& where) {
+  require(len >= 8, where + ": entropy-coded chunk shorter than its step and offset");
+  float offset;
+  const uint32_t ob = get_u32(buf + 4);
+  std::memcpy(&offset, &ob, 4);
+  require(offset >= -0.5f && offset <= 0.5f, where + ": entropy-coded chunk reconstruction offset outside [-0.5, 0.5]");
+  return offset;
+}
+
 void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major) {
   const Tables& T = tables();
   require(len >= ecsq_fixed_bytes(ru),
           where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " + std::to_string(ecsq_fixed_bytes(ru)) + " expected");
   const float step = ecsq_chunk_step(buf, len, where);
-  float offset;
-  const uint32_t ob = get_u32(buf + 4);
-  std::memcpy(&offset, &ob, 4);
-  require(offset >= -0.5f && offset <= 0.5f, where + ": entropy-coded chunk reconstruction offset outside [-0.5, 0.5]");
+  const float offset = ecsq_chunk_offset(buf, len, where);
   const uint8_t* ids = buf + 8;
   for (uint32_t j = 0; j < ru; ++j)
     if (ids[j] > kLastId)

@@ -55,6 +55,8 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
 
 // The step of a payload (append reuses the container's), Error if absent.
 float ecsq_chunk_step(const uint8_t* buf, size_t len, const std::string& where);
+// Its reconstruction offset (in [-0.5, 0.5]), Error if absent or outside.
+float ecsq_chunk_offset(const uint8_t* buf, size_t len, const std::string& where);
 
 // For tests and the format spec: frequencies of table `id` (1..), 64 of
 // them, summing to 4096; the number of tables; the SHA-256 of the table

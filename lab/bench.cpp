@@ -457,6 +457,13 @@ void yardsticks_markdown(const BenchRun& B, const nlohmann::ordered_json& R, std
   } else {
     md << ", no bf16 (" << bf16_impl << ")";
   }
+  if (base.contains("gemm_peak_gops_int8")) {
+    std::string impl;
+    int8_projection_available(&impl);
+    std::snprintf(b, sizeof b, ", int8 %.0f / %.0f GOP/s (oneDNN %s; its shape: 256 x %u x 1024, codes times the basis)",
+                  base["gemm_peak_gops_int8"].get<double>(), base["gemm_codec_shape_gops_int8"].get<double>(), impl.c_str(), T0.p);
+    md << b;
+  }
   std::snprintf(b, sizeof b, "; memcpy %.1f GB/s.\n\n", base["memcpy_gbs"].get<double>());
   md << b;
 }

@@ -22,10 +22,10 @@
 #              each, the same prompts as paired-4k; its own record set, quality-qwen-ecsq, made with the
 #              calibration of an Intel Xeon with AVX-512 and AMX (.deps/calib/qwen-avx512-160k.safetensors: the
 #              first set's file was made on another CPU and is not here)
-#   ecsq-4k-zen3  the same prompts and methods, a second set, quality-qwen-ecsq-zen3, keyed by a calibration
-#              made on an AMD EPYC Zen 3 with AVX2 only (.deps/calib/qwen-zen3-160k.safetensors): a session on
-#              either kind of CPU can add to the set whose calibration it reproduces
-#              (bench/quality-qwen-ecsq-zen3-notes.md)
+#   ecsq-4k-epyc  the same prompts and methods, a second set, quality-qwen-ecsq-epyc, keyed by the calibration
+#              the project's AMD EPYC machines reproduce (id b0fa59e2…, also quality-qwen-16k's: made again on a
+#              Zen 3 with AVX2 only, .deps/calib/qwen-epyc-160k.safetensors); a session on either kind of CPU
+#              adds to the set whose calibration it reproduces (bench/quality-qwen-ecsq-epyc-notes.md)
 # KVTC_QWEN_PAIRED=N sets paired-4k's count, KVTC_QWEN_SAMPLES=N the other
 # parts' (the same prompts, first N: a later, larger run adds the rest).
 set -euo pipefail
@@ -36,7 +36,7 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 calib_of() {
   case $1 in
     quality-qwen-ecsq) echo "${KVTC_QWEN_CALIB:-$top/.deps/calib/qwen-avx512-160k.safetensors}" ;;
-    quality-qwen-ecsq-zen3) echo "${KVTC_QWEN_CALIB:-$top/.deps/calib/qwen-zen3-160k.safetensors}" ;;
+    quality-qwen-ecsq-epyc) echo "${KVTC_QWEN_CALIB:-$top/.deps/calib/qwen-epyc-160k.safetensors}" ;;
     *) echo "${KVTC_QWEN_CALIB:-$top/.deps/calib/qwen-160k.safetensors}" ;;
   esac
 }
@@ -47,14 +47,14 @@ part_args() {
     tasks-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks niah vt kvr code --methods ${all[*]}" ;;
     text-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --methods ${all[*]}" ;;
     8k) echo "--context 8192 --samples ${KVTC_QWEN_SAMPLES:-4} --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
-    ecsq-4k | ecsq-4k-zen3) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
+    ecsq-4k | ecsq-4k-epyc) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
     16k) echo "--context 16384 --samples ${KVTC_QWEN_SAMPLES:-2} --tasks niah kvr ppl kld agree --methods vanilla kvtc-16x kvtc-32x" ;;
-    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k, ecsq-4k, ecsq-4k-zen3)" >&2; return 2 ;;
+    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k, ecsq-4k, ecsq-4k-epyc)" >&2; return 2 ;;
   esac
 }
 # The record set a part writes: one set is one calibration file.
-set_of() { case $1 in 16k) echo quality-qwen-16k ;; ecsq-4k) echo quality-qwen-ecsq ;; ecsq-4k-zen3) echo quality-qwen-ecsq-zen3 ;; *) echo quality-qwen ;; esac; }
-parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k ecsq-4k ecsq-4k-zen3; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
+set_of() { case $1 in 16k) echo quality-qwen-16k ;; ecsq-4k) echo quality-qwen-ecsq ;; ecsq-4k-epyc) echo quality-qwen-ecsq-epyc ;; *) echo quality-qwen ;; esac; }
+parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k ecsq-4k ecsq-4k-epyc; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
 for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked before hours of work
 for part in "$@"; do
   calib=$(calib_of "$(set_of "$part")")
@@ -74,7 +74,7 @@ for part in "$@"; do
   "$lab" eval --model qwen --calib "$(calib_of "$(set_of "$part")")" --records "$res/$(set_of "$part").records.jsonl" --record-tag "$tag" $(part_args "$part") >/dev/null
 done
 [ -s "$res/quality-qwen.records.jsonl" ] || { echo "bench/quality_qwen.sh: no records yet ($res/quality-qwen.records.jsonl)" >&2; exit 2; }
-for name in quality-qwen quality-qwen-16k quality-qwen-ecsq quality-qwen-ecsq-zen3; do
+for name in quality-qwen quality-qwen-16k quality-qwen-ecsq quality-qwen-ecsq-epyc; do
   rec="$res/$name.records.jsonl"
   [ -s "$rec" ] || continue
   {
@@ -82,7 +82,7 @@ for name in quality-qwen quality-qwen-16k quality-qwen-ecsq quality-qwen-ecsq-ze
     echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
     case $name in
       quality-qwen-ecsq) how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on the Intel Xeon of bench/results/entropy.md (.deps/calib/qwen-avx512-160k.safetensors, what make calibrate-qwen runs)" ;;
-      quality-qwen-ecsq-zen3) how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on an AMD EPYC Zen 3, AVX2 only (.deps/calib/qwen-zen3-160k.safetensors, what make calibrate-qwen runs)" ;;
+      quality-qwen-ecsq-epyc) how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on an AMD EPYC (Zen 3, AVX2 only; .deps/calib/qwen-epyc-160k.safetensors, what make calibrate-qwen runs; the id of quality-qwen-16k's records too)" ;;
       *) how="make calibrate-qwen" ;;
     esac
     echo "- calibration: $how (160K tokens, documents cut at 8,192 tokens); its id, in every record: $(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["calibration_id"][:16])' "$rec")…"

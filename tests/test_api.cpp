@@ -322,8 +322,23 @@ TEST(Codec, StatsAndOptionsAreHonoured) {
   EXPECT_EQ(compress(c, cal, allocation_set(cal, 8), o), a);  // output independent of threads
   o.precision = Precision::kF16;
   EXPECT_NE(error_of([&] { compress(c, cal, allocation_set(cal, 8), o); }).find("GPU mode"), std::string::npos);
-  EXPECT_THROW(parse_precision("int8"), Error);
+  EXPECT_THROW(parse_precision("int4"), Error);
   EXPECT_EQ(parse_precision("tf32"), Precision::kTF32);
+  // int8 is a decode mode: the encoder runs (and reports) what auto would,
+  // the same bytes; the DP's chunks decode as auto's.
+  if (int8_projection_available()) {
+    CompressOptions oi = o, oa = o;
+    oi.precision = Precision::kInt8, oa.precision = Precision::kAuto;
+    CodecStats si, sa;
+    oi.stats = &si, oa.stats = &sa;
+    EXPECT_EQ(compress(c, cal, allocation_set(cal, 8), oi), compress(c, cal, allocation_set(cal, 8), oa));
+    EXPECT_EQ(si.projection, sa.projection);
+    DecompressOptions di, da;
+    di.precision = Precision::kInt8, da.precision = Precision::kAuto;
+    di.stats = &si;
+    EXPECT_EQ(decompress(a, cal, "int8", di).blocks[0].k, decompress(a, cal, "auto", da).blocks[0].k);
+    EXPECT_EQ(si.projection, Precision::kInt8);
+  }
   const LibraryInfo li = library_info();
   EXPECT_FALSE(li.version.empty());
 }

@@ -65,9 +65,12 @@ class Projector {
   void decode(const float* d, uint32_t n, float* x, StageClock* clk, bool component_major = false) const;
   // The same for an entropy-coded chunk: d is D' [ru][n] as
   // ecsq_decode_chunk writes it, sign(q) (|q| - offset) step, with the
-  // chunk's step and offset. With kInt8 the components from the first whose
-  // fixed-point codes fit 8 bits on run in the integer GEMM (the others as
-  // decode()); otherwise exactly decode(d, n, x, clk, true).
+  // chunk's step and offset. With kInt8 the components after the last one
+  // with over a quarter of its fixed-point codes past 8 bits run in the
+  // integer GEMM (their rarer wide codes clamped, the remainders added
+  // apart; the leading ones as decode()); otherwise exactly
+  // decode(d, n, x, clk, true). Thread-safe (const; oneDNN's primitives
+  // and scratchpads are per thread).
   void decode_ecsq(const float* d, uint32_t n, float step, float offset, float* x, StageClock* clk) const;
 
   uint32_t ru() const { return ru_; }

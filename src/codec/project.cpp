@@ -473,6 +473,8 @@ void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset
   // branches they ran 5-12 ns a code.
   const float iv = 1.0f / step, half = offset + 0.5f;
   const int32_t ro = int32_t(std::lround(std::ldexp(double(offset), kFracBits)));
+  // |v| of a value's magnitude (captures by value: see above).
+  const auto mag = [iv, half, ro](float av) { return ((int32_t(av * iv + half) << kFracBits) - ro) * int32_t(av > 0.0f); };
   // A component runs in the float GEMM when more than a quarter of its
   // codes pass 8 bits (the leading ones: the step is shared and their
   // variance is largest); in the others a code past 8 bits is clamped and
@@ -493,8 +495,7 @@ void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset
       const float* row = d + size_t(j) * n;
       uint32_t over = 0;
       for (uint32_t t = 0; t < n; ++t) {
-        const float av = std::fabs(row[t]);
-        over += uint32_t(((int32_t(av * iv + half) << kFracBits) - ro) * int32_t(av > 0.0f) > 127);
+        over += uint32_t(mag(std::fabs(row[t])) > 127);
       }
       if (over > n / 4) j0 = j + 1;
     }
@@ -506,16 +507,15 @@ void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset
       int8_t* out = cm.data() + size_t(i) * n;
       uint32_t over = 0;
       for (uint32_t t = 0; t < n; ++t) {
-        const float v = row[t], av = std::fabs(v);
-        const int32_t m = ((int32_t(av * iv + half) << kFracBits) - ro) * int32_t(av > 0.0f), c = std::min(m, 127), sg = -int32_t(v < 0.0f);
+        const float v = row[t];
+        const int32_t m = mag(std::fabs(v)), c = std::min(m, 127), sg = -int32_t(v < 0.0f);
         over += uint32_t(m > 127);
         out[t] = int8_t((c ^ sg) - sg);
       }
       if (over)
         for (uint32_t t = 0; t < n; ++t) {
-          const float v = row[t], av = std::fabs(v);
-          const int32_t m = av > 0.0f ? (int32_t(av * iv + half) << kFracBits) - ro : 0;
-          if (m > 127) outliers.push_back({t, j0 + i, v < 0 ? 127 - m : m - 127});
+          const int32_t m = mag(std::fabs(row[t]));
+          if (m > 127) outliers.push_back({t, j0 + i, row[t] < 0 ? 127 - m : m - 127});
         }
     }
     // Token-major for the GEMM (its transposed-source kernel ran ~20% slower

@@ -226,7 +226,7 @@ struct StoreStats {
   double disk_scan_ms = 0;         // the start-up scan's time (so far, while it runs)
   // The Redis tier (all zero without one).
   bool redis_enabled = false;  // configured
-  bool redis_up = false;       // the last exchange with it worked
+  bool redis_up = false;       // the last exchange with it worked and lookups are not paused
   std::string redis_error;     // the last failure
   std::string redis_where;     // "redis://host:port/db" or "cluster host:port,..."
   // Set when Redis would grow without bound (maxmemory 0) or fail writes

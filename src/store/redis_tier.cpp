@@ -435,7 +435,11 @@ class RedisTier final : public Tier {
   void add_stats(StoreStats& s) const override {
     std::lock_guard<std::mutex> g(mu_);
     s.redis_enabled = true;
-    s.redis_up = up_;
+    // Up only while lookups are served: a write can still get through a
+    // Redis too slow for a lookup's 100 ms deadline (a trickling one answers
+    // a 5-byte +OK in 250 ms, within a write's 2 s), which must not report
+    // the tier up while every lookup is answered without asking it.
+    s.redis_up = up_ && !take_down_.load();
     s.redis_error = error_;
     s.redis_where = where_;
     s.redis_config_warning = config_warning_;

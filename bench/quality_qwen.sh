@@ -26,6 +26,8 @@
 #              the project's AMD EPYC machines reproduce (id b0fa59e2…, also quality-qwen-16k's: made again on a
 #              Zen 3 with AVX2 only, .deps/calib/qwen-epyc-160k.safetensors); a session on either kind of CPU
 #              adds to the set whose calibration it reproduces (bench/quality-qwen-ecsq-epyc-notes.md)
+#   ecsq-text-4k, ecsq-text-4k-epyc  item 5's text KL: the same five methods on ppl, kld, agree, 8 prompts,
+#              into the set of ecsq-4k and ecsq-4k-epyc respectively (~4 min a prompt on 2 Zen 3 cores)
 # KVTC_QWEN_PAIRED=N sets paired-4k's count, KVTC_QWEN_SAMPLES=N the other
 # parts' (the same prompts, first N: a later, larger run adds the rest).
 set -euo pipefail
@@ -48,13 +50,14 @@ part_args() {
     text-4k) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --methods ${all[*]}" ;;
     8k) echo "--context 8192 --samples ${KVTC_QWEN_SAMPLES:-4} --tasks ppl kld agree niah vt kvr code --methods ${all[*]}" ;;
     ecsq-4k | ecsq-4k-epyc) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
+    ecsq-text-4k | ecsq-text-4k-epyc) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
     16k) echo "--context 16384 --samples ${KVTC_QWEN_SAMPLES:-2} --tasks niah kvr ppl kld agree --methods vanilla kvtc-16x kvtc-32x" ;;
-    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k, ecsq-4k, ecsq-4k-epyc)" >&2; return 2 ;;
+    *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k, ecsq-4k, ecsq-4k-epyc, ecsq-text-4k, ecsq-text-4k-epyc)" >&2; return 2 ;;
   esac
 }
 # The record set a part writes: one set is one calibration file.
-set_of() { case $1 in 16k) echo quality-qwen-16k ;; ecsq-4k) echo quality-qwen-ecsq ;; ecsq-4k-epyc) echo quality-qwen-ecsq-epyc ;; *) echo quality-qwen ;; esac; }
-parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k ecsq-4k ecsq-4k-epyc; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
+set_of() { case $1 in 16k) echo quality-qwen-16k ;; ecsq-4k | ecsq-text-4k) echo quality-qwen-ecsq ;; ecsq-4k-epyc | ecsq-text-4k-epyc) echo quality-qwen-ecsq-epyc ;; *) echo quality-qwen ;; esac; }
+parts_of() { for p in paired-4k tasks-4k text-4k 8k 16k ecsq-4k ecsq-4k-epyc ecsq-text-4k ecsq-text-4k-epyc; do [ "$(set_of $p)" != "$1" ] || printf '%s ' "$p"; done; }
 for part in "$@"; do part_args "$part" >/dev/null; done  # all names checked before hours of work
 for part in "$@"; do
   calib=$(calib_of "$(set_of "$part")")

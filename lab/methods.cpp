@@ -7,7 +7,7 @@
 namespace kvtc::lab {
 
 const char* const kMethodHelp =
-    "vanilla, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, "
+    "vanilla, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16|-int8][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, "
     "svd-<R>x, zstd, "
     "deflate";
 
@@ -35,13 +35,15 @@ bool starts(const std::string& s, const char* p) {
   return s.rfind(p, 0) == 0;
 }
 
-// kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16][@NAME],
+// kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16|-int8][@NAME],
 // parsed. -w8: the raw window at 8 bits (container version 3). -ecsq: the
 // entropy-coded mode (container version 2)
 // rate-controlled to R on the coded tokens (the DP's R is nominal: it
 // reaches ~1.13 R after DEFLATE). -global / -window: a sliding-window
 // model's block 0 (the global layers) or block 1 (the window) alone is
 // coded, the other kept f16, to tell apart what each block costs.
+// -f32 / -bf16 / -int8: the projection's precision (both ways; -int8 is a
+// decoder's choice, the encoder runs as auto: Precision::kInt8).
 struct KvtcSpec {
   double ratio = 0;
   bool joint = false, all = false, ecsq = false, w8 = false;
@@ -68,6 +70,8 @@ KvtcSpec parse_kvtc(const std::string& name) {
     k.precision = Precision::kBF16;
   else if (strip("-f32"))
     k.precision = Precision::kF32;
+  else if (strip("-int8"))
+    k.precision = Precision::kInt8;
   if (strip("-global"))
     k.only_block = 0;
   else if (strip("-window"))

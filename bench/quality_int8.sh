@@ -3,8 +3,9 @@
 # model, not only on reconstruction error: the entropy-coded mode decoded
 # with the float GEMM (-f32: what auto is on a CPU without native bf16) and
 # with the integer one (-int8), the same bytes at rest, paired prompt by
-# prompt on SmolLM2 at 2K (KL from vanilla, perplexity, greedy agreement,
-# needle, key-value retrieval). Records kept, so a rerun with a larger
+# prompt on SmolLM2 at 2K on text: KL from vanilla, perplexity, greedy
+# agreement (the retrieval tasks are 100% for both at 16x here, resolving
+# nothing at a count this script affords: ~6 min a text prompt on 2 cores). Records kept, so a rerun with a larger
 # KVTC_INT8_SAMPLES adds prompts:
 #   bench/results/quality-int8.records.jsonl, quality-int8.{md,json}
 # Usage: bench/quality_int8.sh   (needs make calibrate: .deps/calib/smollm2-160k.safetensors)
@@ -16,7 +17,7 @@ calib=${KVTC_INT8_CALIB:-$top/.deps/calib/smollm2-160k.safetensors}
 [ -f "$calib" ] || { echo "bench/quality_int8.sh: $calib missing: run make calibrate" >&2; exit 2; }
 rec="$res/quality-int8.records.jsonl"
 [ ! -s "$rec" ] || python3 "$top/bench/quality_records.py" quality-int8 "$rec" --check-calib "$calib" || exit 2
-args="--context 2048 --samples ${KVTC_INT8_SAMPLES:-24} --tasks ppl kld agree niah kvr --methods vanilla kvtc-16x-ecsq-f32 kvtc-16x-ecsq-int8 kvtc-32x-ecsq-f32 kvtc-32x-ecsq-int8"
+args="--context 2048 --samples ${KVTC_INT8_SAMPLES:-8} --tasks ppl kld agree --methods vanilla kvtc-16x-ecsq-f32 kvtc-16x-ecsq-int8 kvtc-32x-ecsq-f32 kvtc-32x-ecsq-int8"
 # shellcheck disable=SC2086  # the arguments are words
 "$lab" eval --calib "$calib" --records "$rec" --record-tag "commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)" $args >/dev/null
 {

@@ -50,6 +50,7 @@ struct EvalArgs {
   std::vector<uint32_t> samples{8};  // per context (one value: all contexts)
   uint32_t cont = 256, greedy = 64;
   std::vector<std::string> calib_extra;  // NAME=FILE, for kvtc-<R>x@NAME
+  std::string precision = "auto";        // kvtc methods without a precision suffix
   uint64_t seed = 1;
   bool json = false, verbose_tasks = false;
 };
@@ -267,6 +268,7 @@ struct EvalSetup {
 EvalSetup load_setup(const EvalArgs& a) {
   std::vector<MethodSpec> specs;
   for (const auto& n : a.methods) specs.push_back(parse_method(n));
+  const Precision prec = parse_precision(a.precision);
   require(!specs.empty() && specs.front().name == "vanilla", "eval: the first method must be vanilla (the reference of kld and agree)");
   EvalSetup S;
   if (!a.calib.empty()) S.calib_files[""] = a.calib;
@@ -281,7 +283,7 @@ EvalSetup load_setup(const EvalArgs& a) {
               "eval: method " + m.name + " needs " + (m.calibration.empty() ? "--calib" : "--calib-extra " + m.calibration + "=FILE"));
   S.model = Model::load(a.model);
   for (const auto& [k, f] : S.calib_files) S.cals.emplace(k, calibration_load(f));
-  for (const MethodSpec& m : specs) S.methods.push_back(make_method(m, S.cals));
+  for (const MethodSpec& m : specs) S.methods.push_back(make_method(m, S.cals, prec));
   S.calib_id = S.cals.count("") ? S.cals.at("").id : "";
   return S;
 }
@@ -760,6 +762,10 @@ Action add_eval(CLI::App& app) {
   model_option(sub, a->model, "GGUF model");
   sub->add_option("--calib", a->calib, "Calibration file (needed by kvtc and svd methods)");
   sub->add_option("--calib-extra", a->calib_extra, "More calibrations as NAME=FILE, used by kvtc-<R>x@NAME (ablations)");
+  sub->add_option("--precision", a->precision,
+                  "The projection's precision for kvtc methods without a -f32/-bf16/-int8 suffix (auto picks by CPU: pin it to "
+                  "continue a record set on another CPU)")
+      ->capture_default_str();
   sub->add_option("--corpus", a->corpus, "Corpus root")->capture_default_str();
   sub->add_option("--tasks", a->tasks, "Tasks: ppl, kld, agree (real text); niah, vt, kvr (retrieval); code (next-line completion)")
       ->capture_default_str();

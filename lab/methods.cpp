@@ -7,7 +7,8 @@
 namespace kvtc::lab {
 
 const char* const kMethodHelp =
-    "vanilla, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16|-int8][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], streaming-<R>x, "
+    "vanilla, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16|-int8][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], "
+    "streaming-<R>x, "
     "svd-<R>x, zstd, "
     "deflate";
 
@@ -247,7 +248,7 @@ MethodSpec parse_method(const std::string& name) {
   return m;
 }
 
-std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::string, Calibration>& cals) {
+std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::string, Calibration>& cals, Precision precision) {
   const std::string& n = spec.name;
   if (n == "vanilla") return std::make_unique<Vanilla>();
   if (n == "fp8") return std::make_unique<Fp8>();
@@ -258,7 +259,9 @@ std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::
   auto it = cals.find(spec.calibration);
   require(it != cals.end(), "eval: method " + n + " needs " + (spec.calibration.empty() ? "--calib" : "--calib-extra " + spec.calibration + "=FILE"));
   if (starts(n, "svd-")) return std::make_unique<Svd>(n, ratio_of(n, n.substr(4)), it->second);
-  return std::make_unique<Kvtc>(n, parse_kvtc(n), it->second);
+  KvtcSpec k = parse_kvtc(n);
+  if (k.precision == Precision::kAuto) k.precision = precision;
+  return std::make_unique<Kvtc>(n, std::move(k), it->second);
 }
 
 }  // namespace kvtc::lab

@@ -40,7 +40,7 @@ class Method {
 
 // What a method name asks for, checked before any model is loaded: names
 // are vanilla, fp8, kivi-2, kivi-4, zstd, deflate, q8_0[-k|-v], q4_0[-k|-v],
-// streaming-<R>x, svd-<R>x, kvtc-<R>x[-joint][-all][-f32|-bf16][@NAME].
+// streaming-<R>x, svd-<R>x, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16|-int8][@NAME].
 struct MethodSpec {
   std::string name;
   bool needs_calibration = false;
@@ -50,7 +50,10 @@ MethodSpec parse_method(const std::string& name);  // Error naming the accepted 
 extern const char* const kMethodHelp;
 
 // The method of a spec; kvtc and svd methods take their calibration from
-// `cals` (key "" = --calib), which must outlive the method.
-std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::string, Calibration>& cals);
+// `cals` (key "" = --calib), which must outlive the method. `precision`:
+// the projection's, for kvtc methods without a -f32/-bf16/-int8 suffix
+// (eval --precision; kAuto picks by CPU, so a record set continued on
+// other CPUs can pin it).
+std::unique_ptr<Method> make_method(const MethodSpec& spec, const std::map<std::string, Calibration>& cals, Precision precision = Precision::kAuto);
 
 }  // namespace kvtc::lab

@@ -338,6 +338,22 @@ TEST(Codec, StatsAndOptionsAreHonoured) {
     di.stats = &si;
     EXPECT_EQ(decompress(a, cal, "int8", di).blocks[0].k, decompress(a, cal, "auto", da).blocks[0].k);
     EXPECT_EQ(si.projection, Precision::kInt8);
+    // What auto decodes with: bf16 where native, else int8 where the CPU
+    // has AVX2 (project.cpp resolve_precision), else f32 — the entropy-coded
+    // chunks then bit for bit as an explicit int8 decode.
+#if defined(__x86_64__)
+    const bool avx2 = __builtin_cpu_supports("avx2");
+#else
+    const bool avx2 = false;
+#endif
+    const Precision want = bf16_projection_available() ? Precision::kBF16 : avx2 ? Precision::kInt8 : Precision::kF32;
+    const std::vector<uint8_t> e = compress(c, cal, ecsq_allocation_set(cal, 8), oa);
+    da.stats = &sa;
+    const KvCapture ea = decompress(e, cal, "auto", da);
+    EXPECT_EQ(sa.projection, want);
+    if (want == Precision::kInt8) {
+      EXPECT_EQ(ea.blocks[0].v, decompress(e, cal, "int8", di).blocks[0].v);
+    }
   }
   const LibraryInfo li = library_info();
   EXPECT_FALSE(li.version.empty());

@@ -974,7 +974,8 @@ NB_MODULE(_kvtc, m) {
                    "threads: int = 0, precision: str = 'auto') -> tuple"),
            "Decodes a container: (k, v, positions) as numpy arrays [layers, kv_heads, tokens, head_dim] of `dtype` ('float16' or\n"
            "'float32') and int32 [tokens]; lists of two for iSWA models. return_tokens=True appends the stored token ids (or None).\n"
-           "precision: 'auto', 'f32', 'bf16' or 'int8' (entropy-coded chunks in oneDNN's integer GEMM: faster, ~1% more error).\n"
+           "precision: 'auto' (bf16 where native, else int8 on AVX2, else f32), 'f32' (the same bits on any CPU), 'bf16' or 'int8'\n"
+           "(entropy-coded chunks in oneDNN's integer GEMM: faster, ~1% more error).\n"
            "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")
       .def("compress_state", &PyCalibration::compress_state, "blob"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,

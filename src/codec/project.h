@@ -15,7 +15,9 @@
 
 namespace kvtc::detail {
 
-// kAuto -> kBF16 where bf16_projection_available(), else kF32. An explicit
+// kAuto -> kBF16 where bf16_projection_available(), else kInt8 where the
+// CPU has AVX2 and int8_projection_available() (a decode mode: see
+// float_precision), else kF32. An explicit
 // kBF16 on a CPU without a native kernel, kInt8 without
 // int8_projection_available(), or a GPU-only precision (kTF32, kF16), is an
 // Error naming `who`.

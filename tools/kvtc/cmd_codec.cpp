@@ -261,8 +261,8 @@ Action add_decompress(CLI::App& app) {
   sub->add_option("-o,--output", *out, "Output .safetensors (optional with --reference)");
   sub->add_option("--reference", *ref, "Original capture: report the reconstruction error of K and V");
   sub->add_option("--precision", *precision,
-                  "Projection: auto (bf16 where the CPU has AVX512-BF16 or AMX), f32, bf16, or int8 (entropy-coded chunks in oneDNN's "
-                  "integer GEMM, ~0.5% more error)")
+                  "Projection: auto (bf16 where the CPU has AVX512-BF16 or AMX, else int8 where it has AVX2, else f32), f32 (the same "
+                  "bits on any CPU), bf16, or int8 (entropy-coded chunks in oneDNN's integer GEMM, ~1% more error)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "bf16", "int8"}));
   sub->add_flag("--json", *json, "JSON summary");

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The integer projection (--precision int8, issue 32 item 3) scored on the
 # model, not only on reconstruction error: the entropy-coded mode decoded
-# with the float GEMM (-f32: what auto is on a CPU without native bf16) and
+# with the float GEMM (-f32: what auto was on a CPU without native bf16) and
 # with the integer one (-int8), the same bytes at rest, paired prompt by
 # prompt on SmolLM2 at 2K on text: KL from vanilla, perplexity, greedy
-# agreement (the retrieval tasks are 100% for both at 16x here, resolving
-# nothing at a count this script affords: ~6 min a text prompt on 2 cores). Records kept, so a rerun with a larger
+# agreement (the retrieval tasks would need hundreds of prompts to resolve
+# a difference this small; ~45 s a text prompt on 2 cores). Records kept, so a rerun with a larger
 # KVTC_INT8_SAMPLES adds prompts:
 #   bench/results/quality-int8.records.jsonl, quality-int8.{md,json}
 # Usage: bench/quality_int8.sh   (needs make calibrate: .deps/calib/smollm2-160k.safetensors)
@@ -25,6 +25,6 @@ args="--context 2048 --samples ${KVTC_INT8_SAMPLES:-8} --tasks ppl kld agree --m
   echo "- model: SmolLM2-135M-Instruct (the default); the bytes at rest are the same for -f32 and -int8 (the encoder runs as auto); only the decoder's projection differs"
   echo "- commit and machine of each run: the \"run\" field of every record, listed below"
 } >"$res/quality-int8.header.part"
-python3 "$top/bench/quality_records.py" quality-int8 "$rec" --header "$res/quality-int8.header.part" \
+python3 "$top/bench/quality_records.py" quality-int8 "$rec" --header "$res/quality-int8.header.part" --notes "$top/bench/quality-int8-notes.md" \
   --pair kvtc-16x-ecsq-f32:kvtc-16x-ecsq-int8 --pair kvtc-32x-ecsq-f32:kvtc-32x-ecsq-int8
 rm -f "$res/quality-int8.header.part"

@@ -237,6 +237,9 @@ struct LibraryInfo {
   bool bf16 = false;
   std::string int8_projection;  // the same for Precision::kInt8
   bool int8 = false;
+  // What Precision::kAuto runs here: the encoder (never kInt8) and the
+  // decoder (kInt8: its entropy-coded chunks; the rest as the encoder).
+  Precision auto_encode = Precision::kF32, auto_decode = Precision::kF32;
 };
 LibraryInfo library_info();
 

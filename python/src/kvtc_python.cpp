@@ -1033,6 +1033,8 @@ NB_MODULE(_kvtc, m) {
         d["bf16"] = i.bf16;
         d["int8_projection"] = i.int8_projection;
         d["int8"] = i.int8;
+        d["auto_encode"] = kvtc::precision_name(i.auto_encode);
+        d["auto_decode"] = kvtc::precision_name(i.auto_decode);
         return d;
       },
       "The library's version, this CPU and the projection kernels it runs.");

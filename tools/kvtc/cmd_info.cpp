@@ -105,6 +105,7 @@ Action add_info(CLI::App& app) {
     j["cpu"] = {{"brand", li.cpu}, {"features", li.cpu_features}};
     j["bf16_projection"] = li.bf16 ? li.bf16_projection : "unavailable: " + li.bf16_projection;
     j["int8_projection"] = li.int8 ? li.int8_projection : "unavailable: " + li.int8_projection;
+    j["auto_precision"] = {{"encode", precision_name(li.auto_encode)}, {"decode", precision_name(li.auto_decode)}};
     if (*json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
@@ -129,8 +130,8 @@ Action add_info(CLI::App& app) {
       std::string feats;
       for (const auto& s : li.cpu_features) feats += s + " ";
       std::printf("cpu     %s\n        %s\n", li.cpu.c_str(), feats.c_str());
-      std::printf("        projection: bf16 %s; int8 %s\n", j["bf16_projection"].get<std::string>().c_str(),
-                  j["int8_projection"].get<std::string>().c_str());
+      std::printf("        projection: bf16 %s; int8 %s; auto: encode %s, decode %s\n", j["bf16_projection"].get<std::string>().c_str(),
+                  j["int8_projection"].get<std::string>().c_str(), precision_name(li.auto_encode), precision_name(li.auto_decode));
     }
     return 0;
   };

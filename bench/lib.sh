@@ -23,6 +23,12 @@ c = json.load(sys.stdin)["cpu"]
 print(c["brand"] + (" (" + " ".join(c.get("features", [])) + ")" if sys.argv[1:] == ["features"] else ""))' "$@"
 }
 
+# What `kvtc-lab eval --record-tag` stores in each record as "run": the
+# commit and machine that made it.
+record_tag() {
+  echo "commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
+}
+
 # lab_result NAME SUBCOMMAND [options…]: runs `kvtc-lab SUBCOMMAND options…`
 # with its JSON and markdown body written beside bench/results/NAME, as
 # NAME.json.part and NAME.body.part; finish_result NAME moves them into

@@ -19,7 +19,7 @@ rec="$res/quality-int8.records.jsonl"
 [ ! -s "$rec" ] || python3 "$top/bench/quality_records.py" quality-int8 "$rec" --check-calib "$calib" || exit 2
 args="--context 2048 --samples ${KVTC_INT8_SAMPLES:-8} --tasks ppl kld agree --methods vanilla kvtc-16x-ecsq-f32 kvtc-16x-ecsq-int8 kvtc-32x-ecsq-f32 kvtc-32x-ecsq-int8"
 # shellcheck disable=SC2086  # the arguments are words
-"$lab" eval --calib "$calib" --records "$rec" --record-tag "commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)" $args >/dev/null
+"$lab" eval --calib "$calib" --records "$rec" --record-tag "$(record_tag)" $args >/dev/null
 {
   echo "- command: \`bench/quality_int8.sh\` (\`kvtc-lab eval --calib ${calib#"$top"/} $args\`; records appended by every run, this report rebuilt from all of them)"
   echo "- model: SmolLM2-135M-Instruct (the default); the bytes at rest are the same for -f32 and -int8 (the encoder runs as auto); only the decoder's projection differs"

@@ -75,7 +75,7 @@ for name in $(for part in "$@"; do set_of "$part"; done | sort -u); do
   rec="$res/$name.records.jsonl"
   [ ! -s "$rec" ] || python3 "$top/bench/quality_records.py" "$name" "$rec" --check-calib "$(calib_of "$name")" || exit 2
 done
-tag="commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
+tag=$(record_tag)
 for part in "$@"; do
   # shellcheck disable=SC2046  # the part's arguments are words
   "$lab" eval --model qwen --calib "$(calib_of "$(set_of "$part")")" --records "$res/$(set_of "$part").records.jsonl" --record-tag "$tag" $(part_args "$part") >/dev/null

@@ -15,7 +15,7 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 calib=${KVTC_WINDOW8_CALIB:-$top/.deps/calib/smollm2-160k.safetensors}
 [ -f "$calib" ] || { echo "bench/window8.sh: $calib missing: run make calibrate" >&2; exit 2; }
 rec="$res/window8.records.jsonl"
-tag="commit $(result_commit), $(result_cpu), $(nproc) threads, $(uname -sr)"
+tag=$(record_tag)
 # shellcheck disable=SC2086  # the counts are words
 "$lab" eval --calib "$calib" --records "$rec" --record-tag "$tag" --context 2048 4096 8192 --samples ${KVTC_WINDOW8_SAMPLES:-16 8 4} \
   --tasks ppl kld agree niah kvr --methods vanilla kvtc-16x-ecsq kvtc-16x-ecsq-w8 >/dev/null

@@ -8,9 +8,7 @@ namespace kvtc::lab {
 
 const char* const kMethodHelp =
     "vanilla, kvtc-<R>x[-ecsq|-joint][-w8][-all][-global|-window][-f32|-bf16|-int8][@NAME], fp8, kivi-2, kivi-4, q8_0[-k|-v], q4_0[-k|-v], "
-    "streaming-<R>x, "
-    "svd-<R>x, zstd, "
-    "deflate";
+    "streaming-<R>x, svd-<R>x, zstd, deflate";
 
 namespace {
 

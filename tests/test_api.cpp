@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -341,11 +342,8 @@ TEST(Codec, StatsAndOptionsAreHonoured) {
     // What auto decodes with: bf16 where native, else int8 where the CPU
     // has AVX2 (project.cpp resolve_precision), else f32 — the entropy-coded
     // chunks then bit for bit as an explicit int8 decode.
-#if defined(__x86_64__)
-    const bool avx2 = __builtin_cpu_supports("avx2");
-#else
-    const bool avx2 = false;
-#endif
+    const std::vector<std::string>& feats = library_info().cpu_features;
+    const bool avx2 = std::find(feats.begin(), feats.end(), "avx2") != feats.end();
     const Precision want = bf16_projection_available() ? Precision::kBF16 : avx2 ? Precision::kInt8 : Precision::kF32;
     const std::vector<uint8_t> e = compress(c, cal, ecsq_allocation_set(cal, 8), oa);
     da.stats = &sa;

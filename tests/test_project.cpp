@@ -9,6 +9,7 @@
 #include <random>
 
 #include "codec/project.h"
+#include "core/util.h"
 #include "kvtc/codec.h"
 #include "kvtc/error.h"
 
@@ -55,11 +56,7 @@ TEST(Precision, NamesParseAndResolve) {
   const bool bf16 = bf16_projection_available(&why);
   EXPECT_FALSE(why.empty());
   // auto: bf16 where native, else the integer decode where AVX2 runs it.
-#if defined(__x86_64__)
-  const bool avx2 = __builtin_cpu_supports("avx2");
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = cpu_features().avx2;
   const bool int8 = int8_projection_available();
   EXPECT_EQ(detail::resolve_precision(Precision::kAuto, "t"), bf16 ? Precision::kBF16 : avx2 && int8 ? Precision::kInt8 : Precision::kF32);
   EXPECT_EQ(detail::resolve_precision(Precision::kF32, "t"), Precision::kF32);

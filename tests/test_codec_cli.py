@@ -63,8 +63,10 @@ class Codec(unittest.TestCase):
         # (chosen per CPU) and its thread count round the sums differently;
         # `kvtc calibrate` pins both, so other choices in the environment give
         # the same id. Sandybridge's AVX kernels run on every CPU kvtc does.
-        # ~5 s per calibration on 2 cores.
-        args = ("calibrate", "-m", SMOL, "--tokens", "1024", "--heldout", "256", "--doc-tokens", "1024", "--rank-max", "128",
+        # 256 + 64 tokens are enough for every difference below to show:
+        # ~2 s per calibration on 2 cores, ~13 s for ggml's SSE2-only x64
+        # variant (52 s at 1,024 + 256 tokens, most of this test's 80 s).
+        args = ("calibrate", "-m", SMOL, "--tokens", "256", "--heldout", "64", "--doc-tokens", "320", "--rank-max", "128",
                 "--ratios", "16", "--json")
 
         def cal(name, **env):

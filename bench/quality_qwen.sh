@@ -54,7 +54,7 @@ part_args() {
     # The EPYC set pins the projection to f32, what auto was on its AVX2 EPYC when it began
     # (auto is int8 there now, bench/results/quality-int8.md): one decoder across the set.
     ecsq-4k-epyc) echo "--context 4096 --samples ${KVTC_QWEN_PAIRED:-100} --tasks niah kvr code --precision f32 --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
-    ecsq-text-4k-epyc) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --precision f32 --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq" ;;
+    ecsq-text-4k-epyc) echo "--context 4096 --samples ${KVTC_QWEN_SAMPLES:-8} --tasks ppl kld agree --precision f32 --methods vanilla kvtc-16x kvtc-32x kvtc-23.2x-ecsq kvtc-47.3x-ecsq kvtc-19.2x-ecsq kvtc-40.2x-ecsq" ;;
     16k) echo "--context 16384 --samples ${KVTC_QWEN_SAMPLES:-2} --tasks niah kvr ppl kld agree --methods vanilla kvtc-16x kvtc-32x" ;;
     *) echo "bench/quality_qwen.sh: unknown part '$1' (paired-4k, tasks-4k, text-4k, 8k, 16k, ecsq-4k, ecsq-4k-epyc, ecsq-text-4k, ecsq-text-4k-epyc)" >&2; return 2 ;;
   esac
@@ -100,7 +100,13 @@ for name in quality-qwen quality-qwen-16k quality-qwen-ecsq quality-qwen-ecsq-ep
   [ -f "$top/bench/$name-notes.md" ] && notes=(--notes "$top/bench/$name-notes.md")
   # The entropy-coded mode against the DP at the ratio of equal error (issue 32 item 5).
   pairs=()
-  case $name in quality-qwen-ecsq*) pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq) ;; esac
+  # quality-qwen-ecsq-epyc's text part also has the ratios whose KL the
+  # text prompts put at the DP's (19.2x, 40.2x: interpolated from the
+  # 23.2x/47.3x pair's KL, KL ~ ratio^1.5).
+  case $name in
+    quality-qwen-ecsq-epyc) pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq --pair kvtc-16x:kvtc-19.2x-ecsq --pair kvtc-32x:kvtc-40.2x-ecsq) ;;
+    quality-qwen-ecsq) pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq) ;;
+  esac
   python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}" "${pairs[@]}"
   rm -f "$res/$name.header.part"
 done

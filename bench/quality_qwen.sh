@@ -100,13 +100,10 @@ for name in quality-qwen quality-qwen-16k quality-qwen-ecsq quality-qwen-ecsq-ep
   [ -f "$top/bench/$name-notes.md" ] && notes=(--notes "$top/bench/$name-notes.md")
   # The entropy-coded mode against the DP at the ratio of equal error (issue 32 item 5).
   pairs=()
-  # quality-qwen-ecsq-epyc's text part also has the ratios whose KL the
-  # text prompts put at the DP's (19.2x, 40.2x: interpolated from the
-  # 23.2x/47.3x pair's KL, KL ~ ratio^1.5).
-  case $name in
-    quality-qwen-ecsq-epyc) pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq --pair kvtc-16x:kvtc-19.2x-ecsq --pair kvtc-32x:kvtc-40.2x-ecsq) ;;
-    quality-qwen-ecsq) pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq) ;;
-  esac
+  case $name in quality-qwen-ecsq*) pairs=(--pair kvtc-16x:kvtc-23.2x-ecsq --pair kvtc-32x:kvtc-47.3x-ecsq) ;; esac
+  # The EPYC set's text part also has the ratios whose KL its prompts put at
+  # the DP's (19.2x, 40.2x: interpolated from the pair above, KL ~ ratio^1.5).
+  [ "$name" != quality-qwen-ecsq-epyc ] || pairs+=(--pair kvtc-16x:kvtc-19.2x-ecsq --pair kvtc-32x:kvtc-40.2x-ecsq)
   python3 "$top/bench/quality_records.py" "$name" "$rec" --header "$res/$name.header.part" "${notes[@]}" "${pairs[@]}"
   rm -f "$res/$name.header.part"
 done

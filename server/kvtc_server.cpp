@@ -873,7 +873,10 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     auto I = std::make_shared<kvtc_prompt_cache::impl>();
     I->calib_path = cfg.calib;
     const bool learn = cfg.calib == "auto";
-    const kvtc::CacheGeometry geom = kvtc::model_geometry(model, model_path);
+    // The context's RoPE (--rope-freq-base/-scale, --rope-scaling, --yarn-*),
+    // not the GGUF's: the codec removes the rotation the keys carry.
+    const kvtc::KvSettings kv_settings = kvtc::context_kv_settings(ctx);
+    const kvtc::CacheGeometry geom = kvtc::geometry_with_settings(kvtc::model_geometry(model, model_path), kv_settings);
     if (learn && geom.blocks.size() > 1)
       return refuse(
           "--kvtc-calib auto does not learn sliding-window (iSWA) models yet (their cache keeps two blocks): calibrate once with "
@@ -903,8 +906,8 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     o.threads = cfg.threads;
     o.window = uint32_t(cfg.window);
     o.window_bits = uint32_t(cfg.window_bits);
-    o.kv_settings = kvtc::context_kv_settings(ctx);  // --rope-freq-base, --rope-scaling, YaRN: part of the salt
-    o.restore_threads = 0;                           // a restore holds the loop: every core decodes
+    o.kv_settings = kv_settings;  // --rope-freq-base, --rope-scaling, YaRN: part of the salt
+    o.restore_threads = 0;        // a restore holds the loop: every core decodes
     // The queue of raw states waiting for the worker: a save is the slot's
     // whole f16 cache, n_tokens x B bytes (B = layers x KV heads x head_dim
     // x 4: 23,040 for SmolLM2-135M, 131,072 for an 8B GQA model, whose 8K

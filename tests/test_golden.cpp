@@ -217,7 +217,10 @@ TEST(GoldenV2, Decodes) {
     EXPECT_EQ(a.blocks[0].start, 0u);
     EXPECT_EQ(header_type_code(a, a.blocks[0]), 4u);
   }
-  for (const Allocation& a : inspect(read_file(kDir + "/ok.kvtc"), "v1").header.alloc[0]) {
+  // Held: a range-for over a member of inspect()'s temporary read freed
+  // memory (C++20 extends no temporary through operator[]).
+  const ContainerHeader h1 = inspect(read_file(kDir + "/ok.kvtc"), "v1").header;
+  for (const Allocation& a : h1.alloc[0]) {
     EXPECT_EQ(a.coding, Coding::kFixedRate);
     EXPECT_EQ(a.blocks, fuzz::small_alloc()[0][0].blocks);
     for (const BlockAlloc& b : a.blocks) EXPECT_EQ(header_type_code(a, b), uint32_t(b.type));

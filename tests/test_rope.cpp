@@ -12,6 +12,7 @@
 #include "codec/rope.h"
 #include "core/capture_io.h"
 #include "kvtc/error.h"
+#include "kvtc/store.h"
 
 using namespace kvtc;
 
@@ -23,6 +24,10 @@ struct Variant {
   uint32_t head_dim, n_rot;
   float base, scale;
   bool factors;
+  // YaRN and the magnitude factor (llama.cpp's yarn_ext_factor,
+  // yarn_attn_factor, n_ctx_orig_yarn; betas at llama.cpp's defaults 32, 1).
+  float ext = 0, attn = 1;
+  uint32_t n_ctx_orig = 0;
 };
 
 std::vector<float> random_keys(size_t n, std::mt19937& rng) {
@@ -53,7 +58,8 @@ std::vector<float> ggml_rope(const std::vector<float>& x, const std::vector<int3
   ggml_tensor* ff = nullptr;
   if (!p.freq_factors.empty()) ff = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, int64_t(p.freq_factors.size()));
   const int mode = p.layout == RopeLayout::kNeox ? GGML_ROPE_TYPE_NEOX : 0;
-  ggml_tensor* r = ggml_rope_ext(ctx, a, ps, ff, int(p.n_rot), mode, 8192, p.freq_base, p.freq_scale, 0.0f, 1.0f, 32.0f, 1.0f);
+  ggml_tensor* r = ggml_rope_ext(ctx, a, ps, ff, int(p.n_rot), mode, p.ext_factor != 0 ? int(p.n_ctx_orig) : 8192, p.freq_base, p.freq_scale,
+                                 p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow);
   ggml_cgraph* g = ggml_new_graph(ctx);
   ggml_build_forward_expand(g, r);
   ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, cpu_backend());
@@ -83,6 +89,9 @@ TEST_P(RopeVsGgml, ForwardMatchesGgmlAndInverseRoundTrips) {
   p.freq_scale = v.scale;
   if (v.factors)
     for (uint32_t i = 0; i < v.n_rot / 2; ++i) p.freq_factors.push_back(1.0f + 7.0f * float(i) / float(v.n_rot));
+  p.ext_factor = v.ext;
+  p.attn_factor = v.attn;
+  p.n_ctx_orig = v.n_ctx_orig;
   std::vector<int32_t> pos;
   for (int32_t t : {0, 1, 2, 3, 17, 127, 128, 1000, 4095, 8191, 30000}) pos.push_back(t);
   const std::vector<float> x = random_keys(pos.size() * v.head_dim, rng);
@@ -96,7 +105,12 @@ TEST_P(RopeVsGgml, ForwardMatchesGgmlAndInverseRoundTrips) {
   }
   // ggml takes cosf/sinf of the same f32 angle; we use double: a few f32
   // ulps of the largest value apart, far below the f16 keys' resolution.
-  EXPECT_LT(max_err, 4e-6 * max_abs) << "forward rotation differs from ggml_rope_ext";
+  // YaRN's mixed angle may differ by an f32 ulp where ggml's compiler fuses
+  // its products (src/codec/rope.cpp): measured 6.9e-6 of the largest
+  // value (norm_yarn_x2, position 30000 at 15x its n_ctx_orig); bound
+  // 2e-5, 3x, still 1/50 of f16's resolution. Without the magnitude
+  // factor all three YaRN variants fail.
+  EXPECT_LT(max_err, (v.ext != 0 ? 2e-5 : 4e-6) * max_abs) << "forward rotation differs from ggml_rope_ext";
   std::vector<float> back = ours;
   rope_rotate(back.data(), pos.data(), pos.size(), p, v.head_dim, true);
   for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 2e-6 * max_abs) << i;
@@ -111,7 +125,13 @@ INSTANTIATE_TEST_SUITE_P(Variants, RopeVsGgml,
                                            Variant{"neox_gemma_swa", RopeLayout::kNeox, 256, 256, 10000.0f, 1.0f, false},
                                            Variant{"norm_linear_scale", RopeLayout::kNorm, 128, 128, 500000.0f, 0.25f, false},
                                            Variant{"norm_llama3_factors", RopeLayout::kNorm, 128, 128, 500000.0f, 1.0f, true},
-                                           Variant{"neox_partial_rot", RopeLayout::kNeox, 128, 64, 10000.0f, 1.0f, false}),
+                                           Variant{"neox_partial_rot", RopeLayout::kNeox, 128, 64, 10000.0f, 1.0f, false},
+                                           // Qwen2.5 at 4x its 32K (--rope-scaling yarn --rope-scale 4), llama.cpp's attention factor
+                                           Variant{"neox_yarn_x4", RopeLayout::kNeox, 128, 128, 1000000.0f, 0.25f, false, 1.0f, 0.878f, 32768},
+                                           Variant{"norm_yarn_x2", RopeLayout::kNorm, 64, 64, 100000.0f, 0.5f, false, 1.0f, 1.0f, 2048},
+                                           Variant{"norm_yarn_factors", RopeLayout::kNorm, 128, 128, 500000.0f, 0.125f, true, 0.5f, 1.0f, 8192},
+                                           // a magnitude factor without YaRN (ext_factor 0)
+                                           Variant{"norm_attn_factor", RopeLayout::kNorm, 64, 64, 10000.0f, 1.0f, false, 0.0f, 0.8f, 0}),
                          [](const auto& i) { return std::string(i.param.name); });
 
 TEST(RopeMeta, ParsesAndRefuses) {
@@ -138,8 +158,11 @@ TEST(RopeMeta, ParsesAndRefuses) {
   bad["rope_type"] = "mrope";
   refused(bad, "mrope");
   bad = m;
-  bad["rope_scaling_type"] = "yarn";
-  refused(bad, "yarn");
+  bad["rope_scaling_type"] = "yarn";  // without its parameters
+  refused(bad, "yarn_ext_factor");
+  bad["yarn_ext_factor"] = "1", bad["yarn_attn_factor"] = "1", bad["yarn_beta_fast"] = "32", bad["yarn_beta_slow"] = "1";
+  bad["n_ctx_orig_yarn"] = "0";  // YaRN needs its training context
+  refused(bad, "n_ctx_orig");
   bad = m;
   bad["n_rot"] = "300";
   refused(bad, "n_rot");
@@ -160,6 +183,56 @@ TEST(RopeMeta, ParsesAndRefuses) {
   geometry_from_meta(meta_with_geometry({}, geo), again, "f");
   EXPECT_EQ(again.blocks[0].rope, geo.blocks[0].rope);
   EXPECT_EQ(again.blocks[1].rope, geo.blocks[1].rope);
+  // Plain RoPE writes no YaRN key (files as before).
+  for (const char* k : {"yarn_ext_factor", "yarn_attn_factor", "n_ctx_orig_yarn"}) EXPECT_EQ(meta_with_geometry({}, geo).count(k), 0u) << k;
+}
+
+// A context's settings (context_kv_settings) on the GGUF's geometry: block
+// 0's base and scale, every block's YaRN and magnitude factor; written to
+// metadata as scaling "yarn" and read back equal.
+TEST(RopeMeta, ContextSettingsAndYarnRoundTrip) {
+  CacheGeometry g;
+  g.model_sha256 = "m";
+  g.blocks.resize(2);
+  for (auto& b : g.blocks) b.head_dim = 256, b.layers = {0}, b.rope.layout = RopeLayout::kNeox, b.rope.n_rot = 256;
+  g.blocks[0].rope.freq_base = 1000000.0f;
+  g.blocks[1].rope.freq_base = 10000.0f;
+  g.blocks[1].sliding_window = 512;
+  EXPECT_EQ(geometry_with_settings(g, KvSettings{}).blocks[0].rope, g.blocks[0].rope);  // unset: as it was
+  KvSettings s;
+  s.rope_freq_base = 2000000.0f;
+  s.rope_freq_scale = 0.25f;
+  s.n_ctx_orig_yarn = 32768;
+  s.yarn_ext_factor = 1.0f;
+  s.yarn_attn_factor = 0.878f;
+  s.yarn_beta_fast = 32.0f;
+  s.yarn_beta_slow = 1.0f;
+  const CacheGeometry y = geometry_with_settings(g, s);
+  EXPECT_EQ(y.blocks[0].rope.freq_base, 2000000.0f);
+  EXPECT_EQ(y.blocks[0].rope.freq_scale, 0.25f);
+  EXPECT_EQ(y.blocks[1].rope.freq_base, 10000.0f);  // the sliding-window layers keep theirs
+  for (const auto& b : y.blocks) {
+    EXPECT_TRUE(b.rope.yarn());
+    EXPECT_EQ(b.rope.ext_factor, 1.0f);
+    EXPECT_EQ(b.rope.attn_factor, 0.878f);
+    EXPECT_EQ(b.rope.n_ctx_orig, 32768u);
+  }
+  const Meta m = meta_with_geometry({{"rope_scaling_type", "none"}}, y);
+  EXPECT_EQ(m.at("rope_scaling_type"), "yarn");
+  CacheGeometry back = g;
+  geometry_from_meta(m, back, "f");
+  EXPECT_EQ(back.blocks[0].rope, y.blocks[0].rope);
+  EXPECT_EQ(back.blocks[1].rope, y.blocks[1].rope);
+  // Plain settings (a context without YaRN): no YaRN, the GGUF's
+  // "yarn" (if it said so) not carried into a plain file.
+  s.yarn_ext_factor = 0.0f;
+  s.yarn_attn_factor = 1.0f;
+  const CacheGeometry p = geometry_with_settings(g, s);
+  EXPECT_FALSE(p.blocks[0].rope.yarn());
+  EXPECT_EQ(p.blocks[0].rope.n_ctx_orig, 0u);
+  const Meta pm = meta_with_geometry({{"rope_scaling_type", "yarn"}, {"yarn_ext_factor", "1"}}, p);
+  EXPECT_EQ(pm.at("rope_scaling_type"), "linear");
+  EXPECT_EQ(pm.count("yarn_ext_factor"), 0u);
 }
 
 // The rules are written once (rope_from_facts) for both sources: a file's
@@ -180,8 +253,9 @@ TEST(RopeFacts, MessagesNameTheSource) {
   EXPECT_EQ(why({{"rope_type", "none"}, {"n_rot", "x"}}), "");  // none reads nothing else
   EXPECT_EQ(why({}, {"rope_type"}), "f: __metadata__['rope_type'] is missing (needed for RoPE)");
   EXPECT_EQ(why({{"rope_type", "mrope"}}), "f: __metadata__['rope_type'] is 'mrope'; kvtc supports norm, neox and none");
-  EXPECT_EQ(why({{"rope_scaling_type", "yarn"}}), "f: __metadata__['rope_scaling_type'] is 'yarn'; kvtc supports none and linear (YaRN not yet)");
-  EXPECT_EQ(why({{"rope_scaling_type", ""}}), "f: __metadata__['rope_scaling_type'] is ''; kvtc supports none and linear (YaRN not yet)");
+  EXPECT_EQ(why({{"rope_scaling_type", "yarn"}}), "f: __metadata__['yarn_ext_factor'] is missing (needed for RoPE)");
+  EXPECT_EQ(why({{"rope_scaling_type", "dynamic"}}), "f: __metadata__['rope_scaling_type'] is 'dynamic'; kvtc supports none, linear and yarn");
+  EXPECT_EQ(why({{"rope_scaling_type", ""}}), "f: __metadata__['rope_scaling_type'] is ''; kvtc supports none, linear and yarn");
   EXPECT_EQ(why({{"n_rot", "63.5"}}), "f: n_rot 63.5 must be even and <= head_dim 256");
   EXPECT_EQ(why({{"n_rot", "300"}}), "f: n_rot 300 must be even and <= head_dim 256");
   EXPECT_EQ(why({{"n_rot", "2x"}}), "f: __metadata__['n_rot'] is '2x', expected a number");
@@ -209,7 +283,13 @@ TEST(RopeFacts, MessagesNameTheSource) {
     return rope_from_facts(b, 64, "m.gguf").unsupported;
   };
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.type = "mrope"; }), "m.gguf: rope type 'mrope'; kvtc supports norm, neox and none");
-  EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn"; }), "m.gguf: rope scaling 'yarn'; kvtc supports none and linear (YaRN not yet)");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "dynamic"; }), "m.gguf: rope scaling 'dynamic'; kvtc supports none, linear and yarn");
+  // A source that cannot read YaRN's parameters says why (src/llama's rope_of for a GGUF's own yarn).
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn", b.yarn_error = "no parameters"; }), "m.gguf: no parameters");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn", b.ext_factor = 1, b.n_ctx_orig = 0; }),
+            "m.gguf: YaRN's n_ctx_orig 0 must be a positive integer");
+  EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn", b.attn_factor = 0; }),
+            "m.gguf: YaRN's ext_factor must be >= 0 and attn_factor, beta_fast and beta_slow positive (got 0, 0, 32, 1)");
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.n_rot = 65; }), "m.gguf: n_rot 65 must be even and <= head_dim 64");
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.freq_base = 0; }), "m.gguf: RoPE frequency base and scale must be positive");
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.freq_factors.assign(3, 1.0f); }), "m.gguf: rope_freqs has 3 entries, expected n_rot/2 = 32");

@@ -32,8 +32,20 @@ struct Rope {
   float freq_base = 10000.0f;       // theta base
   float freq_scale = 1.0f;          // linear position scaling (1 / factor), folded in as llama.cpp does
   std::vector<float> freq_factors;  // [n_rot / 2] per-pair divisors (Llama 3's rope_freqs), or empty
+  // YaRN (llama.cpp's --rope-scaling yarn and --yarn-*, as the context
+  // resolved them: context_kv_settings). ext_factor 0 is plain RoPE. Else
+  // the angle of pair i mixes the interpolated angle (x freq_scale) and the
+  // extrapolated one by a ramp over the pairs between the correction dims
+  // of beta_fast and beta_slow at n_ctx_orig, and the magnitude is scaled
+  // by attn_factor x (1 + 0.1 ln(1 / freq_scale)); with ext_factor 0 by
+  // attn_factor alone (1: none). Container and capture metadata say
+  // rope_scaling_type "yarn" when either differs from plain (docs/capture-format.md).
+  float ext_factor = 0.0f, attn_factor = 1.0f;
+  float beta_fast = 32.0f, beta_slow = 1.0f;
+  uint32_t n_ctx_orig = 0;
+  bool yarn() const { return ext_factor != 0.0f || attn_factor != 1.0f; }
   // Non-empty when the keys carry a rotation kvtc cannot undo exactly
-  // (M-RoPE, YaRN, missing parameters): the reason. Such a cache can be
+  // (M-RoPE, missing parameters): the reason. Such a cache can be
   // captured and restored, but not coded with a calibration that removes
   // RoPE; the encoder refuses it with this text.
   std::string unsupported;

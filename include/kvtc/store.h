@@ -61,6 +61,19 @@ struct KvSettings {
   bool operator==(const KvSettings&) const = default;
 };
 
+// g with the RoPE a context of settings `s` rotates its keys with, so that
+// the codec removes exactly that rotation: block 0's freq_base and
+// freq_scale from s (a sliding-window block keeps its own, as llama.cpp's
+// layers do), and on every block the magnitude factor (yarn_attn_factor)
+// and, when yarn_ext_factor is not 0, YaRN's parameters. Unset settings
+// (text() "") and blocks without RoPE or whose RoPE kvtc cannot undo are
+// returned as they are. Why: the GGUF's RoPE is not the context's under
+// --rope-freq-base, --rope-scaling or --yarn-*; coding with the GGUF's
+// left the rotation's difference in the keys (SmolLM2 at 16x: KL 0.076
+// with --rope-freq-base 20000 and 0.74 with YaRN x2 against 0.0075;
+// bench/results/rope-settings.md).
+CacheGeometry geometry_with_settings(const CacheGeometry& g, const KvSettings& s);
+
 struct StoreOptions {
   double ratio = 16;  // nominal ratio of the coded tokens
   // Sliding-window (iSWA) models: the nominal ratio of block 0, the global

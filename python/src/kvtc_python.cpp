@@ -299,6 +299,8 @@ nb::dict geometry_dict(const kvtc::BlockGeometry& g) {
 
 // ---- the calibration ------------------------------------------------------------
 
+kvtc::KvSettings kv_settings_of(nb::handle kv_settings);  // below
+
 class PyCalibration {
  public:
   static PyCalibration load(const std::string& path, bool decoder_only) {
@@ -420,9 +422,10 @@ class PyCalibration {
   }
 
   nb::bytes compress_state(nb::handle blob, double ratio, uint32_t sink, uint32_t window, nb::handle tokens, uint32_t chunk_tokens, int level,
-                           int threads, const std::string& precision, bool joint, const std::string& coding, double step,
-                           uint32_t window_bits) const {
+                           int threads, const std::string& precision, bool joint, const std::string& coding, double step, uint32_t window_bits,
+                           nb::handle kv_settings) const {
     const Bytes in(blob, "compress_state");
+    const kvtc::CacheGeometry geom = kvtc::geometry_with_settings(cal_->geometry, kv_settings_of(kv_settings));
     std::vector<int32_t> tok;
     if (!tokens.is_none()) tok = int_vector(tokens, "tokens");
     const auto alloc_set = alloc(ratio, joint, coding);
@@ -431,7 +434,7 @@ class PyCalibration {
     std::vector<uint8_t> out;
     {
       nb::gil_scoped_release unlocked;
-      out = kvtc::compress_state(in.span(), cal_->geometry, *cal_, *alloc_set, o, tok);
+      out = kvtc::compress_state(in.span(), geom, *cal_, *alloc_set, o, tok);
     }
     return to_bytes(out);
   }
@@ -562,6 +565,27 @@ std::string tenant_of(nb::handle h) {
   throw nb::type_error((std::string("tenant: expected str, bytes or None, got ") + nb::type_name(h.type()).c_str()).c_str());
 }
 
+// A context's RoPE settings (kvtc.llama_cpp.context_kv_settings' dict), or
+// unset for None.
+kvtc::KvSettings kv_settings_of(nb::handle kv_settings) {
+  kvtc::KvSettings k;
+  if (kv_settings.is_none()) return k;
+  if (!nb::isinstance<nb::dict>(kv_settings)) throw Error("kv_settings: a dict (kvtc.llama_cpp reads it from the context) or None");
+  nb::dict d = nb::borrow<nb::dict>(kv_settings);
+  auto num = [&](const char* key) {
+    if (!d.contains(key)) throw Error(std::string("kv_settings: '") + key + "' is missing");
+    return nb::cast<double>(d[key]);
+  };
+  k.rope_freq_base = float(num("rope_freq_base"));
+  k.rope_freq_scale = float(num("rope_freq_scale"));
+  k.n_ctx_orig_yarn = uint32_t(num("n_ctx_orig_yarn"));
+  k.yarn_ext_factor = float(num("yarn_ext_factor"));
+  k.yarn_attn_factor = float(num("yarn_attn_factor"));
+  k.yarn_beta_fast = float(num("yarn_beta_fast"));
+  k.yarn_beta_slow = float(num("yarn_beta_slow"));
+  return k;
+}
+
 // The store options PromptStore and Learner share: the context's settings
 // (part of every key), the Redis tier (with AUTH and deadlines) and the
 // secret. Lines to log (a password or secret file others can read) go to
@@ -571,22 +595,7 @@ kvtc::StoreOptions shared_options(nb::handle kv_settings, const std::string& red
                                   int redis_lookup_timeout_ms, int redis_timeout_ms, const std::string& secret_file, bool encrypt,
                                   std::vector<std::string>& warnings) {
   kvtc::StoreOptions o;
-  if (!kv_settings.is_none()) {
-    if (!nb::isinstance<nb::dict>(kv_settings)) throw Error("kv_settings: a dict (kvtc.llama_cpp reads it from the context) or None");
-    nb::dict d = nb::borrow<nb::dict>(kv_settings);
-    auto num = [&](const char* key) {
-      if (!d.contains(key)) throw Error(std::string("kv_settings: '") + key + "' is missing");
-      return nb::cast<double>(d[key]);
-    };
-    kvtc::KvSettings& k = o.kv_settings;
-    k.rope_freq_base = float(num("rope_freq_base"));
-    k.rope_freq_scale = float(num("rope_freq_scale"));
-    k.n_ctx_orig_yarn = uint32_t(num("n_ctx_orig_yarn"));
-    k.yarn_ext_factor = float(num("yarn_ext_factor"));
-    k.yarn_attn_factor = float(num("yarn_attn_factor"));
-    k.yarn_beta_fast = float(num("yarn_beta_fast"));
-    k.yarn_beta_slow = float(num("yarn_beta_slow"));
-  }
+  o.kv_settings = kv_settings_of(kv_settings);
   o.redis_url = redis_url;
   o.redis_cluster = redis_cluster;
   if (!redis_url.empty() && !redis_cluster.empty()) throw Error("redis_url and redis_cluster: give one (a server or a cluster's seeds)");
@@ -642,7 +651,9 @@ class PyStore {
                                           redis_lookup_timeout_ms, redis_timeout_ms, secret_file, encrypt, warnings);
     // The model the caches come from: its file's SHA-256 (the calibration's
     // model by default). A calibration of another file is refused below.
-    kvtc::CacheGeometry geom = cal.cal().geometry;
+    // ... and the RoPE its context rotates keys with (rope_freq_base,
+    // rope_scaling_type, YaRN), which the codec removes: not the calibration's.
+    kvtc::CacheGeometry geom = kvtc::geometry_with_settings(cal.cal().geometry, o.kv_settings);
     if (!model_sha256.empty()) geom.model_sha256 = model_sha256;
     o.ratio = ratio;
     o.global_ratio = global_ratio;
@@ -802,10 +813,11 @@ class PyLearner {
             const std::string& redis_password_file, int64_t redis_ttl_s, int redis_lookup_timeout_ms, int redis_timeout_ms,
             const std::string& secret_file, bool encrypt)
       : log_(std::make_shared<LogLines>()), prefill_(std::make_shared<std::atomic<double>>(0.0)) {
-    geom_ = kvtc::geometry_from_facts(facts, "KvtcCache('auto'): the model's facts");
     std::vector<std::string> warnings;
     opt_.fleet = shared_options(kv_settings, redis_url, redis_cluster, redis_user, redis_password_file, redis_ttl_s, redis_lookup_timeout_ms,
                                 redis_timeout_ms, secret_file, encrypt, warnings);
+    // The context's RoPE, not the GGUF's: what the learner removes from the keys.
+    geom_ = kvtc::geometry_with_settings(kvtc::geometry_from_facts(facts, "KvtcCache('auto'): the model's facts"), opt_.fleet.kv_settings);
     std::shared_ptr<LogLines> log = log_;
     opt_.fleet.log = [log](const std::string& line) { log->add("warning: " + line); };
     for (const std::string& w : warnings) log->add("warning: kvtc store: " + w);
@@ -979,12 +991,15 @@ NB_MODULE(_kvtc, m) {
            "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")
       .def("compress_state", &PyCalibration::compress_state, "blob"_a, nb::kw_only(), "ratio"_a = 16.0, "sink"_a = 4u, "window"_a = 128u,
            "tokens"_a = nb::none(), "chunk_tokens"_a = 256u, "level"_a = 6, "threads"_a = 0, "precision"_a = "auto", "joint"_a = false,
-           "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 8u,
+           "coding"_a = "ecsq", "step"_a = 0.0, "window_bits"_a = 8u, "kv_settings"_a = nb::none(),
            nb::sig("def compress_state(self, blob: bytes | bytearray | memoryview, *, ratio: float = 16.0, sink: int = 4, window: int = 128, "
                    "tokens: object | None = None, chunk_tokens: int = 256, level: int = 6, threads: int = 0, precision: str = 'auto', "
-                   "joint: bool = False, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 8) -> bytes"),
+                   "joint: bool = False, coding: str = 'ecsq', step: float = 0.0, window_bits: int = 8, "
+                   "kv_settings: dict[str, float] | None = None) -> bytes"),
            "Compresses a llama.cpp state of an f16 cache: a sequence state (llama_state_seq_get_data) or a whole context's\n"
            "(llama_state_get_data, llama-cpp-python's LlamaState.llama_state). The container records which, and the layout.\n"
+           "kv_settings: the context's RoPE (kvtc.llama_cpp.context_kv_settings(llm)) when it is not the model's own\n"
+           "(rope_freq_base, rope_freq_scale, rope_scaling_type, YaRN): the rotation the keys carry, which the codec removes.\n"
            "coding, step and window_bits as in compress.")
       .def("decompress_state", &PyCalibration::decompress_state, "data"_a, nb::kw_only(), "v_trans"_a = nb::none(), "streams"_a = nb::none(),
            "seq_id"_a = nb::none(), "threads"_a = 0, "precision"_a = "auto",

@@ -1,5 +1,6 @@
 #include "codec/rope.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kvtc/error.h"
@@ -12,6 +13,10 @@ RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& p, uint32_t h
   require(p.freq_factors.empty() || p.freq_factors.size() == p.n_rot / 2, "rope: freq_factors must hold n_rot / 2 entries");
   require(p.layout == RopeLayout::kNone || (std::isfinite(p.freq_base) && p.freq_base > 0 && std::isfinite(p.freq_scale) && p.freq_scale > 0),
           "rope: freq_base and freq_scale must be positive and finite");
+  require(p.layout == RopeLayout::kNone || !p.yarn() ||
+              (std::isfinite(p.ext_factor) && p.ext_factor >= 0 && std::isfinite(p.attn_factor) && p.attn_factor > 0 && std::isfinite(p.beta_fast) &&
+               p.beta_fast > 0 && std::isfinite(p.beta_slow) && p.beta_slow > 0 && (p.ext_factor == 0 || p.n_ctx_orig > 0)),
+          "rope: YaRN needs ext_factor >= 0, attn_factor, beta_fast and beta_slow positive and finite, and n_ctx_orig > 0");
   RopeTable t;
   t.layout = p.layout;
   t.head_dim = head_dim;
@@ -24,16 +29,44 @@ RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& p, uint32_t h
   // and take cos/sin in double: the forward rotation then differs from
   // ggml's (cosf/sinf of the same angle) by a few f32 ulps at most
   // (tests/test_rope.cpp holds it to 4e-6 of the largest value).
+  //
+  // YaRN (ext_factor != 0): pair i's angle is the interpolated one
+  // (freq_scale x the extrapolated) mixed with the extrapolated one by
+  // ramp(i) x ext_factor, ramp 1 below the correction dim of beta_fast and
+  // 0 above beta_slow's, linear between; the correction dim of a beta is
+  // the pair count whose wavelength fits beta times into n_ctx_orig, in
+  // f32 as ggml's ggml_rope_yarn_corr_dims. The mix's two products may be
+  // fused by ggml's compiler and not by ours: one f32 ulp of the angle,
+  // ~1e-4 rad at the ramp's largest angles (~1,600 rad at 4x the
+  // training context), a tenth of f16's resolution. Every rotation is
+  // scaled by mscale; the inverse divides by it.
   const float theta_scale = std::pow(p.freq_base, -2.0f / float(p.n_rot));
+  const bool yarn = p.ext_factor != 0.0f;
+  float lo = 0, hi = 0;
+  if (yarn) {
+    auto corr_dim = [&](float beta) {
+      return float(p.n_rot) * std::log(float(p.n_ctx_orig) / (beta * 2.0f * float(M_PI))) / (2.0f * std::log(p.freq_base));
+    };
+    lo = std::max(0.0f, std::floor(corr_dim(p.beta_fast)));
+    hi = std::min(float(p.n_rot) - 1.0f, std::ceil(corr_dim(p.beta_slow)));
+  }
+  const float mscale = yarn ? p.attn_factor * (1.0f + 0.1f * std::log(1.0f / p.freq_scale)) : p.attn_factor;
+  const double m = inverse ? 1.0 / double(mscale) : double(mscale);
   t.c.resize(n_tok * t.half);
   t.s.resize(n_tok * t.half);
   for (size_t k = 0; k < n_tok; ++k) {
     float theta = float(pos[k]);
     for (uint32_t i = 0; i < t.half; ++i) {
       const float ff = p.freq_factors.empty() ? 1.0f : p.freq_factors[i];
-      const float th = p.freq_scale * (theta / ff);
-      t.c[k * t.half + i] = std::cos(double(th));
-      t.s[k * t.half + i] = inverse ? -std::sin(double(th)) : std::sin(double(th));
+      const float extrap = theta / ff;
+      float th = p.freq_scale * extrap;
+      if (yarn) {
+        const float y = (float(i) - lo) / std::max(0.001f, hi - lo);
+        const float mix = (1.0f - std::min(1.0f, std::max(0.0f, y))) * p.ext_factor;
+        th = th * (1.0f - mix) + extrap * mix;
+      }
+      t.c[k * t.half + i] = std::cos(double(th)) * m;
+      t.s[k * t.half + i] = (inverse ? -std::sin(double(th)) : std::sin(double(th))) * m;
       theta *= theta_scale;
     }
   }

@@ -137,8 +137,8 @@ Rope rope_from_facts(const RopeFacts& f, uint32_t head_dim, const std::string& o
     r.layout = RopeLayout::kNeox;
   else
     return unsupported(std::string(f.type_name) + " '" + f.type + "'; kvtc supports norm, neox and none");
-  if (f.scaling != "none" && f.scaling != "linear")
-    return unsupported(std::string(f.scaling_name) + " '" + f.scaling + "'; kvtc supports none and linear (YaRN not yet)");
+  if (f.scaling != "none" && f.scaling != "linear" && f.scaling != "yarn")
+    return unsupported(std::string(f.scaling_name) + " '" + f.scaling + "'; kvtc supports none, linear and yarn");
   if (!f.n_rot_error.empty()) return unsupported(f.n_rot_error);
   r.n_rot = f.n_rot >= 0 && f.n_rot <= 65536 ? uint32_t(f.n_rot) : 1;
   if (double(r.n_rot) != f.n_rot || r.n_rot % 2 != 0 || r.n_rot > head_dim)
@@ -152,6 +152,20 @@ Rope rope_from_facts(const RopeFacts& f, uint32_t head_dim, const std::string& o
   if (!r.freq_factors.empty() && r.freq_factors.size() != r.n_rot / 2)
     return unsupported(std::string(f.factors_name) + " has " + std::to_string(r.freq_factors.size()) +
                        " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
+  if (f.scaling == "yarn") {
+    if (!f.yarn_error.empty()) return unsupported(f.yarn_error);
+    if (!(std::isfinite(f.ext_factor) && f.ext_factor >= 0 && std::isfinite(f.attn_factor) && f.attn_factor > 0 && std::isfinite(f.beta_fast) &&
+          f.beta_fast > 0 && std::isfinite(f.beta_slow) && f.beta_slow > 0))
+      return unsupported("YaRN's ext_factor must be >= 0 and attn_factor, beta_fast and beta_slow positive (got " + fmt_g9(f.ext_factor) + ", " +
+                         fmt_g9(f.attn_factor) + ", " + fmt_g9(f.beta_fast) + ", " + fmt_g9(f.beta_slow) + ")");
+    if (f.ext_factor != 0 && !(f.n_ctx_orig >= 1 && f.n_ctx_orig <= 16777216 && double(uint32_t(f.n_ctx_orig)) == f.n_ctx_orig))
+      return unsupported("YaRN's n_ctx_orig " + fmt_g9(f.n_ctx_orig) + " must be a positive integer");
+    r.ext_factor = f.ext_factor;
+    r.attn_factor = f.attn_factor;
+    r.beta_fast = f.beta_fast;
+    r.beta_slow = f.beta_slow;
+    r.n_ctx_orig = f.ext_factor != 0 ? uint32_t(f.n_ctx_orig) : 0;
+  }
   return r;
 }
 
@@ -174,6 +188,15 @@ Rope rope_from_meta(const Meta& meta, bool swa, uint32_t head_dim, const std::st
   f.n_rot = n_rot;
   f.freq_error = meta_number(meta, swa ? "rope_freq_base_swa" : "rope_freq_base", &f.freq_base);
   if (f.freq_error.empty()) f.freq_error = meta_number(meta, swa ? "rope_freq_scale_swa" : "rope_freq_scale", &f.freq_scale);
+  if (f.scaling == "yarn") {
+    float n_orig = 0;
+    f.yarn_error = meta_number(meta, "yarn_ext_factor", &f.ext_factor);
+    if (f.yarn_error.empty()) f.yarn_error = meta_number(meta, "yarn_attn_factor", &f.attn_factor);
+    if (f.yarn_error.empty()) f.yarn_error = meta_number(meta, "yarn_beta_fast", &f.beta_fast);
+    if (f.yarn_error.empty()) f.yarn_error = meta_number(meta, "yarn_beta_slow", &f.beta_slow);
+    if (f.yarn_error.empty()) f.yarn_error = meta_number(meta, "n_ctx_orig_yarn", &n_orig);
+    f.n_ctx_orig = n_orig;
+  }
   if (auto ff = meta.find("rope_freq_factors"); !swa && ff != meta.end()) {
     try {
       f.freq_factors = nlohmann::json::parse(ff->second).get<std::vector<float>>();
@@ -239,14 +262,31 @@ Meta meta_with_geometry(const Meta& provenance, const CacheGeometry& g) {
       m["rope_freq_base"] = fmt_g9(r0.freq_base);
       m["rope_freq_scale"] = fmt_g9(r0.freq_scale);
       m["rope_freq_factors"] = floats_json(r0.freq_factors);
+      // YaRN or a magnitude factor: scaling "yarn" and its parameters, which
+      // a reader older than them refuses (it knows none and linear) rather
+      // than re-rotating otherwise. Plain RoPE keeps what the file said
+      // (the GGUF's scaling; bytes as before), unless that was "yarn".
+      if (r0.yarn()) {
+        m["rope_scaling_type"] = "yarn";
+        m["yarn_ext_factor"] = fmt_g9(r0.ext_factor);
+        m["yarn_attn_factor"] = fmt_g9(r0.attn_factor);
+        m["yarn_beta_fast"] = fmt_g9(r0.beta_fast);
+        m["yarn_beta_slow"] = fmt_g9(r0.beta_slow);
+        m["n_ctx_orig_yarn"] = std::to_string(r0.n_ctx_orig);
+      } else {
+        if (auto st = m.find("rope_scaling_type"); st != m.end() && st->second == "yarn") st->second = "linear";
+        for (const char* k : {"yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "n_ctx_orig_yarn"}) m.erase(k);
+      }
     }
   }
   if (g.blocks.size() > 1) {
     const BlockGeometry& b1 = g.blocks[1];
     const Rope& r1 = b1.rope;
     if (r1.unsupported.empty() && r1.layout != RopeLayout::kNone) {
-      require(r0.unsupported.empty() && r1.layout == r0.layout && r1.n_rot == r0.n_rot && r1.freq_factors.empty(),
-              "the sliding-window block's RoPE differs from the first block's in layout, n_rot or factors; the file formats store those once");
+      require(r0.unsupported.empty() && r1.layout == r0.layout && r1.n_rot == r0.n_rot && r1.freq_factors.empty() && r1.ext_factor == r0.ext_factor &&
+                  r1.attn_factor == r0.attn_factor && r1.beta_fast == r0.beta_fast && r1.beta_slow == r0.beta_slow && r1.n_ctx_orig == r0.n_ctx_orig,
+              "the sliding-window block's RoPE differs from the first block's in layout, n_rot, factors or YaRN; the file formats store those "
+              "once");
       m["rope_freq_base_swa"] = fmt_g9(r1.freq_base);
       m["rope_freq_scale_swa"] = fmt_g9(r1.freq_scale);
     }

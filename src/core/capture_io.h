@@ -42,6 +42,11 @@ struct RopeFacts {
   double n_rot = 0;     // rotated dimensions (a double: a file may say 63.5)
   float freq_base = 0, freq_scale = 0;
   std::vector<float> freq_factors;  // n_rot/2 of them, or none
+  // scaling "yarn": its parameters (Rope's fields of the same names), read
+  // by the source; yarn_error says why they could not be.
+  float ext_factor = 0, attn_factor = 1, beta_fast = 32, beta_slow = 1;
+  double n_ctx_orig = 0;
+  std::string yarn_error;
   // Why the source could not read a fact (empty: read), reported when the
   // rules reach it, so a message names the first fault in the rules' order.
   std::string n_rot_error, freq_error, factors_error;
@@ -52,7 +57,9 @@ struct RopeFacts {
   const char* factors_name = "rope frequency factors";
 };
 // The rules: layout norm, neox or none (none: nothing else is read);
-// scaling none or linear (YaRN not yet); n_rot an even integer <= head_dim;
+// scaling none, linear or yarn (with its parameters: ext_factor >= 0,
+// attn_factor, betas positive, n_ctx_orig a positive integer when
+// ext_factor is not 0); n_rot an even integer <= head_dim;
 // base and scale positive; factors none or n_rot/2. A rotation outside them
 // comes back with `unsupported` = "origin: why"; nothing is thrown.
 Rope rope_from_facts(const RopeFacts& f, uint32_t head_dim, const std::string& origin);

@@ -98,6 +98,9 @@ GemmMode gemm_mode(Precision p) {
 
 RopeDev rope_dev(const Rope& r, uint32_t head_dim, const float* d_factors) {
   require_rope_supported(r, "CUDA");
+  require(!r.yarn(),
+          "CUDA: keys rotated with YaRN or a RoPE magnitude factor (rope_scaling_type yarn) are coded and decoded on the CPU only "
+          "for now (kvtc::compress / kvtc::decompress)");
   RopeDev d;
   d.layout = r.layout == RopeLayout::kNorm ? 1 : r.layout == RopeLayout::kNeox ? 2 : 0;
   d.n_rot = d.layout ? r.n_rot : 0;

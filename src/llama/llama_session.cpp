@@ -366,6 +366,11 @@ Rope rope_of(const ModelInfo& mi, bool swa) {
   f.freq_base = swa ? mi.rope_freq_base_swa : mi.rope_freq_base;
   f.freq_scale = swa ? mi.rope_freq_scale_swa : mi.rope_freq_scale;
   if (!swa) f.freq_factors = mi.rope_freq_factors;
+  // YaRN's parameters are the context's (llama.cpp derives some of them
+  // when it creates one): geometry_with_settings(context_kv_settings) puts
+  // them on a plain rotation; a GGUF that asks for YaRN itself is not read yet.
+  if (f.scaling == "yarn")
+    f.yarn_error = "the GGUF's own rope scaling 'yarn' is not supported yet (kvtc takes YaRN from a context's settings, --rope-scaling yarn)";
   return rope_from_facts(f, mi.head_dim_k, mi.path);
 }
 
@@ -605,7 +610,7 @@ std::map<std::string, std::string> Session::capture_metadata() const {
 
 KvCapture Session::capture() const {
   std::vector<uint8_t> blob = seq_state();
-  KvCapture c = capture_from_state(blob, model_.geometry(), "sequence state");
+  KvCapture c = capture_from_state(blob, geometry_with_settings(model_.geometry(), context_kv_settings(ctx_)), "sequence state");
   c.meta = capture_metadata();
   return c;
 }

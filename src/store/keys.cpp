@@ -77,6 +77,26 @@ std::string KvSettings::text() const {
          ";yarn_attn_factor=" + fmt_g9(yarn_attn_factor) + ";yarn_beta_fast=" + fmt_g9(yarn_beta_fast) + ";yarn_beta_slow=" + fmt_g9(yarn_beta_slow);
 }
 
+CacheGeometry geometry_with_settings(const CacheGeometry& g, const KvSettings& s) {
+  if (s == KvSettings{}) return g;
+  CacheGeometry out = g;
+  for (size_t b = 0; b < out.blocks.size(); ++b) {
+    Rope& r = out.blocks[b].rope;
+    if (!r.unsupported.empty() || r.layout == RopeLayout::kNone) continue;
+    if (b == 0) {
+      r.freq_base = s.rope_freq_base;
+      r.freq_scale = s.rope_freq_scale;
+    }
+    r.attn_factor = s.yarn_attn_factor;
+    r.ext_factor = s.yarn_ext_factor;
+    const bool yarn = s.yarn_ext_factor != 0;
+    r.beta_fast = yarn ? s.yarn_beta_fast : Rope{}.beta_fast;
+    r.beta_slow = yarn ? s.yarn_beta_slow : Rope{}.beta_slow;
+    r.n_ctx_orig = yarn ? s.n_ctx_orig_yarn : 0;
+  }
+  return out;
+}
+
 }  // namespace kvtc
 
 namespace kvtc::store {

@@ -437,8 +437,8 @@ class KvtcServer(unittest.TestCase):
         # The codec removes the rotation the context's keys carry: under
         # --rope-scaling yarn that is YaRN's (the context's settings), not the
         # GGUF's plain RoPE. Coded with the GGUF's, SmolLM2 at 16x had KL
-        # 0.74 against the uncompressed cache where plain RoPE has 0.0075
-        # (bench/results/rope-settings.md). Measured here: the restored turn
+        # 0.82 against the uncompressed cache, 0.019 with the context's and
+        # 0.012 under plain RoPE (4 documents, bench/results/rope-settings.md). Measured here: the restored turn
         # agrees with the recompute on 12 of 12 greedy tokens, mean |logprob
         # difference| 0.114 (plain RoPE: 12, 0.154); coded with the GGUF's
         # RoPE, 7 of 12 (0.154 until they part). Bounds: 10 tokens, and

@@ -69,8 +69,9 @@ struct KvSettings {
 // (text() "") and blocks without RoPE or whose RoPE kvtc cannot undo are
 // returned as they are. Why: the GGUF's RoPE is not the context's under
 // --rope-freq-base, --rope-scaling or --yarn-*; coding with the GGUF's
-// left the rotation's difference in the keys (SmolLM2 at 16x: KL 0.076
-// with --rope-freq-base 20000 and 0.74 with YaRN x2 against 0.0075;
+// left the rotation's difference in the keys (SmolLM2 at 16x, 4
+// documents: KL 0.141 under --rope-freq-base 20000 and 0.82 under YaRN x2;
+// 0.017 and 0.019 with the context's RoPE removed, 0.012 with plain RoPE;
 // bench/results/rope-settings.md).
 CacheGeometry geometry_with_settings(const CacheGeometry& g, const KvSettings& s);
 

@@ -26,7 +26,6 @@ SETTINGS = [("the GGUF's (none)", {}),
             ("--rope-freq-base 20000", dict(rope_freq_base=20000)),
             ("--rope-scaling yarn --rope-scale 2 --yarn-orig-ctx 2048",
              dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN, rope_freq_scale=0.5, yarn_orig_ctx=2048))]
-man = json.load(open(".deps/corpus/manifest.json"))
 docs = []
 for kind in ("prose", "docs", "code", "math"):  # one evaluation document per kind, long enough
     for p in sorted(os.listdir(f".deps/corpus/eval/{kind}")):

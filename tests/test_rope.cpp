@@ -199,14 +199,13 @@ TEST(RopeMeta, ContextSettingsAndYarnRoundTrip) {
   g.blocks[1].rope.freq_base = 10000.0f;
   g.blocks[1].sliding_window = 512;
   EXPECT_EQ(geometry_with_settings(g, KvSettings{}).blocks[0].rope, g.blocks[0].rope);  // unset: as it was
-  KvSettings s;
-  s.rope_freq_base = 2000000.0f;
-  s.rope_freq_scale = 0.25f;
-  s.n_ctx_orig_yarn = 32768;
-  s.yarn_ext_factor = 1.0f;
-  s.yarn_attn_factor = 0.878f;
-  s.yarn_beta_fast = 32.0f;
-  s.yarn_beta_slow = 1.0f;
+  KvSettings s{.rope_freq_base = 2000000.0f,
+               .rope_freq_scale = 0.25f,
+               .n_ctx_orig_yarn = 32768,
+               .yarn_ext_factor = 1.0f,
+               .yarn_attn_factor = 0.878f,
+               .yarn_beta_fast = 32.0f,
+               .yarn_beta_slow = 1.0f};
   const CacheGeometry y = geometry_with_settings(g, s);
   EXPECT_EQ(y.blocks[0].rope.freq_base, 2000000.0f);
   EXPECT_EQ(y.blocks[0].rope.freq_scale, 0.25f);

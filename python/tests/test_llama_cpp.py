@@ -66,6 +66,15 @@ def conversation(llm, cache, switch=True):
     return a1, ask(llm, p2, logits=logits), logits
 
 
+def through_kvtc_cache(llm, calibration, **kw):
+    """conversation() on `llm` with a KvtcCache of `calibration` (and `kw`):
+    (answer 1, the logits of turn 2's answer, the store's stats)."""
+    with KvtcCache(calibration, llm, **kw) as cache:
+        llm.set_cache(cache)
+        a1, _, logits = conversation(llm, cache)
+        return a1, logits, cache.stats()
+
+
 def kl_while_agreeing(ref, got):
     """KL(ref || got) of the next-token distributions at each reply position
     up to and including the first where the greedy tokens differ (until
@@ -156,10 +165,7 @@ def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration):
     ref = conversation(make_llm(**yarn), None, switch=False)
     llm = make_llm(**yarn)
     assert kvtc.llama_cpp.context_kv_settings(llm)["yarn_ext_factor"] == 1.0
-    with KvtcCache(smol_calibration, llm, ratio=16) as cache:
-        llm.set_cache(cache)
-        a1, _, logits = conversation(llm, cache)
-        s = cache.stats()
+    a1, logits, s = through_kvtc_cache(llm, smol_calibration, ratio=16)
     assert s["hits_ram"] + s["hits_pending"] == 1 and s["tokens_restored"] >= 850, s
     assert a1 == ref[0]
     kls, agree = kl_while_agreeing(ref[2], logits)
@@ -429,11 +435,7 @@ def test_a_sliding_window_model_is_restored_whole(work):
         return llama_cpp.Llama(GEMMA, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False)
 
     kept = conversation(gemma(), None, switch=False)
-    llm = gemma()
-    with KvtcCache(cal, llm, ratio=16) as cache:
-        llm.set_cache(cache)
-        a1, _, logits = conversation(llm, cache)
-        s = cache.stats()
+    a1, logits, s = through_kvtc_cache(gemma(), cal, ratio=16)
     assert s["hits_ram"] + s["hits_pending"] == 1 and s["tokens_restored"] >= 800, s
     assert a1 == kept[0]
     # As from the kept cache: mean KL over turn 2's answer while the greedy

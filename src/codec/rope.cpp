@@ -41,16 +41,16 @@ RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& p, uint32_t h
   // training context), a tenth of f16's resolution. Every rotation is
   // scaled by mscale; the inverse divides by it.
   const float theta_scale = std::pow(p.freq_base, -2.0f / float(p.n_rot));
-  const bool yarn = p.ext_factor != 0.0f;
+  const bool ramp = p.ext_factor != 0.0f;  // Rope::yarn() also counts a magnitude factor alone
   float lo = 0, hi = 0;
-  if (yarn) {
+  if (ramp) {
     auto corr_dim = [&](float beta) {
       return float(p.n_rot) * std::log(float(p.n_ctx_orig) / (beta * 2.0f * float(M_PI))) / (2.0f * std::log(p.freq_base));
     };
     lo = std::max(0.0f, std::floor(corr_dim(p.beta_fast)));
     hi = std::min(float(p.n_rot) - 1.0f, std::ceil(corr_dim(p.beta_slow)));
   }
-  const float mscale = yarn ? p.attn_factor * (1.0f + 0.1f * std::log(1.0f / p.freq_scale)) : p.attn_factor;
+  const float mscale = ramp ? p.attn_factor * (1.0f + 0.1f * std::log(1.0f / p.freq_scale)) : p.attn_factor;
   const double m = inverse ? 1.0 / double(mscale) : double(mscale);
   t.c.resize(n_tok * t.half);
   t.s.resize(n_tok * t.half);
@@ -60,7 +60,7 @@ RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& p, uint32_t h
       const float ff = p.freq_factors.empty() ? 1.0f : p.freq_factors[i];
       const float extrap = theta / ff;
       float th = p.freq_scale * extrap;
-      if (yarn) {
+      if (ramp) {
         const float y = (float(i) - lo) / std::max(0.001f, hi - lo);
         const float mix = (1.0f - std::min(1.0f, std::max(0.0f, y))) * p.ext_factor;
         th = th * (1.0f - mix) + extrap * mix;

@@ -877,6 +877,13 @@ bool kvtc_server_attach(server_prompt_cache* cache, const llama_model* model, ll
     // not the GGUF's: the codec removes the rotation the keys carry.
     const kvtc::KvSettings kv_settings = kvtc::context_kv_settings(ctx);
     const kvtc::CacheGeometry geom = kvtc::geometry_with_settings(kvtc::model_geometry(model, model_path), kv_settings);
+    // A rotation kvtc cannot undo (M-RoPE, say) would fail every save and
+    // recompute every prompt: said once, here, rather than at each save.
+    if (!cfg.raw)
+      for (const kvtc::BlockGeometry& b : geom.blocks)
+        if (!b.rope.unsupported.empty())
+          return refuse("this model's keys carry a rotation kvtc cannot undo, so they cannot be coded: " + b.rope.unsupported +
+                        " (--kvtc-raw stores them uncompressed)");
     if (learn && geom.blocks.size() > 1)
       return refuse(
           "--kvtc-calib auto does not learn sliding-window (iSWA) models yet (their cache keeps two blocks): calibrate once with "

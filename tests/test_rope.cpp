@@ -222,6 +222,19 @@ TEST(RopeMeta, ContextSettingsAndYarnRoundTrip) {
   geometry_from_meta(m, back, "f");
   EXPECT_EQ(back.blocks[0].rope, y.blocks[0].rope);
   EXPECT_EQ(back.blocks[1].rope, y.blocks[1].rope);
+  // A GGUF that says rope scaling "yarn" itself gives no parameters
+  // (llama.cpp resolves them for a context): the plain rotation, marked
+  // unresolved and refused alone; a context's settings complete it to the
+  // same rotation as above. A rotation no setting makes undoable (M-RoPE)
+  // stays refused.
+  CacheGeometry gy = g, gm = g;
+  for (auto& b : gy.blocks) b.rope.unsupported = "m.gguf: no parameters", b.rope.yarn_unresolved = true;
+  gm.blocks[0].rope.unsupported = "m.gguf: rope type 'mrope'";
+  EXPECT_EQ(geometry_with_settings(gy, KvSettings{}).blocks[0].rope, gy.blocks[0].rope);
+  const CacheGeometry yr = geometry_with_settings(gy, s);
+  EXPECT_EQ(yr.blocks[0].rope, y.blocks[0].rope);
+  EXPECT_EQ(yr.blocks[1].rope, y.blocks[1].rope);
+  EXPECT_EQ(geometry_with_settings(gm, s).blocks[0].rope, gm.blocks[0].rope);
   // Plain settings (a context without YaRN): no YaRN, the GGUF's
   // "yarn" (if it said so) not carried into a plain file.
   s.yarn_ext_factor = 0.0f;
@@ -285,6 +298,15 @@ TEST(RopeFacts, MessagesNameTheSource) {
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "dynamic"; }), "m.gguf: rope scaling 'dynamic'; kvtc supports none, linear and yarn");
   // A source that cannot read YaRN's parameters says why (src/llama's rope_of for a GGUF's own yarn).
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn", b.yarn_error = "no parameters"; }), "m.gguf: no parameters");
+  {  // ... and keeps the plain rotation, marked for a context's settings to complete (geometry_with_settings)
+    RopeFacts b = g;
+    b.scaling = "yarn", b.yarn_error = "no parameters";
+    const Rope u = rope_from_facts(b, 64, "m.gguf");
+    EXPECT_TRUE(u.yarn_unresolved);
+    EXPECT_EQ(u.layout, RopeLayout::kNorm);
+    EXPECT_EQ(u.freq_base, 100000.0f);
+    EXPECT_FALSE(rope_from_facts(g, 64, "m.gguf").yarn_unresolved);
+  }
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn", b.ext_factor = 1, b.n_ctx_orig = 0; }),
             "m.gguf: YaRN's n_ctx_orig 0 must be a positive integer");
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.scaling = "yarn", b.attn_factor = 0; }),

@@ -23,7 +23,8 @@ import unittest
 
 import requests
 
-from kvtc_testlib import CORPUS, SMOL, read_safetensors, small_calibration
+from gguf_edit import gguf_with_metadata
+from kvtc_testlib import CORPUS, SMALL_CALIBRATION, SMOL, read_safetensors, run, small_calibration
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 from serverlib import Server  # noqa: E402
@@ -113,8 +114,8 @@ class KvtcServer(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
-    def start(self, name, args, ok=True, **kw):
-        s = Server(SERVER, SMOL, args, os.path.join(self.tmp, name + ".log"), **kw)
+    def start(self, name, args, ok=True, model=SMOL, **kw):
+        s = Server(SERVER, model, args, os.path.join(self.tmp, name + ".log"), **kw)
         ready = s.wait_ready()
         if ok:
             self.assertTrue(ready, s.log()[-3000:])
@@ -445,20 +446,60 @@ class KvtcServer(unittest.TestCase):
         # test_second_turn_restores_from_the_compressed_ram_tier's 0.32.
         yarn = ["--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "2048"]
         s = self.start("yarn", self.kvtc(*yarn))
+        self.restored_turn_agrees(s, "YaRN x2")
+        self.assertIn("yarn_ext_factor=1;", s.log())
+
+    def restored_turn_agrees(self, s, what):
+        """A saved conversation's second turn, restored on `s`, against its
+        recompute: 10 of 12 greedy tokens at least, mean |logprob
+        difference| below test_second_turn_restores_from_the_compressed_ram_tier's 0.32."""
         a = conversation(self.docs[0])
         a1, t_a1, _ = s.chat(a)
         s.chat(conversation(self.docs[1]))  # takes the only slot: A is saved
-        s.wait_saved()
-        self.assertIn("yarn_ext_factor=1;", s.log())
+        m = s.wait_saved()
+        self.assertEqual(m["kvtc:saves_total"], 1, kvtc_lines(s.log()))
         a2_msgs = a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Name one person or place it mentions."}]
         _, t_a2, j_a2 = s.chat(a2_msgs, max_tokens=12, **LOGPROBS)
         self.assertGreaterEqual(t_a2["cache_n"], t_a1["prompt_n"], t_a2)
         _, t_ref, j_ref = s.chat(a2_msgs, max_tokens=12, cache_prompt=False, **LOGPROBS)
         self.assertEqual(t_ref.get("cache_n", 0), 0, t_ref)
         agree, mean, d = drift(j_a2, j_ref)
-        print(f"YaRN x2: second turn after a 16x restore: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f} {d}")
+        print(f"{what}: second turn after a 16x restore: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f} {d}")
         self.assertGreaterEqual(agree, 10, d)
         self.assertLess(mean, 0.32, (agree, d))
+
+    def test_a_gguf_that_asks_for_yarn_itself_is_coded_under_it(self):
+        # Some conversions ship YaRN in the GGUF (rope scaling "yarn", as
+        # 128K Qwen2.5 and gpt-oss GGUFs do) rather than in flags: llama.cpp
+        # resolves its parameters when it creates the context, and kvtc
+        # takes them from there, as for the flags. Here SmolLM2 whose file
+        # says what the test above's flags say. Before, no rotation could be
+        # built from such a GGUF: every save failed and every turn was
+        # recomputed. Measured: the calibration (fitted through a context of
+        # this file, so under its YaRN) and a 16x restore agree with the
+        # recompute on 12 of 12 greedy tokens, mean |logprob difference|
+        # 0.121; with the GGUF's YaRN left unresolved, `kvtc calibrate`
+        # refuses the model. Bounds as the test above's.
+        gguf = os.path.join(self.tmp, "smol-yarn.gguf")
+        gguf_with_metadata(SMOL, gguf, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0,
+                                        "llama.rope.scaling.original_context_length": 2048})
+        cal = os.path.join(self.tmp, "cal-yarn.safetensors")
+        run("calibrate", "-m", gguf, *SMALL_CALIBRATION, "-o", cal, check=0)
+        _, meta, _ = read_safetensors(cal)
+        self.assertEqual((meta["rope_scaling_type"], meta["yarn_ext_factor"], meta["n_ctx_orig_yarn"]), ("yarn", "1", "2048"), meta)
+        s = self.start("gguf-yarn", ["--kvtc-calib", cal, "--cache-ram", "64", "--parallel", "1"], model=gguf)
+        self.assertIn("rope_freq_scale=0.5;n_ctx_orig_yarn=2048;yarn_ext_factor=1;", s.log())
+        self.restored_turn_agrees(s, "the GGUF's own YaRN x2")
+
+    def test_a_rotation_kvtc_cannot_undo_is_refused_at_start(self):
+        # Phi-3's "longrope" (here on SmolLM2's file: llama.cpp runs it, the
+        # Llama graph reads no long-context factors) is a rotation kvtc does
+        # not undo. Said once at start, not by a failed save at every turn.
+        gguf = os.path.join(self.tmp, "smol-longrope.gguf")
+        gguf_with_metadata(SMOL, gguf, {"llama.rope.scaling.type": "longrope"})
+        s = self.start("longrope", self.kvtc(), ok=False, model=gguf)
+        self.assertNotEqual(s.wait_exit(), 0)
+        self.assertRegex(s.log(), r"kvtc: this model's keys carry a rotation kvtc cannot undo.*rope scaling 'longrope'")
 
     def test_settings_the_keys_cannot_name_are_refused(self):
         # --override-kv changes the model without changing its file (what

@@ -49,6 +49,12 @@ struct Rope {
   // captured and restored, but not coded with a calibration that removes
   // RoPE; the encoder refuses it with this text.
   std::string unsupported;
+  // With `unsupported`: the source asks for YaRN without its parameters (a
+  // GGUF's rope scaling "yarn": llama.cpp resolves them from the GGUF and
+  // the flags when it creates a context). The other fields hold the plain
+  // rotation; geometry_with_settings (kvtc/store.h) completes it from a
+  // context's settings and clears both.
+  bool yarn_unresolved = false;
   bool operator==(const Rope&) const = default;
 };
 

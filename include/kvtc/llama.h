@@ -188,7 +188,11 @@ class Session {
   void set_seq_state(const std::vector<uint8_t>& blob);  // llama_state_seq_set_data, seq 0
   uint32_t v_trans() const { return opt_.flash_attn ? 0 : 1; }
 
-  // Takes sequence 0's cache as a KvCapture: the model's geometry, and as
+  // The model's geometry with this context's RoPE (geometry_with_settings
+  // of context_kv_settings): the rotation the cache's keys carry, a GGUF's
+  // own YaRN resolved.
+  CacheGeometry geometry() const;
+  // Takes sequence 0's cache as a KvCapture: geometry() above, and as
   // provenance the model, RoPE and this context (capture_metadata); tokens
   // left empty.
   KvCapture capture() const;

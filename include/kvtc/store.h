@@ -65,9 +65,12 @@ struct KvSettings {
 // the codec removes exactly that rotation: block 0's freq_base and
 // freq_scale from s (a sliding-window block keeps its own, as llama.cpp's
 // layers do), and on every block the magnitude factor (yarn_attn_factor)
-// and, when yarn_ext_factor is not 0, YaRN's parameters. Unset settings
-// (text() "") and blocks without RoPE or whose RoPE kvtc cannot undo are
-// returned as they are. Why: the GGUF's RoPE is not the context's under
+// and, when yarn_ext_factor is not 0, YaRN's parameters. A block whose
+// source asked for YaRN without its parameters (Rope::yarn_unresolved: a
+// GGUF that says rope scaling "yarn", e.g. a 128K Qwen2.5 or gpt-oss
+// conversion) is completed the same way and becomes supported. Unset
+// settings (text() "") and blocks without RoPE or whose RoPE kvtc cannot
+// undo otherwise are returned as they are. Why: the GGUF's RoPE is not the context's under
 // --rope-freq-base, --rope-scaling or --yarn-*; coding with the GGUF's
 // left the rotation's difference in the keys (SmolLM2 at 16x, 4
 // documents: KL 0.141 under --rope-freq-base 20000 and 0.82 under YaRN x2;

@@ -153,7 +153,11 @@ Rope rope_from_facts(const RopeFacts& f, uint32_t head_dim, const std::string& o
     return unsupported(std::string(f.factors_name) + " has " + std::to_string(r.freq_factors.size()) +
                        " entries, expected n_rot/2 = " + std::to_string(r.n_rot / 2));
   if (f.scaling == "yarn") {
-    if (!f.yarn_error.empty()) return unsupported(f.yarn_error);
+    if (!f.yarn_error.empty()) {  // the plain rotation, marked: a context's settings complete it
+      r.unsupported = origin + ": " + f.yarn_error;
+      r.yarn_unresolved = true;
+      return r;
+    }
     if (!(std::isfinite(f.ext_factor) && f.ext_factor >= 0 && std::isfinite(f.attn_factor) && f.attn_factor > 0 && std::isfinite(f.beta_fast) &&
           f.beta_fast > 0 && std::isfinite(f.beta_slow) && f.beta_slow > 0))
       return unsupported("YaRN's ext_factor must be >= 0 and attn_factor, beta_fast and beta_slow positive (got " + fmt_g9(f.ext_factor) + ", " +

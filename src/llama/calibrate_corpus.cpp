@@ -24,7 +24,7 @@ Calibration calibrate_from_corpus(const CorpusCalibrateOptions& opt, const Progr
   so.n_ctx = opt.max_doc_tokens ? std::min(opt.max_doc_tokens, mi.n_ctx_train) : mi.n_ctx_train;
   so.n_threads = opt.threads;
   Session s(*model, so);
-  CalibrationFitter fitter(model->geometry(), opt.fit);
+  CalibrationFitter fitter(s.geometry(), opt.fit);  // the context's RoPE, as the captures'
   const uint32_t skip = opt.fit.skip_sinks;
   std::map<std::string, std::string> capture_meta;
   uint64_t docs_fit = 0, docs_held = 0;

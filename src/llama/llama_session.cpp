@@ -366,11 +366,15 @@ Rope rope_of(const ModelInfo& mi, bool swa) {
   f.freq_base = swa ? mi.rope_freq_base_swa : mi.rope_freq_base;
   f.freq_scale = swa ? mi.rope_freq_scale_swa : mi.rope_freq_scale;
   if (!swa) f.freq_factors = mi.rope_freq_factors;
-  // YaRN's parameters are the context's (llama.cpp derives some of them
-  // when it creates one): geometry_with_settings(context_kv_settings) puts
-  // them on a plain rotation; a GGUF that asks for YaRN itself is not read yet.
+  // YaRN's parameters are the context's: llama.cpp resolves them from the
+  // GGUF and the flags when it creates one (its magnitude factor from the
+  // scaling factor and, for some models, rope_yarn_log_mul).
+  // geometry_with_settings(context_kv_settings) completes this rotation
+  // with them; without a context it stays unsupported.
   if (f.scaling == "yarn")
-    f.yarn_error = "the GGUF's own rope scaling 'yarn' is not supported yet (kvtc takes YaRN from a context's settings, --rope-scaling yarn)";
+    f.yarn_error =
+        "the GGUF's rope scaling 'yarn' takes its parameters from a context (llama.cpp resolves them when it creates one): "
+        "code this model's keys with a context's settings (kvtc-server, Session::capture, KvtcCache)";
   return rope_from_facts(f, mi.head_dim_k, mi.path);
 }
 
@@ -608,9 +612,13 @@ std::map<std::string, std::string> Session::capture_metadata() const {
   };
 }
 
+CacheGeometry Session::geometry() const {
+  return geometry_with_settings(model_.geometry(), context_kv_settings(ctx_));
+}
+
 KvCapture Session::capture() const {
   std::vector<uint8_t> blob = seq_state();
-  KvCapture c = capture_from_state(blob, geometry_with_settings(model_.geometry(), context_kv_settings(ctx_)), "sequence state");
+  KvCapture c = capture_from_state(blob, geometry(), "sequence state");
   c.meta = capture_metadata();
   return c;
 }

@@ -82,7 +82,12 @@ CacheGeometry geometry_with_settings(const CacheGeometry& g, const KvSettings& s
   CacheGeometry out = g;
   for (size_t b = 0; b < out.blocks.size(); ++b) {
     Rope& r = out.blocks[b].rope;
-    if (!r.unsupported.empty() || r.layout == RopeLayout::kNone) continue;
+    if (r.layout == RopeLayout::kNone) continue;
+    if (!r.unsupported.empty()) {
+      if (!r.yarn_unresolved) continue;  // a rotation no setting makes undoable
+      r.unsupported.clear();
+      r.yarn_unresolved = false;
+    }
     if (b == 0) {
       r.freq_base = s.rope_freq_base;
       r.freq_scale = s.rope_freq_scale;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/capture_io.h"  // require_rope_supported
 #include "kvtc/error.h"
 #include "kvtc/store.h"
 
@@ -293,6 +294,9 @@ CalibrationLearner::CalibrationLearner(const CacheGeometry& g, LearnerOptions o)
   require(!g.blocks.empty() && !g.model_sha256.empty(), "CalibrationLearner: a model's geometry (blocks, model_sha256) is expected");
   require(o.tokens >= 64, "CalibrationLearner: tokens " + std::to_string(o.tokens) + ": at least 64 (one run) are expected");
   require(o.share > 0 && std::isfinite(o.share), "CalibrationLearner: share " + fmt("%g", o.share) + ": a positive number is expected");
+  // Said once, here: else every sample would be refused for it and the
+  // learner would learn forever.
+  for (size_t b = 0; b < g.blocks.size(); ++b) require_rope_supported(g.blocks[b].rope, "CalibrationLearner: block " + std::to_string(b));
   impl_->geom = g;
   impl_->opt = std::move(o);
   impl_->st.state = "learning";

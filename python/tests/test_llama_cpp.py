@@ -153,7 +153,7 @@ def test_compressed_cache_answers_the_follow_up_within_budget(smol_calibration, 
         assert s["ram_bytes"] / max(1, s["entries"]) < 800 * 23040 / 4
 
 
-def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration):
+def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration, caplog):
     # A Llama run with YaRN rotates its keys otherwise than the GGUF says:
     # the store removes the context's rotation (its resolved settings,
     # context_kv_settings). Measured here (x2 over a 1,024-token original
@@ -174,6 +174,9 @@ def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration):
     mean_kl = sum(kls) / len(kls)
     print(f"YaRN x2, turn 2 after a 16x restore: mean KL {mean_kl:.4f} over {len(kls)} positions, {agree} of 12 greedy tokens agree")
     assert mean_kl < 0.085 and agree >= 10, (kls, agree)
+    # The calibration was fitted under plain RoPE: the store says so (once).
+    said = [r.getMessage() for r in caplog.records if "another RoPE" in r.getMessage()]
+    assert len(said) == 1 and "the context: freq_base 100000, freq_scale 0.5, YaRN" in said[0], said
 
 
 def test_states_survive_a_restart_on_disk(smol_calibration, work):

@@ -359,6 +359,25 @@ class Codec(unittest.TestCase):
         self.assertAlmostEqual(d["rel_error_v"], 0.6268, delta=0.05)
         self.assertFails(run("decompress", box, "--calib", self.cal, "-o", self.path("y.safetensors")), "wrong calibration")
 
+    def test_calibration_under_a_contexts_rope(self):
+        # The flags a server runs with (llama-server's names): the keys are
+        # computed and de-rotated under them, and the file names the
+        # rotation it removed (bench/results/rope-settings-calib.md measures
+        # what that buys: little).
+        out = self.path("yarn-cal.safetensors")
+        run("calibrate", "-m", SMOL, "--tokens", "256", "--heldout", "64", "--doc-tokens", "320", "--rank-max", "64", "--ratios", "16",
+            "--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "2048", "-o", out, check=0)
+        _, meta, _ = read_safetensors(out)
+        self.assertEqual((meta["rope_scaling_type"], meta["rope_freq_scale"], meta["yarn_ext_factor"], meta["n_ctx_orig_yarn"]),
+                         ("yarn", "0.5", "1", "2048"), meta)
+        _, plain, _ = read_safetensors(self.cal)
+        self.assertEqual((plain["rope_scaling_type"], plain["rope_freq_scale"]), ("none", "1"))
+        self.assertNotIn("yarn_ext_factor", plain)
+        p = run("calibrate", "-m", SMOL, "--rope-scaling", "dynamic", "-o", self.path("x.safetensors"))
+        self.assertGreater(p.returncode, 0)
+        self.assertIn("--rope-scaling", p.stderr)
+        self.assertFalse(os.path.exists(self.path("x.safetensors")))
+
     def test_eval_machinery(self):
         # A tiny run checks the machinery, not the numbers.
         out = self.path("eval.json")

@@ -148,6 +148,17 @@ StateLayout context_state_layout(llama_context* ctx, const CacheGeometry& g, int
 // derivations (YaRN's attention factor) — is covered.
 KvSettings context_kv_settings(const llama_context* ctx);
 
+// The context's RoPE flags, named as llama-server's (0 or "": the GGUF's).
+// They change the keys a model computes (context_kv_settings reads what
+// llama.cpp resolved); a calibration fitted under the settings a server
+// runs with codes its keys best (bench/results/rope-settings.md).
+struct RopeFlags {
+  std::string scaling;         // --rope-scaling: "" (the GGUF's), "none", "linear" or "yarn"
+  float freq_base = 0;         // --rope-freq-base
+  float freq_scale = 0;        // --rope-freq-scale (--rope-scale N is 1/N)
+  uint32_t yarn_orig_ctx = 0;  // --yarn-orig-ctx: YaRN's original context (0: the GGUF's or n_ctx_train)
+};
+
 struct SessionOptions {
   uint32_t n_ctx = 0;      // 0: the model's trained context
   bool flash_attn = true;  // fixed, never AUTO: it decides the V layout (v_trans = !flash_attn)
@@ -158,6 +169,7 @@ struct SessionOptions {
   // as a baseline: "f16" (default), "q8_0" or "q4_0". capture() and
   // restore() need f16 (our blob parser reads f16 rows only).
   std::string cache_type_k = "f16", cache_type_v = "f16";
+  RopeFlags rope;  // the context's RoPE (above)
 };
 
 class Session {
@@ -222,6 +234,7 @@ struct CorpusCalibrateOptions {
   uint32_t max_doc_tokens = 0;     // 0: the model's trained context
   std::vector<std::string> kinds;  // corpus kinds ("prose", "docs", "code", "math"); empty: all
   int threads = 0;                 // prefill threads (0: all)
+  RopeFlags rope;                  // the contexts' RoPE: the calibration is fitted on keys under it
   FitOptions fit;
 };
 Calibration calibrate_from_corpus(const CorpusCalibrateOptions& opt, const ProgressFn& progress = {});

@@ -153,7 +153,7 @@ def test_compressed_cache_answers_the_follow_up_within_budget(smol_calibration, 
         assert s["ram_bytes"] / max(1, s["entries"]) < 800 * 23040 / 4
 
 
-def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration, caplog):
+def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration):
     # A Llama run with YaRN rotates its keys otherwise than the GGUF says:
     # the store removes the context's rotation (its resolved settings,
     # context_kv_settings). Measured here (x2 over a 1,024-token original
@@ -174,9 +174,6 @@ def test_a_context_with_yarn_is_coded_under_its_own_rope(smol_calibration, caplo
     mean_kl = sum(kls) / len(kls)
     print(f"YaRN x2, turn 2 after a 16x restore: mean KL {mean_kl:.4f} over {len(kls)} positions, {agree} of 12 greedy tokens agree")
     assert mean_kl < 0.085 and agree >= 10, (kls, agree)
-    # The calibration was fitted under plain RoPE: the store says so (once).
-    said = [r.getMessage() for r in caplog.records if "another RoPE" in r.getMessage()]
-    assert len(said) == 1 and "the context: freq_base 100000, freq_scale 0.5, YaRN" in said[0], said
 
 
 def test_states_survive_a_restart_on_disk(smol_calibration, work):
@@ -410,11 +407,12 @@ def test_a_gguf_that_asks_for_yarn_itself_is_learned_and_coded_under_it(work):
     and codes under the context's resolved rotation. Before, the facts'
     rotation could not be built: the learner refused every state and
     learned forever (now a rotation kvtc cannot undo is refused when the
-    cache is made). Measured: mean KL 0.0187 in 3 runs, 12 of 12 greedy tokens
-    agree: a calibration learned under the same YaRN (1,024 tokens of other
-    documents) where test_a_context_with_yarn_is_coded_under_its_own_rope's
-    fixed one, fitted under plain RoPE, gives 0.0425 (plain RoPE: 0.013).
-    Bounds: 0.04, ~2x, and 10 tokens agreeing."""
+    cache is made). Measured: mean KL 0.0187 in 3 runs, 12 of 12 greedy
+    tokens agree (test_a_context_with_yarn_is_coded_under_its_own_rope's
+    fixed calibration gives 0.0425 for the same turn: not for its RoPE, as
+    a calibration fitted under the context's barely differs,
+    bench/results/rope-settings-calib.md; this one was learned from prose
+    like the turn's). Bounds: 0.04, ~2x, and 10 tokens agreeing."""
     gguf = str(work / "smol-yarn.gguf")
     gguf_with_metadata(SMOL, gguf, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0,
                                     "llama.rope.scaling.original_context_length": 1024})

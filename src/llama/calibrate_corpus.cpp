@@ -23,6 +23,7 @@ Calibration calibrate_from_corpus(const CorpusCalibrateOptions& opt, const Progr
   SessionOptions so;
   so.n_ctx = opt.max_doc_tokens ? std::min(opt.max_doc_tokens, mi.n_ctx_train) : mi.n_ctx_train;
   so.n_threads = opt.threads;
+  so.rope = opt.rope;
   Session s(*model, so);
   CalibrationFitter fitter(s.geometry(), opt.fit);  // the context's RoPE, as the captures'
   const uint32_t skip = opt.fit.skip_sinks;

@@ -4,6 +4,7 @@
 #include <llama.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -473,6 +474,16 @@ Session::Session(const Model& model, const SessionOptions& opt) : model_(model),
   // llama.cpp quantizes V only with flash attention (the transposed V
   // layout has no quantized form).
   require(opt.flash_attn || opt.cache_type_v == "f16", "session: a quantized V cache needs flash attention");
+  if (!opt.rope.scaling.empty()) {
+    const std::string& t = opt.rope.scaling;
+    require(t == "none" || t == "linear" || t == "yarn", "session: rope scaling must be none, linear or yarn, got '" + t + "'");
+    cp.rope_scaling_type = t == "none" ? LLAMA_ROPE_SCALING_TYPE_NONE : t == "linear" ? LLAMA_ROPE_SCALING_TYPE_LINEAR : LLAMA_ROPE_SCALING_TYPE_YARN;
+  }
+  require(std::isfinite(opt.rope.freq_base) && opt.rope.freq_base >= 0 && std::isfinite(opt.rope.freq_scale) && opt.rope.freq_scale >= 0,
+          "session: rope freq_base and freq_scale must be positive (0: the GGUF's)");
+  cp.rope_freq_base = opt.rope.freq_base;
+  cp.rope_freq_scale = opt.rope.freq_scale;
+  cp.yarn_orig_ctx = opt.rope.yarn_orig_ctx;
   cp.kv_unified = true;
   cp.swa_full = false;
   cp.no_perf = true;

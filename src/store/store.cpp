@@ -21,7 +21,6 @@
 
 #include "core/capture_io.h"
 #include "core/parallel.h"
-#include "core/util.h"
 #include "format/container.h"
 #include "format/plan.h"
 #include "kvtc/error.h"
@@ -253,43 +252,9 @@ double global_ratio_of(const CacheGeometry& g, const StoreOptions& o) {
   return o.global_ratio > 0 ? o.global_ratio : std::min(o.ratio, 4.0);
 }
 
-namespace {
-
-std::string rope_text(const Rope& r) {
-  std::string t = "freq_base " + fmt_g9(r.freq_base) + ", freq_scale " + fmt_g9(r.freq_scale);
-  if (r.ext_factor != 0)
-    t += ", YaRN (ext_factor " + fmt_g9(r.ext_factor) + ", n_ctx_orig " + std::to_string(r.n_ctx_orig) + ", beta_fast " + fmt_g9(r.beta_fast) +
-         ", beta_slow " + fmt_g9(r.beta_slow) + ")";
-  if (r.attn_factor != 1) t += ", attn_factor " + fmt_g9(r.attn_factor);
-  return t;
-}
-
-// "" when `cal` was fitted on keys de-rotated by the RoPE the caches of g
-// carry; else why not. The codec removes g's own rotation either way, so
-// nothing is wrong, only less exact: the components were fitted on keys a
-// model computes under another RoPE (SmolLM2 at 16x: KL 0.017-0.019 under
-// another base or YaRN x2 against 0.012 under the one fitted on,
-// bench/results/rope-settings.md).
-std::string rope_mismatch(const Calibration& cal, const CacheGeometry& g) {
-  if (!cal.keys_derope) return "";
-  for (size_t b = 0; b < g.blocks.size() && b < cal.geometry.blocks.size(); ++b) {
-    const Rope& c = cal.geometry.blocks[b].rope;
-    const Rope& x = g.blocks[b].rope;
-    if (!c.unsupported.empty() || !x.unsupported.empty() || c.layout == RopeLayout::kNone || c == x) continue;
-    return "kvtc store: the calibration was fitted on keys under another RoPE than this context's (block " + std::to_string(b) + ": " + rope_text(c) +
-           "; the context: " + rope_text(x) +
-           "). The codec removes the context's rotation, so restores are right, but less exact than with a calibration fitted "
-           "under the same settings, as one learned from the prompts served is (kvtc-server --kvtc-calib auto, KvtcCache('auto'))";
-  }
-  return "";
-}
-
-}  // namespace
-
 PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const StoreOptions& opt) : impl_(std::make_unique<Impl>()) {
   Impl& I = *impl_;
   container::check_geometry(g, cal, "kvtc store");
-  if (const std::string w = rope_mismatch(cal, g); !w.empty() && opt.log && !opt.raw) opt.log(w);
   require(opt.chunk_tokens >= 16 && opt.chunk_tokens % 16 == 0 && opt.chunk_tokens <= 65536,
           "kvtc store: chunk_tokens must be a multiple of 16 in [16, 65536], got " + std::to_string(opt.chunk_tokens));
   require(opt.sink <= opt.chunk_tokens, "kvtc store: sink must not exceed chunk_tokens");

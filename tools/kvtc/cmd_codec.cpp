@@ -91,6 +91,16 @@ Action add_calibrate(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--power-iters", o->fit.power_iters, "Power iterations of the randomized route")->capture_default_str();
   sub->add_option("--threads", o->threads, "Threads (default: all)");
+  // The RoPE flags a server runs with, so the components are fitted on the
+  // keys it computes (bench/results/rope-settings.md); llama-server's names.
+  sub->add_option("--rope-scaling", o->rope.scaling, "RoPE scaling of the contexts: none, linear or yarn (default: the GGUF's)")
+      ->check(CLI::IsMember({"none", "linear", "yarn"}));
+  sub->add_option("--rope-freq-base", o->rope.freq_base, "RoPE base frequency of the contexts (default: the GGUF's)")->check(CLI::PositiveNumber);
+  sub->add_option("--rope-freq-scale", o->rope.freq_scale, "RoPE frequency scale of the contexts (default: the GGUF's)")->check(CLI::PositiveNumber);
+  sub->add_option_function<float>(
+         "--rope-scale", [o](float n) { o->rope.freq_scale = 1.0f / n; }, "RoPE context scaling factor N: --rope-freq-scale 1/N")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--yarn-orig-ctx", o->rope.yarn_orig_ctx, "YaRN's original context of the contexts (default: the GGUF's)");
   sub->add_flag("--keep-rope", o->fit.keep_rope, "Ablation: fit keys with RoPE applied, as llama.cpp stores them (meta keys_rope = kept)");
   sub->add_option("--kinds", o->kinds, "Corpus kinds to calibrate on (prose, docs, code, math; default all)");
   sub->add_option("-o,--output", *out, "Output calibration file (.safetensors)")->required();

@@ -364,7 +364,7 @@ class Codec(unittest.TestCase):
         # computed and de-rotated under them, and the file names the
         # rotation it removed (bench/results/rope-settings-calib.md measures
         # what that buys: little).
-        out = self.path("yarn-cal.safetensors")
+        out = self.path("cal-yarn.safetensors")
         run("calibrate", "-m", SMOL, "--tokens", "256", "--heldout", "64", "--doc-tokens", "320", "--rank-max", "64", "--ratios", "16",
             "--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "2048", "-o", out, check=0)
         _, meta, _ = read_safetensors(out)

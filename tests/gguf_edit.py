@@ -25,16 +25,18 @@ def _gguf_skip_value(raw, at, t):
     return at
 
 
+def gguf_string(x):
+    """A GGUF string: uint64 length, then the UTF-8 bytes."""
+    b = x.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
 def gguf_with_metadata(src, dst, extra):
     """A copy of the GGUF (version 3) `src` at `dst` with the metadata
     `extra` added or replaced: {key: value}, a str written as a string, an
     int as uint32, a float as float32. The tensors are the same bytes: a
     model whose file says what llama.cpp's flags would otherwise say (e.g.
     rope scaling "yarn"), as such a conversion would ship."""
-    def s(x):
-        b = x.encode()
-        return struct.pack("<Q", len(b)) + b
-
     with open(src, "rb") as f:
         raw = f.read()
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", raw, 0)
@@ -52,11 +54,11 @@ def gguf_with_metadata(src, dst, extra):
             kept.append(raw[start:at])
     for key, v in extra.items():
         if isinstance(v, str):
-            kept.append(s(key) + struct.pack("<I", 8) + s(v))
+            kept.append(gguf_string(key) + struct.pack("<I", 8) + gguf_string(v))
         elif isinstance(v, int):
-            kept.append(s(key) + struct.pack("<II", 4, v))
+            kept.append(gguf_string(key) + struct.pack("<II", 4, v))
         else:
-            kept.append(s(key) + struct.pack("<If", 6, v))
+            kept.append(gguf_string(key) + struct.pack("<If", 6, v))
     infos = at
     for _ in range(n_tensors):  # name, n_dims, dims, type, offset
         (n,) = struct.unpack_from("<Q", raw, at)
@@ -66,4 +68,3 @@ def gguf_with_metadata(src, dst, extra):
     head = struct.pack("<4sIQQ", magic, version, n_tensors, len(kept)) + b"".join(kept) + raw[infos:at]
     with open(dst, "wb") as f:
         f.write(head + b"\0" * (-len(head) % align) + raw[data:])
-

@@ -23,7 +23,7 @@ import unittest
 
 import requests
 
-from gguf_edit import gguf_with_metadata
+from gguf_edit import gguf_string, gguf_with_metadata
 from kvtc_testlib import CORPUS, SMALL_CALIBRATION, SMOL, read_safetensors, run, small_calibration
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
@@ -88,14 +88,10 @@ def write_control_vector(path, n_embd, layers, value):
     common_control_vector_load_one): GGUF version 3, no metadata, one F32
     tensor "direction.<layer>" of n_embd values per layer, data aligned to
     32 bytes (GGUF's default)."""
-    def s(x):
-        b = x.encode()
-        return struct.pack("<Q", len(b)) + b
-
     layers = list(layers)
     head = b"GGUF" + struct.pack("<IQQ", 3, len(layers), 0)
     for i, layer in enumerate(layers):
-        head += s(f"direction.{layer}") + struct.pack("<IQIQ", 1, n_embd, 0, i * 4 * n_embd)  # 1 dim, F32, offset
+        head += gguf_string(f"direction.{layer}") + struct.pack("<IQIQ", 1, n_embd, 0, i * 4 * n_embd)  # 1 dim, F32, offset
     head += b"\0" * (-len(head) % 32)
     with open(path, "wb") as f:
         f.write(head + struct.pack(f"<{n_embd * len(layers)}f", *([value] * (n_embd * len(layers)))))

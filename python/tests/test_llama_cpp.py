@@ -23,8 +23,8 @@ from serverlib import Redis  # noqa: E402  (redis-server on a loopback port, as 
 N_CTX = 2048
 
 
-def make_llm(**kw):
-    return llama_cpp.Llama(SMOL, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False, **kw)
+def make_llm(model=SMOL, **kw):
+    return llama_cpp.Llama(model, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False, **kw)
 
 
 def document(n_chars=3000):
@@ -416,8 +416,8 @@ def test_a_gguf_that_asks_for_yarn_itself_is_learned_and_coded_under_it(work):
     gguf = str(work / "smol-yarn.gguf")
     gguf_with_metadata(SMOL, gguf, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0,
                                     "llama.rope.scaling.original_context_length": 1024})
-    ref = conversation(llama_cpp.Llama(gguf, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False), None, switch=False)
-    llm = llama_cpp.Llama(gguf, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False)
+    ref = conversation(make_llm(gguf), None, switch=False)
+    llm = make_llm(gguf)
     assert kvtc.llama_cpp.model_facts(llm)["rope_scaling_type"] == "yarn"
     assert kvtc.llama_cpp.context_kv_settings(llm)["yarn_ext_factor"] == 1.0
     with KvtcCache("auto", llm, calib_tokens=1024, calib_share=1000.0) as cache:
@@ -471,11 +471,8 @@ def test_a_sliding_window_model_is_restored_whole(work):
     else:
         run("calibrate", "-m", GEMMA, "--tokens", "3000", "--heldout", "512", "--doc-tokens", "1024", "--rank-max", "512", "-o", cal)
 
-    def gemma():
-        return llama_cpp.Llama(GEMMA, n_ctx=N_CTX, n_threads=2, seed=7, verbose=False)
-
-    kept = conversation(gemma(), None, switch=False)
-    a1, logits, s = through_kvtc_cache(gemma(), cal, ratio=16)
+    kept = conversation(make_llm(GEMMA), None, switch=False)
+    a1, logits, s = through_kvtc_cache(make_llm(GEMMA), cal, ratio=16)
     assert s["hits_ram"] + s["hits_pending"] == 1 and s["tokens_restored"] >= 800, s
     assert a1 == kept[0]
     # As from the kept cache: mean KL over turn 2's answer while the greedy

@@ -92,7 +92,8 @@ Action add_calibrate(CLI::App& app) {
   sub->add_option("--power-iters", o->fit.power_iters, "Power iterations of the randomized route")->capture_default_str();
   sub->add_option("--threads", o->threads, "Threads (default: all)");
   // The RoPE flags a server runs with, so the components are fitted on the
-  // keys it computes (bench/results/rope-settings.md); llama-server's names.
+  // keys it computes; llama-server's names. It buys little
+  // (bench/results/rope-settings-calib.md), but the file then names them.
   sub->add_option("--rope-scaling", o->rope.scaling, "RoPE scaling of the contexts: none, linear or yarn (default: the GGUF's)")
       ->check(CLI::IsMember({"none", "linear", "yarn"}));
   sub->add_option("--rope-freq-base", o->rope.freq_base, "RoPE base frequency of the contexts (default: the GGUF's)")->check(CLI::PositiveNumber);

@@ -100,12 +100,15 @@ class CliTest(unittest.TestCase):
         self.assertTrue(j["corpus"]["built"])
         self.assertEqual(sorted(j["corpus"]["calib"]["kinds"]), ["code", "docs", "math", "prose"])
         self.assertIn("features", j["cpu"])
-        # What auto runs: bf16 both ways where native; else f32 encode and,
-        # with AVX2 and oneDNN's int8, int8 decode (project.cpp).
+        # What auto runs: bf16 encode where native, else f32; int8 decode
+        # where AVX2 and oneDNN's int8 run it, unless bf16 is native and
+        # either AMX or no AVX-512 VNNI is there (then bf16) (project.cpp).
         a, native = j["auto_precision"], not j["bf16_projection"].startswith("unavailable")
-        int8 = "avx2" in j["cpu"]["features"] and not j["int8_projection"].startswith("unavailable")
+        feats = j["cpu"]["features"]
+        int8 = "avx2" in feats and not j["int8_projection"].startswith("unavailable")
+        bf16_decode = native and ("amx_bf16" in feats or not int8 or "avx512_vnni" not in feats)
         self.assertEqual(a["encode"], "bf16" if native else "f32")
-        self.assertEqual(a["decode"], "bf16" if native else "int8" if int8 else "f32")
+        self.assertEqual(a["decode"], "bf16" if bf16_decode else "int8" if int8 else "f32")
 
     def test_models_by_name(self):
         j = json.loads(run("info", "--json", check=0).stdout)

@@ -5,6 +5,7 @@
 // cache.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <random>
@@ -55,6 +56,21 @@ void expect_close(const std::vector<float>& d, const std::vector<float>& out, fl
   for (size_t i = 0; i < d.size(); ++i) ASSERT_LE(std::fabs(d[i] - out[i]), step * 1.0f + 1e-6f * std::fabs(d[i])) << "coefficient " << i;
 }
 
+// ecsq_decode_codes gives the codes whose reconstructions ecsq_decode_chunk
+// writes (component-major), bit for bit.
+void expect_codes_agree(const std::vector<uint8_t>& bytes, uint32_t n, uint32_t ru) {
+  std::vector<float> values(size_t(n) * ru, -1);
+  std::vector<int32_t> codes(size_t(n) * ru, -1);
+  ecsq_decode_chunk(bytes.data(), bytes.size(), n, ru, values.data(), "chunk", true);
+  ecsq_decode_codes(bytes.data(), bytes.size(), n, ru, codes.data(), "chunk");
+  const float step = ecsq_chunk_step(bytes.data(), bytes.size(), "chunk"), offset = ecsq_chunk_offset(bytes.data(), bytes.size(), "chunk");
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const int32_t c = codes[i];
+    const float a = c == 0 ? 0.0f : (float(std::abs(c)) - offset) * step;
+    ASSERT_EQ(values[i], c < 0 ? -a : a) << "value " << i << ", code " << c;
+  }
+}
+
 }  // namespace
 
 // The table file is the one docs/format.md names (its SHA-256), and every
@@ -87,6 +103,7 @@ TEST(Ecsq, RoundTripsAndEstimatesItsSize) {
       std::vector<float> out(d.size(), -1);
       ecsq_decode_chunk(bytes.data(), bytes.size(), n, ru, out.data(), "chunk");
       expect_close(d, out, step);
+      expect_codes_agree(bytes, n, ru);
       // The same bytes again (the encoder is deterministic).
       EXPECT_EQ(bytes, ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p));
       const double est = ecsq_estimate_bytes(cm(d, n, ru).data(), n, ru, p);
@@ -112,6 +129,7 @@ TEST(Ecsq, LargeCodesUseShiftsAndEscapes) {
   EXPECT_EQ(bytes[8 + 2], 0) << "an all-zero component has id 0";
   std::vector<float> out(d.size());
   ecsq_decode_chunk(bytes.data(), bytes.size(), n, ru, out.data(), "chunk");
+  expect_codes_agree(bytes, n, ru);
   for (uint32_t t = 0; t < n; ++t)
     for (uint32_t j = 0; j < ru; ++j) {
       const float x = d[size_t(t) * ru + j], y = out[size_t(t) * ru + j];
@@ -132,8 +150,11 @@ TEST(Ecsq, CorruptPayloadsAreErrors) {
   p.step = 0.25f;
   const std::vector<uint8_t> good = ecsq_encode_chunk(cm(d, n, ru).data(), n, ru, p);
   std::vector<float> out(size_t(n) * ru);
-  for (size_t len = 0; len < good.size(); ++len)
+  std::vector<int32_t> codes(size_t(n) * ru);
+  for (size_t len = 0; len < good.size(); ++len) {
     EXPECT_THROW(ecsq_decode_chunk(good.data(), len, n, ru, out.data(), "truncated"), Error) << "length " << len;
+    EXPECT_THROW(ecsq_decode_codes(good.data(), len, n, ru, codes.data(), "truncated"), Error) << "length " << len;
+  }
   std::vector<uint8_t> longer = good;
   longer.push_back(0);
   EXPECT_THROW(ecsq_decode_chunk(longer.data(), longer.size(), n, ru, out.data(), "longer"), Error);
@@ -146,6 +167,23 @@ TEST(Ecsq, CorruptPayloadsAreErrors) {
       ecsq_decode_chunk(b.data(), b.size(), n, ru, out.data(), "flipped");
     } catch (const Error&) {
       ++errors;
+    }
+    // The integer decoder makes the same checks (the step's and offset's
+    // aside: its caller reads them apart).
+    if (std::equal(b.begin(), b.begin() + 8, good.begin())) {
+      bool threw = false;
+      try {
+        ecsq_decode_codes(b.data(), b.size(), n, ru, codes.data(), "flipped");
+      } catch (const Error&) {
+        threw = true;
+      }
+      bool threw_float = false;
+      try {
+        ecsq_decode_chunk(b.data(), b.size(), n, ru, out.data(), "flipped");
+      } catch (const Error&) {
+        threw_float = true;
+      }
+      EXPECT_EQ(threw, threw_float) << "trial " << trial;
     }
   }
   EXPECT_GT(errors, 1000) << "the end-of-stream check catches most changes";

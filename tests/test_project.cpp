@@ -55,10 +55,12 @@ TEST(Precision, NamesParseAndResolve) {
   std::string why;
   const bool bf16 = bf16_projection_available(&why);
   EXPECT_FALSE(why.empty());
-  // auto: bf16 where native, else the integer decode where AVX2 runs it.
-  const bool avx2 = cpu_features().avx2;
-  const bool int8 = int8_projection_available();
-  EXPECT_EQ(detail::resolve_precision(Precision::kAuto, "t"), bf16 ? Precision::kBF16 : avx2 && int8 ? Precision::kInt8 : Precision::kF32);
+  // auto: the integer decode where AVX2 runs it, unless bf16 is native and
+  // the CPU has AMX or lacks AVX-512 VNNI (then bf16); else f32.
+  const CpuFeatures& cf = cpu_features();
+  const bool int8 = cf.avx2 && int8_projection_available();
+  const bool bf16_wins = bf16 && (cf.amx_bf16 || !int8 || !cf.avx512_vnni);
+  EXPECT_EQ(detail::resolve_precision(Precision::kAuto, "t"), bf16_wins ? Precision::kBF16 : int8 ? Precision::kInt8 : Precision::kF32);
   EXPECT_EQ(detail::resolve_precision(Precision::kF32, "t"), Precision::kF32);
   if (bf16)
     EXPECT_EQ(detail::resolve_precision(Precision::kBF16, "t"), Precision::kBF16);
@@ -76,19 +78,6 @@ TEST(Precision, NamesParseAndResolve) {
   EXPECT_EQ(detail::float_precision(detail::resolve_precision(Precision::kAuto, "t")), bf16 ? Precision::kBF16 : Precision::kF32);
   EXPECT_EQ(detail::float_precision(Precision::kF32), Precision::kF32);
 }
-
-namespace {
-// An entropy-coded chunk's reconstructions as ecsq_decode_chunk writes
-// them, component-major: sign(q) (|q| - offset) step.
-std::vector<float> ecsq_values(const std::vector<int32_t>& q, float step, float offset) {
-  std::vector<float> d(q.size());
-  for (size_t i = 0; i < q.size(); ++i) {
-    const float a = q[i] == 0 ? 0.0f : (float(std::abs(q[i])) - offset) * step;
-    d[i] = q[i] < 0 ? -a : a;
-  }
-  return d;
-}
-}  // namespace
 
 // The integer GEMM sums exactly at the ends of its operands' ranges: codes
 // +-127 (16 - 1/8 in steps of 1/8: offset 0.125) against basis entries
@@ -117,10 +106,9 @@ TEST(Projector, Int8GemmIsExactAtTheRangeEnds) {
   q[size_t(5) * n + 0] = 1000 * sj(5);
   q[size_t(200) * n + 7] = -3000 * sj(200);
   const float step = 0.5f, offset = 0.125f;
-  const std::vector<float> d = ecsq_values(q, step, offset);
   const detail::Projector P(T, r, Precision::kInt8);
   std::vector<float> y(size_t(n) * p);
-  P.decode_ecsq(d.data(), n, step, offset, y.data(), nullptr);
+  P.decode_codes(q.data(), n, step, offset, y.data(), nullptr);
   // Every term is (|q| - 0.125) * 0.5 * 0.125 * sign: exact in f32 as in double.
   for (uint32_t t = 0; t < n; ++t)
     for (uint32_t f = 0; f < p; ++f) {
@@ -154,12 +142,11 @@ TEST(Projector, Int8NearTheFloatGemmOnEntropyCodedChunks) {
       q[size_t(j) * n + t] = int32_t(std::lround(v));
     }
   const float step = 0.25f, offset = 0.1f;
-  const std::vector<float> d = ecsq_values(q, step, offset);
   const Precision fp = detail::float_precision(Precision::kInt8);
   const detail::Projector I(T, r, Precision::kInt8), F(T, r, fp);
   std::vector<float> yi(size_t(n) * p), yf(size_t(n) * p);
-  I.decode_ecsq(d.data(), n, step, offset, yi.data(), nullptr);
-  F.decode_ecsq(d.data(), n, step, offset, yf.data(), nullptr);
+  I.decode_codes(q.data(), n, step, offset, yi.data(), nullptr);
+  F.decode_codes(q.data(), n, step, offset, yf.data(), nullptr);
   for (uint32_t t = 0; t < n; ++t)
     for (uint32_t f = 0; f < p; ++f) yi[size_t(t) * p + f] -= T.mu[f], yf[size_t(t) * p + f] -= T.mu[f];
   const double diff = rel_diff(yf, yi);
@@ -169,9 +156,8 @@ TEST(Projector, Int8NearTheFloatGemmOnEntropyCodedChunks) {
   // Every code past 8 bits (|q| >= 17: 8 |q| - round(8 offset) >= 135):
   // the float GEMM alone.
   for (int32_t& c : q) c = c < 0 ? c - 17 : c + 17;
-  const std::vector<float> big = ecsq_values(q, step, offset);
-  I.decode_ecsq(big.data(), n, step, offset, yi.data(), nullptr);
-  F.decode_ecsq(big.data(), n, step, offset, yf.data(), nullptr);
+  I.decode_codes(q.data(), n, step, offset, yi.data(), nullptr);
+  F.decode_codes(q.data(), n, step, offset, yf.data(), nullptr);
   EXPECT_EQ(yi, yf);
 }
 

@@ -33,19 +33,23 @@ constexpr uint32_t kContainerVersion = 3;
 // dequantized coefficients, and the basis) to bfloat16 and accumulates in
 // f32: ~2x faster where the CPU has AVX512-BF16 or AMX (oneDNN), at a
 // measured cost (bench/results/quality-precision.md). kTF32 and kF16 exist
-// on the GPU only; the CPU refuses them. kAuto: bf16 where the CPU runs it
-// natively, else kInt8 where it has AVX2 (the encoder, and the decoder's
-// float parts, in f32 there), else f32; on the GPU, f32. Any precision
-// decodes any container; byte-identical output across machines needs kF32.
+// on the GPU only; the CPU refuses them. kAuto: the encoder in bf16 where
+// the CPU runs it natively, else f32; the decoder in kInt8 where the CPU
+// has AVX2, except where bf16 is native and the CPU has AMX (int8 against
+// AMX's bf16 unmeasured) or lacks AVX-512 VNNI: bf16 there; else f32; on
+// the GPU, f32. Any precision decodes any container; byte-identical output
+// across machines needs kF32.
 // kInt8 (CPU decode): the entropy-coded
 // chunks' integer codes, in fixed point with 3 fraction bits for the
 // reconstruction offset, times the basis in 7-bit integers with one scale
-// per feature, in oneDNN's integer GEMM (VNNI or AMX where the CPU has
-// them, AVX2's vpmaddubsw otherwise); a chunk's leading components whose
+// per feature, in oneDNN's integer GEMM (gemm:jit: VNNI where the CPU has
+// it, AVX2's vpmaddubsw otherwise); a chunk's leading components whose
 // codes pass the 8-bit range, the DP's chunks and the encoder run in bf16
 // where native, else f32. ~0.8% more squared error than f32, KL on the model
-// within noise of f32's, 1.33-1.51x faster entropy-coded decode on AVX2
-// (bench/results/speed-int8.md, quality-int8.md).
+// within noise of f32's; the entropy-coded decode 1.33-1.51x faster than f32
+// on AVX2 (bench/results/speed-int8.md, quality-int8.md) and 1.69x faster
+// than bf16 on a Zen 4 EPYC with AVX-512 VNNI (speed-vnni.md,
+// quality-int8-vnni.md).
 enum class Precision : uint8_t { kAuto, kF32, kBF16, kTF32, kF16, kInt8 };
 const char* precision_name(Precision p);          // "auto", "f32", "bf16", "tf32", "f16", "int8"
 Precision parse_precision(const std::string& s);  // Error naming the accepted values

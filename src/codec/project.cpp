@@ -273,14 +273,22 @@ namespace detail {
 Precision resolve_precision(Precision requested, const char* who) {
   std::string why;
   const bool bf16 = bf16_projection_available(&why);
-  // kAuto without native bf16: the integer projection where AVX2 runs it
-  // (the decoder's entropy-coded chunks; the rest stays f32, float_precision):
-  // on an AVX2-only EPYC it decodes the entropy-coded mode 1.33-1.51x faster
-  // at +0.8% squared error and a KL within +1.2% +- 5.5% of f32's over 8
-  // prompts (bench/results/speed-int8.md, quality-int8.md). Where bf16 is
-  // native, int8 against it is unmeasured: bf16 stays.
-  if (requested == Precision::kAuto)
-    return bf16 ? Precision::kBF16 : cpu_features().avx2 && int8_projection_available() ? Precision::kInt8 : Precision::kF32;
+  // kAuto: the integer projection for the decoder's entropy-coded chunks
+  // (the rest runs as float_precision says) where AVX2 runs it and bf16 is
+  // not faster: on an AVX2-only EPYC it decodes the entropy-coded mode
+  // 1.33-1.51x faster than f32 at +0.8% squared error and a KL within
+  // +1.2% +- 5.5% of f32's over 8 prompts (bench/results/speed-int8.md,
+  // quality-int8.md); on an AVX-512 VNNI + BF16 EPYC (Zen 4) 1.69x faster
+  // than bf16 at DP-16x's error, oneDNN's int8 GEMM at ~700 GOP/s against
+  // bf16's ~390 (bench/results/speed-vnni.md, quality-int8-vnni.md). Where
+  // the CPU has AMX, bf16 runs on its tiles and int8 against it is
+  // unmeasured (oneDNN 2.6's s8 matmul here is gemm:jit, not AMX): bf16.
+  if (requested == Precision::kAuto) {
+    const CpuFeatures& c = cpu_features();
+    const bool int8 = c.avx2 && int8_projection_available();
+    if (bf16 && (c.amx_bf16 || !int8 || !c.avx512_vnni)) return Precision::kBF16;
+    return int8 ? Precision::kInt8 : Precision::kF32;
+  }
   if (requested == Precision::kTF32 || requested == Precision::kF16)
     throw Error(std::string(who) + ": precision " + precision_name(requested) + " is a GPU mode; the CPU projection runs f32 or bf16");
   if (requested == Precision::kBF16 && !bf16) throw Error(std::string(who) + ": precision bf16 asked for, but " + why + "; use f32 or auto");
@@ -468,20 +476,30 @@ void Projector::decode_rows(const float* d, uint32_t n, uint32_t k, float* x, St
 // 400-1,000 and added nothing measurable.
 constexpr int kFracBits = 3;
 
-void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset, float* x, StageClock* clk) const {
-  if (!int8_ || ru_ == 0) return decode(d, n, x, clk, true);
+namespace {
+// A code's reconstruction in units of step: sign(c) (|c| - offset), 0 for 0
+// (what ecsq_decode_chunk writes, divided by step).
+inline float code_value(int32_t c, float step, float offset) {
+  const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
+  return c < 0 ? -a : a;
+}
+}  // namespace
+
+void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float offset, float* x, StageClock* clk, DecodeScratch* scratch) const {
+  if (!int8_ || ru_ == 0) {
+    std::vector<float> d(size_t(ru_) * n);
+    {
+      StageTimer st(clk, kQuant);
+      for (size_t i = 0; i < d.size(); ++i) d[i] = code_value(c[i], step, offset);
+    }
+    return decode(d.data(), n, x, clk, true);
+  }
 #if KVTC_HAVE_DNNL
   const uint32_t p = T_.p;
-  // |d| = (|q| - offset) step exactly up to f32 rounding (|q| <= 2^25 - 1:
-  // the rounding stays far below 1/2), so |q| = round(|d| / step + offset),
-  // and truncating |d| / step + offset + 1/2 rounds. Written without
-  // branches over locals (an int8_t store may alias captured values): GCC
-  // vectorises the loops below; with std::nearbyint (libm per value) and
-  // branches they ran 5-12 ns a code.
-  const float iv = 1.0f / step, half = offset + 0.5f;
+  // v = sign(c) (8 |c| - ro) for c != 0, ro = round(8 offset) in [-4, 4]:
+  // |v| >= 4, and |v| > 127 iff |c| >= wide.
   const int32_t ro = int32_t(std::lround(std::ldexp(double(offset), kFracBits)));
-  // |v| of a value's magnitude (captures by value: see above).
-  const auto mag = [iv, half, ro](float av) { return ((int32_t(av * iv + half) << kFracBits) - ro) * int32_t(av > 0.0f); };
+  const int32_t wide = (127 + ro) / 8 + 1;
   // A component runs in the float GEMM when more than a quarter of its
   // codes pass 8 bits (the leading ones: the step is shared and their
   // variance is largest); in the others a code past 8 bits is clamped and
@@ -494,39 +512,42 @@ void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset
     int32_t rest;
   };
   std::vector<Outlier> outliers;
-  std::vector<int8_t> a;
+  DecodeScratch own;
+  DecodeScratch& S = scratch ? *scratch : own;
+  std::vector<int8_t>& a = S.a;
+  std::vector<float>& lead = S.lead;
   uint32_t j0 = 0;
   {
     StageTimer st(clk, kQuant);
     for (uint32_t j = 0; j < ru_; ++j) {
-      const float* row = d + size_t(j) * n;
+      const int32_t* row = c + size_t(j) * n;
       uint32_t over = 0;
-      for (uint32_t t = 0; t < n; ++t) {
-        over += uint32_t(mag(std::fabs(row[t])) > 127);
-      }
+      for (uint32_t t = 0; t < n; ++t) over += uint32_t(row[t] >= wide) + uint32_t(row[t] <= -wide);
       if (over > n / 4) j0 = j + 1;
     }
     j0 = std::min(ru_, (j0 + 31) / 32 * 32);
+    lead.resize(size_t(j0) * n);
+    for (size_t i = 0; i < lead.size(); ++i) lead[i] = code_value(c[i], step, offset);
     const uint32_t k = ru_ - j0;
-    std::vector<int8_t> cm(size_t(k) * n);
+    std::vector<int8_t>& cm = S.cm;
+    cm.resize(size_t(k) * n);  // written whole below
     for (uint32_t i = 0; i < k; ++i) {
-      const float* row = d + size_t(j0 + i) * n;
+      const int32_t* row = c + size_t(j0 + i) * n;
       int8_t* out = cm.data() + size_t(i) * n;
       uint32_t over = 0;
       for (uint32_t t = 0; t < n; ++t) {
-        const float v = row[t];
-        const int32_t m = mag(std::fabs(v)), c = std::min(m, 127), sg = -int32_t(v < 0.0f);
+        const int32_t q = row[t], sg = q >> 31, m = ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0), cl = std::min(m, 127);
         over += uint32_t(m > 127);
-        out[t] = int8_t((c ^ sg) - sg);
+        out[t] = int8_t((cl ^ sg) - sg);
       }
       if (over)
         for (uint32_t t = 0; t < n; ++t) {
-          const int32_t m = mag(std::fabs(row[t]));
-          if (m > 127) outliers.push_back({t, j0 + i, row[t] < 0 ? 127 - m : m - 127});
+          const int32_t q = row[t], m = ((q < 0 ? -q : q) << kFracBits) - ro;
+          if (q != 0 && m > 127) outliers.push_back({t, j0 + i, q < 0 ? 127 - m : m - 127});
         }
     }
     // Token-major for the GEMM (its transposed-source kernel ran ~20% slower
-    // here), in 32 x 32 tiles.
+    // on an AVX2 EPYC), in 32 x 32 tiles.
     a.resize(size_t(n) * k);
     constexpr uint32_t kTile = 32;
     for (uint32_t t0 = 0; t0 < n; t0 += kTile)
@@ -534,7 +555,7 @@ void Projector::decode_ecsq(const float* d, uint32_t n, float step, float offset
         for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
           for (uint32_t i = i0; i < std::min(k, i0 + kTile); ++i) a[size_t(t) * k + i] = cm[size_t(i) * n + t];
   }
-  decode_rows(d, n, j0, x, clk, true);  // the mean and the leading components
+  decode_rows(lead.data(), n, j0, x, clk, true);  // the mean and the leading components
   if (j0 == ru_) return;
   const float unit = std::ldexp(step, -kFracBits);
   const float* scale = basis_s8_->scale.data();

@@ -54,6 +54,13 @@ struct Int8Basis {
   std::vector<float> scale;  // [p]
 };
 
+// Buffers Projector::decode_codes reuses across calls (the caller's, one per
+// thread at a time; grown, never shrunk).
+struct DecodeScratch {
+  std::vector<int8_t> cm, a;
+  std::vector<float> lead;
+};
+
 class Projector {
  public:
   Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key = {});
@@ -65,17 +72,22 @@ class Projector {
   // X[n][p] = D[n][ru] B[:ru] + mu; with component_major, d is D' [ru][n]
   // (the entropy-coded chunks' order).
   void decode(const float* d, uint32_t n, float* x, StageClock* clk, bool component_major = false) const;
-  // The same for an entropy-coded chunk: d is D' [ru][n] as
-  // ecsq_decode_chunk writes it, sign(q) (|q| - offset) step, with the
-  // chunk's step and offset. With kInt8 the components after the last one
-  // with over a quarter of its fixed-point codes past 8 bits run in the
+  // The same for an entropy-coded chunk from its integer codes, c' [ru][n]
+  // as ecsq_decode_codes writes them (rows past the chunk's own zero), with
+  // the chunk's step and offset: each code's value sign(c) (|c| - offset)
+  // step. With kInt8 the components after the last one with over a quarter
+  // of its fixed-point codes (3 fraction bits) past 8 bits run in the
   // integer GEMM (their rarer wide codes clamped, the remainders added
-  // apart; the leading ones as decode()); otherwise exactly
-  // decode(d, n, x, clk, true). Thread-safe (const; oneDNN's primitives
-  // and scratchpads are per thread).
-  void decode_ecsq(const float* d, uint32_t n, float step, float offset, float* x, StageClock* clk) const;
+  // apart; the leading ones as decode()); otherwise exactly decode() of the
+  // values, component-major. Thread-safe (const; oneDNN's primitives and
+  // scratchpads are per thread).
+  // `scratch`: buffers to reuse (null: allocated here).
+  void decode_codes(const int32_t* c, uint32_t n, float step, float offset, float* x, StageClock* clk, DecodeScratch* scratch = nullptr) const;
 
   uint32_t ru() const { return ru_; }
+  // Whether decode_codes multiplies integers (the caller then decodes the
+  // codes, not their float values).
+  bool int8() const { return int8_; }
 
  private:
   // decode() over D's first k rows (component-major d with n columns, or

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <openssl/evp.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -293,6 +294,16 @@ void f32_to_f16_n(const float* in, uint16_t* out, size_t n) {
   if (f16c) return f32_to_f16_f16c(in, out, n);
 #endif
   for (size_t i = 0; i < n; ++i) out[i] = f32_to_f16(in[i]);
+}
+
+void advise_huge_pages(const void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1), e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (e > a) (void)madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);  // advice: a refusal changes nothing but the time
+#else
+  (void)p, (void)bytes;
+#endif
 }
 
 }  // namespace kvtc

@@ -234,7 +234,8 @@ void bypass(std::vector<Event>& ev, uint32_t v, uint32_t k) {
 // this Xeon; see bench/results/entropy.md for this one. Stops after an
 // escape symbol (*esc set, its bypass bits unread) and returns the next
 // token. dq[63], the escape's entry, is a placeholder.
-uint32_t decode_run(const uint32_t* dec, const float* dq, uint32_t* st, const uint8_t** pp, const uint8_t* end, float* col, uint32_t t, uint32_t n,
+template <class T>
+uint32_t decode_run(const uint32_t* dec, const T* dq, uint32_t* st, const uint8_t** pp, const uint8_t* end, T* col, uint32_t t, uint32_t n,
                     bool* esc) {
   uint32_t a0 = st[0], a1 = st[1], a2 = st[2], a3 = st[3];
   const uint8_t* p = *pp;
@@ -401,12 +402,15 @@ float ecsq_chunk_offset(const uint8_t* buf, size_t len, const std::string& where
   return offset;
 }
 
-void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major) {
-  const Tables& T = tables();
+namespace {
+// Decodes a payload component by component into cm[j * n + t] (the
+// stream's order), each code c as value(c): its float reconstruction
+// sign(c) (|c| - offset) step, or c itself. Every read is bounds-checked.
+template <class T, class Value>
+void decode_components(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* cm, const std::string& where, Value value) {
+  const Tables& T_ = tables();
   require(len >= ecsq_fixed_bytes(ru),
           where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " + std::to_string(ecsq_fixed_bytes(ru)) + " expected");
-  const float step = ecsq_chunk_step(buf, len, where);
-  const float offset = ecsq_chunk_offset(buf, len, where);
   const uint8_t* ids = buf + 8;
   for (uint32_t j = 0; j < ru; ++j)
     if (ids[j] > kLastId)
@@ -431,8 +435,8 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
   };
   auto sym = [&](uint32_t k) -> uint32_t {
     uint32_t& s = x[i++ & 3];
-    const uint32_t slot = s & (kTotal - 1), u = T.lut[k][slot];
-    s = kFreq[k][u] * (s >> kScaleBits) + slot - T.cum[k][u];
+    const uint32_t slot = s & (kTotal - 1), u = T_.lut[k][slot];
+    s = kFreq[k][u] * (s >> kScaleBits) + slot - T_.cum[k][u];
     renorm(s);
     return u;
   };
@@ -458,13 +462,60 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
     return ((1u << nb) | bits_of(nb)) - 1;
   };
-  // The reconstruction of an escaped unshifted code (the escape symbol read).
-  auto escaped_value = [&]() -> float {
-    const int64_t c = unzigzag(escaped());
+  auto checked = [&](int64_t c) -> T {
     if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
-    const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
-    return c < 0 ? -a : a;
+    return value(int32_t(c));
   };
+  T dq[kNSym];  // the value of unshifted symbol u (the escape's: a placeholder)
+  dq[kEsc] = 0;
+  for (uint32_t u = 0; u < kEsc; ++u) dq[u] = value(unzigzag(u));
+  for (uint32_t j = 0; j < ru; ++j) {
+    const uint32_t id = ids[j];
+    T* col = &cm[size_t(j) * n];
+    if (!id) {
+      std::fill(col, col + n, T(0));
+      continue;
+    }
+    const uint32_t k = id_table(id), b = id_shift(id);
+    if (b == 0) {
+      // The common case, unshifted: decode_run() while it can, the general
+      // path for an escape and the stream's last byte.
+      uint32_t t = 0;
+      while (t < n) {
+        uint32_t st[4] = {x[i & 3], x[(i + 1) & 3], x[(i + 2) & 3], x[(i + 3) & 3]};
+        bool esc = false;
+        const uint32_t t1 = decode_run(T_.dec[k], dq, st, &p, end, col, t, n, &esc);
+        i += t1 - t;
+        for (uint32_t r = 0; r < 4; ++r) x[(i + r) & 3] = st[r];
+        t = t1;
+        if (esc) {  // the run stopped after an escape symbol: its bypass bits
+          col[t - 1] = checked(unzigzag(escaped()));
+          continue;
+        }
+        if (t == n) break;
+        const uint32_t u = sym(k);  // within 2 bytes of the end
+        col[t++] = u != kEsc ? dq[u] : checked(unzigzag(escaped()));
+      }
+      continue;
+    }
+    for (uint32_t t = 0; t < n; ++t) {
+      uint32_t u = sym(k);
+      if (u == kEsc) u = escaped();
+      int64_t c = unzigzag(u);
+      if (b) c = c * (int64_t(1) << b) + bits_of(b);
+      col[t] = checked(c);
+    }
+  }
+  require(p == end, where + ": " + std::to_string(end - p) + " bytes after the rANS data (corrupt chunk)");
+  for (uint32_t s : x) require(s == kRansL, where + ": rANS states do not return to their start (corrupt chunk)");
+}
+}  // namespace
+
+void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major) {
+  require(len >= ecsq_fixed_bytes(ru),
+          where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " + std::to_string(ecsq_fixed_bytes(ru)) + " expected");
+  const float step = ecsq_chunk_step(buf, len, where);
+  const float offset = ecsq_chunk_offset(buf, len, where);
   // Decoded component-major (the stream's order), then transposed in tiles
   // if d is token-major: writing d column by column directly misses the
   // cache on every value (a row of 3,000 components is 12 KB). The transpose
@@ -479,60 +530,20 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     tmp.resize(size_t(n) * ru);
     cm = tmp.data();
   }
-  float dq[kNSym];  // the reconstruction of unshifted symbol u (the escape's: a placeholder)
-  dq[kEsc] = 0;
-  for (uint32_t u = 0; u < kEsc; ++u) {
-    const int32_t c = unzigzag(u);
+  decode_components(buf, len, n, ru, cm, where, [step, offset](int32_t c) {
     const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
-    dq[u] = c < 0 ? -a : a;
-  }
-  for (uint32_t j = 0; j < ru; ++j) {
-    const uint32_t id = ids[j];
-    float* col = &cm[size_t(j) * n];
-    if (!id) {
-      std::fill(col, col + n, 0.0f);
-      continue;
-    }
-    const uint32_t k = id_table(id), b = id_shift(id);
-    if (b == 0) {
-      // The common case, unshifted: decode_run() while it can, the general
-      // path for an escape and the stream's last byte.
-      uint32_t t = 0;
-      while (t < n) {
-        uint32_t st[4] = {x[i & 3], x[(i + 1) & 3], x[(i + 2) & 3], x[(i + 3) & 3]};
-        bool esc = false;
-        const uint32_t t1 = decode_run(T.dec[k], dq, st, &p, end, col, t, n, &esc);
-        i += t1 - t;
-        for (uint32_t r = 0; r < 4; ++r) x[(i + r) & 3] = st[r];
-        t = t1;
-        if (esc) {  // the run stopped after an escape symbol: its bypass bits
-          col[t - 1] = escaped_value();
-          continue;
-        }
-        if (t == n) break;
-        const uint32_t u = sym(k);  // within 2 bytes of the end
-        col[t++] = u != kEsc ? dq[u] : escaped_value();
-      }
-      continue;
-    }
-    for (uint32_t t = 0; t < n; ++t) {
-      uint32_t u = sym(k);
-      if (u == kEsc) u = escaped();
-      int64_t c = unzigzag(u);
-      if (b) c = c * (int64_t(1) << b) + bits_of(b);
-      if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
-      const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
-      col[t] = c < 0 ? -a : a;
-    }
-  }
+    return c < 0 ? -a : a;
+  });
   constexpr uint32_t kTile = 32;
   if (!component_major)
     for (uint32_t t0 = 0; t0 < n; t0 += kTile)
       for (uint32_t j0 = 0; j0 < ru; j0 += kTile)
         for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
           for (uint32_t j = j0; j < std::min(ru, j0 + kTile); ++j) d[size_t(t) * ru + j] = cm[size_t(j) * n + t];
-  require(p == end, where + ": " + std::to_string(end - p) + " bytes after the rANS data (corrupt chunk)");
-  for (uint32_t s : x) require(s == kRansL, where + ": rANS states do not return to their start (corrupt chunk)");
+}
+
+void ecsq_decode_codes(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, int32_t* codes, const std::string& where) {
+  decode_components(buf, len, n, ru, codes, where, [](int32_t c) { return c; });
 }
 
 }  // namespace kvtc::container

@@ -53,6 +53,12 @@ double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ru, const EcsqPa
 // Every read is bounds-checked; Error names `where` and what was wrong.
 void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major = false);
 
+// The same payload's integer codes, component-major: codes[j * n + t] = c,
+// whose reconstruction is sign(c) (|c| - offset) step (0 for c = 0), |c| <=
+// 2^24. For a decoder that multiplies integers (Precision::kInt8): the
+// float values would be turned back into these codes.
+void ecsq_decode_codes(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, int32_t* codes, const std::string& where);
+
 // The step of a payload (append reuses the container's), Error if absent.
 float ecsq_chunk_step(const uint8_t* buf, size_t len, const std::string& where);
 // Its reconstruction offset (in [-0.5, 0.5]), Error if absent or outside.

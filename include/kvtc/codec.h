@@ -47,7 +47,7 @@ constexpr uint32_t kContainerVersion = 3;
 // codes pass the 8-bit range, the DP's chunks and the encoder run in bf16
 // where native, else f32. ~0.8% more squared error than f32, KL on the model
 // within noise of f32's; the entropy-coded decode 1.33-1.51x faster than f32
-// on AVX2 (bench/results/speed-int8.md, quality-int8.md) and 1.69x faster
+// on AVX2 (bench/results/speed-int8.md, quality-int8.md) and 1.57x faster
 // than bf16 on a Zen 4 EPYC with AVX-512 VNNI (speed-vnni.md,
 // quality-int8-vnni.md).
 enum class Precision : uint8_t { kAuto, kF32, kBF16, kTF32, kF16, kInt8 };

@@ -278,9 +278,11 @@ Precision resolve_precision(Precision requested, const char* who) {
   // not faster: on an AVX2-only EPYC it decodes the entropy-coded mode
   // 1.33-1.51x faster than f32 at +0.8% squared error and a KL within
   // +1.2% +- 5.5% of f32's over 8 prompts (bench/results/speed-int8.md,
-  // quality-int8.md); on an AVX-512 VNNI + BF16 EPYC (Zen 4) 1.69x faster
-  // than bf16 at DP-16x's error, oneDNN's int8 GEMM at ~700 GOP/s against
-  // bf16's ~390 (bench/results/speed-vnni.md, quality-int8-vnni.md). Where
+  // quality-int8.md); on an AVX-512 VNNI + BF16 EPYC (Zen 4) 1.57x faster
+  // than bf16 at DP-16x's error (8K SmolLM2: 855 -> 544 ms), oneDNN's int8
+  // GEMM at ~700 GOP/s against bf16's ~395, and a KL +1.2% +- 2.0% (16x) and
+  // -3.3% +- 1.7% (32x) of bf16's over 32 prompts (bench/results/speed-vnni.md,
+  // quality-int8-vnni.md). Where
   // the CPU has AMX, bf16 runs on its tiles and int8 against it is
   // unmeasured (oneDNN 2.6's s8 matmul here is gemm:jit, not AMX): bf16.
   if (requested == Precision::kAuto) {

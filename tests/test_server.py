@@ -447,8 +447,17 @@ class KvtcServer(unittest.TestCase):
 
     def restored_turn_agrees(self, s, what):
         """A saved conversation's second turn, restored on `s`, against its
-        recompute: 10 of 12 greedy tokens at least, mean |logprob
-        difference| below test_second_turn_restores_from_the_compressed_ram_tier's 0.32."""
+        recompute: mean |logprob difference| below 0.2 (measured 0.111-0.114
+        with YaRN by flags and 0.121-0.132 with the GGUF's own on an AVX2
+        and a Zen 4 EPYC; a decoder broken on purpose to scale K and V by
+        1.15 gave 0.227-0.237) and, where the greedy replies part, a close
+        call there: the recompute preferred its token to the restored
+        reply's by less than 0.64 nats, two of the per-token moves a 16x
+        restore makes (up to 0.38 at a token in the YaRN-flags test), one
+        down and one up. (The GGUF's own YaRN agreed on 12 of 12 tokens on
+        the AVX2 EPYC; on the Zen 4 it parts at token 4 with a margin of
+        0.346, with the code before 2026-12-05 too: the CPU's arithmetic,
+        not a change of the restore.)"""
         a = conversation(self.docs[0])
         a1, t_a1, _ = s.chat(a)
         s.chat(conversation(self.docs[1]))  # takes the only slot: A is saved
@@ -460,9 +469,12 @@ class KvtcServer(unittest.TestCase):
         _, t_ref, j_ref = s.chat(a2_msgs, max_tokens=12, cache_prompt=False, **LOGPROBS)
         self.assertEqual(t_ref.get("cache_n", 0), 0, t_ref)
         agree, mean, d = drift(j_a2, j_ref)
-        print(f"{what}: second turn after a 16x restore: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f} {d}")
-        self.assertGreaterEqual(agree, 10, d)
-        self.assertLess(mean, 0.32, (agree, d))
+        g, r = reply_tokens(j_a2), reply_tokens(j_ref)
+        margin = r[agree][1] - r[agree][2].get(g[agree][0], float("-inf")) if agree < min(len(g), len(r)) else 0.0
+        print(f"{what}: second turn after a 16x restore: {agree} of 12 tokens agree, mean |logprob difference| {mean:.3f} {d}; "
+              f"the recompute's margin where they part {margin:.3f}")
+        self.assertLess(margin, 0.64, (agree, d))
+        self.assertLess(mean, 0.2, (agree, d))
 
     def test_a_gguf_that_asks_for_yarn_itself_is_coded_under_it(self):
         # Some conversions ship YaRN in the GGUF (rope scaling "yarn", as

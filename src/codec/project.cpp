@@ -275,16 +275,16 @@ Precision resolve_precision(Precision requested, const char* who) {
   const bool bf16 = bf16_projection_available(&why);
   // kAuto: the integer projection for the decoder's entropy-coded chunks
   // (the rest runs as float_precision says) where AVX2 runs it and bf16 is
-  // not faster: on an AVX2-only EPYC it decodes the entropy-coded mode
+  // not faster. On an AVX2-only EPYC it decodes the entropy-coded mode
   // 1.33-1.51x faster than f32 at +0.8% squared error and a KL within
   // +1.2% +- 5.5% of f32's over 8 prompts (bench/results/speed-int8.md,
   // quality-int8.md); on an AVX-512 VNNI + BF16 EPYC (Zen 4) 1.57x faster
-  // than bf16 at DP-16x's error (8K SmolLM2: 855 -> 544 ms), oneDNN's int8
-  // GEMM at ~700 GOP/s against bf16's ~395, and a KL +1.2% +- 2.0% (16x) and
-  // -3.3% +- 1.7% (32x) of bf16's over 32 prompts (bench/results/speed-vnni.md,
-  // quality-int8-vnni.md). Where
-  // the CPU has AMX, bf16 runs on its tiles and int8 against it is
-  // unmeasured (oneDNN 2.6's s8 matmul here is gemm:jit, not AMX): bf16.
+  // than bf16 at DP-16x's error (8K SmolLM2: 855 -> 544 ms; oneDNN's int8
+  // GEMM at ~700 GOP/s against bf16's ~395) with a KL +1.2% +- 2.0% (16x)
+  // and -3.3% +- 1.7% (32x) of bf16's over 32 prompts (speed-vnni.md,
+  // quality-int8-vnni.md). Where the CPU has AMX, bf16 runs on its tiles
+  // and int8 against it is unmeasured (oneDNN 2.6's s8 matmul is gemm:jit,
+  // not AMX): bf16 there, and where bf16 is native without VNNI.
   if (requested == Precision::kAuto) {
     const CpuFeatures& c = cpu_features();
     const bool int8 = c.avx2 && int8_projection_available();

@@ -31,8 +31,7 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
   KvCapture c = std::move(D.host);
   for (KvBlock& kb : c.blocks)
     for (std::vector<uint16_t>* x : {&kb.k, &kb.v}) {
-      x->reserve(kb.numel());
-      advise_huge_pages(x->data(), kb.numel() * 2);  // before the first write
+      reserve_huge_pages(*x, kb.numel());  // before the first write
       x->assign(kb.numel(), 0);
     }
   const std::vector<Section>& jobs = D.kv_sections;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/util.h"
+#include "format/ecsq.h"
 #include "kvtc/error.h"
 #include "kvtc/internal/lab_support.h"  // projection_gemm_gflops
 
@@ -478,21 +479,12 @@ void Projector::decode_rows(const float* d, uint32_t n, uint32_t k, float* x, St
 // 400-1,000 and added nothing measurable.
 constexpr int kFracBits = 3;
 
-namespace {
-// A code's reconstruction in units of step: sign(c) (|c| - offset), 0 for 0
-// (what ecsq_decode_chunk writes, divided by step).
-inline float code_value(int32_t c, float step, float offset) {
-  const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
-  return c < 0 ? -a : a;
-}
-}  // namespace
-
 void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float offset, float* x, StageClock* clk, DecodeScratch* scratch) const {
   if (!int8_ || ru_ == 0) {
     std::vector<float> d(size_t(ru_) * n);
     {
       StageTimer st(clk, kQuant);
-      for (size_t i = 0; i < d.size(); ++i) d[i] = code_value(c[i], step, offset);
+      for (size_t i = 0; i < d.size(); ++i) d[i] = container::ecsq_value(c[i], step, offset);
     }
     return decode(d.data(), n, x, clk, true);
   }
@@ -529,7 +521,7 @@ void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float off
     }
     j0 = std::min(ru_, (j0 + 31) / 32 * 32);
     lead.resize(size_t(j0) * n);
-    for (size_t i = 0; i < lead.size(); ++i) lead[i] = code_value(c[i], step, offset);
+    for (size_t i = 0; i < lead.size(); ++i) lead[i] = container::ecsq_value(c[i], step, offset);
     const uint32_t k = ru_ - j0;
     std::vector<int8_t>& cm = S.cm;
     cm.resize(size_t(k) * n);  // written whole below

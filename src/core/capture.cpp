@@ -30,8 +30,7 @@ void rows_to_heads(const BlobLayer& L, uint32_t n_tok, uint32_t n_head, uint32_t
 void heads_to_rows(const uint16_t* src, uint32_t n_tok, uint32_t n_head, uint32_t head_dim, BlobLayer& L) {
   L.type = kGgmlTypeF16;
   L.row_size = uint64_t(n_head) * head_dim * 2;
-  L.rows.reserve(L.row_size * n_tok);
-  advise_huge_pages(L.rows.data(), L.row_size * n_tok);  // 3 MB a layer at 8K tokens on SmolLM2
+  reserve_huge_pages(L.rows, L.row_size * n_tok);  // 3 MB a layer at 8K tokens on SmolLM2
   L.rows.resize(L.row_size * n_tok);
   for (uint32_t t = 0; t < n_tok; ++t)
     for (uint32_t h = 0; h < n_head; ++h)

@@ -242,8 +242,7 @@ std::vector<uint8_t> seq_blob_write(const SeqBlob& blob) {
   Writer count(true);
   write_blob(blob, count);
   Writer w;
-  w.out.reserve(count.size());
-  advise_huge_pages(w.out.data(), count.size());
+  reserve_huge_pages(w.out, count.size());
   write_blob(blob, w);
   return std::move(w.out);
 }

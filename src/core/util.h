@@ -65,6 +65,12 @@ const CpuFeatures& cpu_features();
 // ~20-25 ms in huge pages (and up to ~400 ms the first time the kernel
 // had to compact memory for them).
 void advise_huge_pages(const void* p, size_t bytes);
+// v.reserve(n), then the advice above over those n elements.
+template <class T>
+void reserve_huge_pages(std::vector<T>& v, size_t n) {
+  v.reserve(n);
+  advise_huge_pages(v.data(), n * sizeof(T));
+}
 // Names of the features present, in a fixed order.
 std::vector<std::string> cpu_feature_names(const CpuFeatures& f);
 

@@ -530,10 +530,7 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     tmp.resize(size_t(n) * ru);
     cm = tmp.data();
   }
-  decode_components(buf, len, n, ru, cm, where, [step, offset](int32_t c) {
-    const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
-    return c < 0 ? -a : a;
-  });
+  decode_components(buf, len, n, ru, cm, where, [step, offset](int32_t c) { return ecsq_value(c, step, offset); });
   constexpr uint32_t kTile = 32;
   if (!component_major)
     for (uint32_t t0 = 0; t0 < n; t0 += kTile)

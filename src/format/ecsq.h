@@ -53,6 +53,13 @@ double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ru, const EcsqPa
 // Every read is bounds-checked; Error names `where` and what was wrong.
 void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major = false);
 
+// The reconstruction of code c: sign(c) (|c| - offset) step, 0 for c = 0
+// (docs/format.md "Entropy-coded chunks").
+inline float ecsq_value(int32_t c, float step, float offset) {
+  const float a = c == 0 ? 0.0f : (float(c < 0 ? -c : c) - offset) * step;
+  return c < 0 ? -a : a;
+}
+
 // The same payload's integer codes, component-major: codes[j * n + t] = c,
 // whose reconstruction is sign(c) (|c| - offset) step (0 for c = 0), |c| <=
 // 2^24. For a decoder that multiplies integers (Precision::kInt8): the

@@ -255,6 +255,40 @@ TEST(Capture, BlobToCaptureAndBack) {
   }
 }
 
+// state_from_capture writes a one-block capture straight from its K/V
+// (state_from_runs); byte for byte what the blob writer makes of it, for
+// both V layouts, several streams, another sequence id and no cells; and
+// state_as_recorded through it.
+TEST(Capture, OneBlockIsWrittenStraightAsTheBlobWriterWould) {
+  std::mt19937 rng(11);
+  const uint32_t n_head = 2, head_dim = 8;
+  const CacheGeometry g = geom({{0, 1, 2}}, n_head, head_dim);
+  for (uint32_t cells : {0u, 1u, 7u})
+    for (uint32_t v_trans : {0u, 1u})
+      for (const auto& [streams, seq] : {std::pair<uint32_t, int32_t>{1, 0}, {3, 2}, {2, 5}}) {
+        const StateLayout to{{streams}, v_trans, seq};
+        SeqBlob b;
+        b.blocks.push_back(BlobBlock{{make_stream(cells, 3, n_head * head_dim, 0, rng)}});
+        if (cells == 0) {
+          // No cells: a capture of no tokens, built directly (the parser
+          // refuses a blob without any).
+          KvCapture c;
+          c.model_sha256 = g.model_sha256;
+          KvBlock kb;
+          kb.layers = {0, 1, 2};
+          kb.n_head_kv = n_head;
+          kb.head_dim = head_dim;
+          c.blocks.push_back(kb);
+          EXPECT_EQ(state_from_capture(c, to), seq_blob_write(capture_to_blob(c, to))) << "streams " << streams;
+          continue;
+        }
+        const KvCapture c = capture_from_blob(b, g, "b");
+        const std::vector<uint8_t> want = seq_blob_write(capture_to_blob(c, to));
+        EXPECT_EQ(state_from_capture(c, to), want) << cells << " cells, v_trans " << v_trans << ", " << streams << " streams, seq " << seq;
+        EXPECT_EQ(state_as_recorded(c, &to, "c"), want);
+      }
+}
+
 TEST(Capture, MismatchedBlobsAreRefused) {
   std::mt19937 rng(8);
   const CacheGeometry g = geom({{0, 1}}, 2, 4);

@@ -255,38 +255,42 @@ TEST(Capture, BlobToCaptureAndBack) {
   }
 }
 
-// state_from_capture writes a one-block capture straight from its K/V
-// (state_from_runs); byte for byte what the blob writer makes of it, for
-// both V layouts, several streams, another sequence id and no cells; and
-// state_as_recorded through it.
-TEST(Capture, OneBlockIsWrittenStraightAsTheBlobWriterWould) {
+// state_from_capture writes a capture straight from its K/V into the state
+// (one copy); byte for byte what the blob writer makes of it, for one and
+// two cache blocks (an iSWA model's), both V layouts, several streams,
+// another sequence id and no cells; and state_as_recorded through it.
+TEST(Capture, CapturesAreWrittenStraightAsTheBlobWriterWould) {
   std::mt19937 rng(11);
   const uint32_t n_head = 2, head_dim = 8;
-  const CacheGeometry g = geom({{0, 1, 2}}, n_head, head_dim);
-  for (uint32_t cells : {0u, 1u, 7u})
-    for (uint32_t v_trans : {0u, 1u})
-      for (const auto& [streams, seq] : {std::pair<uint32_t, int32_t>{1, 0}, {3, 2}, {2, 5}}) {
-        const StateLayout to{{streams}, v_trans, seq};
-        SeqBlob b;
-        b.blocks.push_back(BlobBlock{{make_stream(cells, 3, n_head * head_dim, 0, rng)}});
-        if (cells == 0) {
-          // No cells: a capture of no tokens, built directly (the parser
-          // refuses a blob without any).
+  for (uint32_t n_blocks : {1u, 2u})
+    for (uint32_t cells : {0u, 1u, 7u})
+      for (uint32_t v_trans : {0u, 1u})
+        for (const auto& [streams, seq] : {std::pair<uint32_t, int32_t>{1, 0}, {3, 2}, {2, 5}}) {
+          const CacheGeometry g = n_blocks == 1 ? geom({{0, 1, 2}}, n_head, head_dim) : geom({{0, 2}, {1}}, n_head, head_dim);
+          // The blocks' stream counts differ (1 and 2, 3 and 1, 2 and 3).
+          const StateLayout to{n_blocks == 1 ? std::vector<uint32_t>{streams} : std::vector<uint32_t>{streams, streams % 3 + 1}, v_trans, seq};
+          const std::string what = std::to_string(n_blocks) + " block(s), " + std::to_string(cells) + " cells, v_trans " + std::to_string(v_trans) +
+                                   ", " + std::to_string(streams) + " streams, seq " + std::to_string(seq);
           KvCapture c;
-          c.model_sha256 = g.model_sha256;
-          KvBlock kb;
-          kb.layers = {0, 1, 2};
-          kb.n_head_kv = n_head;
-          kb.head_dim = head_dim;
-          c.blocks.push_back(kb);
-          EXPECT_EQ(state_from_capture(c, to), seq_blob_write(capture_to_blob(c, to))) << "streams " << streams;
-          continue;
+          if (cells == 0) {
+            // No cells: a capture of no tokens, built directly (the parser
+            // refuses a blob without any).
+            c.model_sha256 = g.model_sha256;
+            for (const BlockGeometry& bg : g.blocks) {
+              KvBlock kb;
+              static_cast<BlockGeometry&>(kb) = bg;
+              c.blocks.push_back(kb);
+            }
+          } else {
+            SeqBlob b;
+            for (const BlockGeometry& bg : g.blocks)
+              b.blocks.push_back(BlobBlock{{make_stream(cells + uint32_t(b.blocks.size()), uint32_t(bg.layers.size()), n_head * head_dim, 0, rng)}});
+            c = capture_from_blob(b, g, "b");
+          }
+          const std::vector<uint8_t> want = seq_blob_write(capture_to_blob(c, to));
+          EXPECT_EQ(state_from_capture(c, to), want) << what;
+          EXPECT_EQ(state_as_recorded(c, &to, "c"), want) << what;
         }
-        const KvCapture c = capture_from_blob(b, g, "b");
-        const std::vector<uint8_t> want = seq_blob_write(capture_to_blob(c, to));
-        EXPECT_EQ(state_from_capture(c, to), want) << cells << " cells, v_trans " << v_trans << ", " << streams << " streams, seq " << seq;
-        EXPECT_EQ(state_as_recorded(c, &to, "c"), want);
-      }
 }
 
 TEST(Capture, MismatchedBlobsAreRefused) {

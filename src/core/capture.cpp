@@ -512,104 +512,142 @@ StateLayout state_layout_of(std::span<const uint8_t> blob, const std::string& or
   return layout_of(seq_blob_parse(blob, false, origin), origin);
 }
 
-std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to) {
-  // One block (every model but the iSWA ones): written straight from it, one
-  // copy of the K/V bytes instead of two (rows, then the blob; 189 MB each
-  // at 8K tokens of SmolLM2).
-  if (c.blocks.size() == 1) {
-    const BlockRun all{&c.blocks[0], 0, c.blocks[0].n_tokens()};
-    return state_from_runs(std::span(&all, 1), to);
+namespace {
+// One cache block's share of a sequence state (docs/llama-state.md): its
+// stream count, then in the sequence's stream the runs' cells and K/V, f16
+// rows cell-major (V transposed when to.v_trans). `bi` names the block in
+// errors. Sizes first (w null: returns the bytes it would write), then
+// written at w (returns the end).
+struct BlockWriter {
+  std::span<const BlockRun> runs;
+  uint32_t n_stream = 1;
+  uint64_t n = 0;  // cells
+
+  BlockWriter(std::span<const BlockRun> r, const StateLayout& to, size_t bi) : runs(r) {
+    require(!runs.empty() && runs[0].block, "restore: no pieces to assemble in block " + std::to_string(bi));
+    const KvBlock& g = *runs[0].block;
+    for (const BlockRun& x : runs) {
+      require(x.block && x.block->geometry() == g.geometry(), "restore: the pieces of block " + std::to_string(bi) + " differ in geometry");
+      require(x.block->k.size() == x.block->numel() && x.block->v.size() == x.block->numel() && uint64_t(x.t0) + x.n <= x.block->n_tokens(),
+              "restore: block " + std::to_string(bi) + " K/V size differs from its shape");
+      n += x.n;
+    }
+    n_stream = to.streams.empty() ? 1 : to.streams[bi];
+    require(n_stream >= 1, "restore: the target context has no stream in block " + std::to_string(bi));
   }
-  return seq_blob_write(capture_to_blob(c, to));
+  // Stream count 4, 4 per stream; for the one that holds the cells 12 per
+  // cell, v_trans and n_layer 8, per layer K 12 + rows and V 12 (rows) or
+  // 12 (transposed).
+  uint64_t bytes() const {
+    const KvBlock& g = *runs[0].block;
+    const uint64_t row = uint64_t(g.n_head_kv) * g.head_dim * 2;
+    return 4 + 4 * uint64_t(n_stream) + (n ? 12 * n + 8 + uint64_t(g.n_layer()) * (12 + 12 + 2 * n * row) : 0);
+  }
+  uint8_t* write(uint8_t* w, const StateLayout& to) const {
+    const KvBlock& g = *runs[0].block;
+    const uint32_t L = g.n_layer(), H = g.n_head_kv, D = g.head_dim;
+    const uint64_t row = uint64_t(H) * D * 2;  // f16 bytes of one cell of one layer
+    auto put = [&](auto v) {
+      std::memcpy(w, &v, sizeof v);
+      w += sizeof v;
+    };
+    put(n_stream);
+    // llama.cpp loads every stream's cells into the destination sequence's
+    // own stream, so which index carries them does not matter; use the
+    // sequence's index where it exists, as llama.cpp itself would.
+    const uint32_t mine = uint32_t(to.seq_id) < n_stream ? uint32_t(to.seq_id) : 0;
+    for (uint32_t s = 0; s < n_stream; ++s) {
+      if (s != mine || n == 0) {
+        put(uint32_t(0));
+        continue;
+      }
+      put(uint32_t(n));
+      for (const BlockRun& r : runs)
+        for (uint32_t t = 0; t < r.n; ++t) {
+          put(int32_t(r.block->pos[r.t0 + t]));
+          put(uint32_t(1));
+          put(int32_t(to.seq_id));
+        }
+      put(uint32_t(to.v_trans));
+      put(uint32_t(L));
+      const size_t hd_bytes = size_t(D) * 2;
+      auto rows = [&](bool keys, uint32_t l) {  // cell-major: each cell's heads in order
+        for (const BlockRun& r : runs) {
+          const KvBlock& b = *r.block;
+          const uint16_t* x = (keys ? b.k : b.v).data() + size_t(l) * H * b.n_tokens() * D;
+          for (uint32_t t = r.t0; t < r.t0 + r.n; ++t)
+            for (uint32_t h = 0; h < H; ++h, w += hd_bytes) std::memcpy(w, x + (size_t(h) * b.n_tokens() + t) * D, hd_bytes);
+        }
+      };
+      for (uint32_t l = 0; l < L; ++l) {
+        put(int32_t(kGgmlTypeF16));
+        put(uint64_t(row));
+        rows(true, l);
+      }
+      for (uint32_t l = 0; l < L; ++l) {
+        put(int32_t(kGgmlTypeF16));
+        if (!to.v_trans) {
+          put(uint64_t(row));
+          rows(false, l);
+          continue;
+        }
+        put(uint32_t(2));
+        put(uint32_t(H * D));
+        // Transposed: for each of the n_embd_v elements, every cell in turn.
+        for (uint32_t h = 0; h < H; ++h)
+          for (uint32_t d = 0; d < D; ++d)
+            for (const BlockRun& r : runs) {
+              const KvBlock& b = *r.block;
+              const uint16_t* x = b.v.data() + (size_t(l) * H + h) * b.n_tokens() * D + d;
+              for (uint32_t t = r.t0; t < r.t0 + r.n; ++t, w += 2) std::memcpy(w, x + size_t(t) * D, 2);
+            }
+      }
+    }
+    return w;
+  }
+};
+
+// The state of one run list per cache block, written once into memory asked
+// for huge pages: one copy of the K/V bytes (an 8K-token SmolLM2 cache,
+// 189 MB: 128-886 ms through rows then blob, 53-61 ms so;
+// bench/results/restore-load-vnni.md).
+std::vector<uint8_t> state_from_blocks(std::span<const std::span<const BlockRun>> blocks, const StateLayout& to, const char* what) {
+  require(to.streams.empty() || to.streams.size() == blocks.size(), "restore: the target context has " + std::to_string(to.streams.size()) +
+                                                                        " cache block(s), the " + what + " " + std::to_string(blocks.size()) +
+                                                                        " (capture from another model?)");
+  require(to.v_trans <= 1, "restore: v_trans must be 0 or 1");
+  require(to.seq_id >= 0, "restore: the destination sequence id must be >= 0");
+  std::vector<BlockWriter> writers;
+  uint64_t bytes = 8;  // magic, seq_id
+  for (size_t bi = 0; bi < blocks.size(); ++bi) {
+    writers.emplace_back(blocks[bi], to, bi);
+    bytes += writers.back().bytes();
+  }
+  std::vector<uint8_t> out;
+  reserve_huge_pages(out, bytes);
+  out.resize(bytes);
+  uint8_t* w = out.data();
+  std::memcpy(w, &kSeqBlobMagic, 4);
+  std::memcpy(w + 4, &to.seq_id, 4);
+  w += 8;
+  for (const BlockWriter& bw : writers) w = bw.write(w, to);
+  require(w == out.data() + out.size(), "restore: internal error: state size mismatch");
+  return out;
+}
+}  // namespace
+
+std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& to) {
+  require(!c.blocks.empty(), "restore: the capture holds no cache block");
+  std::vector<BlockRun> all;
+  for (const KvBlock& b : c.blocks) all.push_back({&b, 0, b.n_tokens()});
+  std::vector<std::span<const BlockRun>> blocks;
+  for (const BlockRun& r : all) blocks.emplace_back(&r, 1);
+  return state_from_blocks(blocks, to, "capture");
 }
 
 std::vector<uint8_t> state_from_runs(std::span<const BlockRun> runs, const StateLayout& to) {
   require(!runs.empty() && runs[0].block, "restore: no pieces to assemble");
-  const KvBlock& g = *runs[0].block;
-  require(to.streams.empty() || to.streams.size() == 1,
-          "restore: the target context has " + std::to_string(to.streams.size()) + " cache blocks, the pieces 1 (capture from another model?)");
-  require(to.v_trans <= 1, "restore: v_trans must be 0 or 1");
-  require(to.seq_id >= 0, "restore: the destination sequence id must be >= 0");
-  uint64_t n = 0;
-  for (const BlockRun& r : runs) {
-    require(r.block && r.block->geometry() == g.geometry(), "restore: the pieces differ in geometry");
-    require(r.block->k.size() == r.block->numel() && r.block->v.size() == r.block->numel() && uint64_t(r.t0) + r.n <= r.block->n_tokens(),
-            "restore: a piece's K/V size differs from its shape");
-    n += r.n;
-  }
-  const uint32_t n_stream = to.streams.empty() ? 1 : to.streams[0];
-  require(n_stream >= 1, "restore: the target context has no stream in block 0");
-  const uint32_t L = g.n_layer(), H = g.n_head_kv, D = g.head_dim;
-  const uint64_t row = uint64_t(H) * D * 2;  // f16 bytes of one cell of one layer
-  // The sizes seq_blob_write would produce: header 8; n_stream 4; 4 per
-  // stream; for the one that holds the cells 12 per cell, v_trans and
-  // n_layer 8, per layer K 12 + rows and V 12 (rows) or 12 (transposed).
-  const uint64_t cells_bytes = n ? 12 * n + 8 + uint64_t(L) * (12 + 12 + 2 * n * row) : 0;
-  const uint64_t bytes = 8 + 4 + 4 * uint64_t(n_stream) + cells_bytes;
-  std::vector<uint8_t> out;
-  reserve_huge_pages(out, bytes);  // as seq_blob_write's
-  out.resize(bytes);
-  uint8_t* w = out.data();
-  auto put = [&](auto v) {
-    std::memcpy(w, &v, sizeof v);
-    w += sizeof v;
-  };
-  put(kSeqBlobMagic);
-  put(int32_t(to.seq_id));
-  put(n_stream);
-  // llama.cpp loads every stream's cells into the destination sequence's own
-  // stream; the sequence's index carries them where it exists (as in
-  // capture_to_blob).
-  const uint32_t mine = uint32_t(to.seq_id) < n_stream ? uint32_t(to.seq_id) : 0;
-  for (uint32_t s = 0; s < n_stream; ++s) {
-    if (s != mine || n == 0) {
-      put(uint32_t(0));
-      continue;
-    }
-    put(uint32_t(n));
-    for (const BlockRun& r : runs)
-      for (uint32_t t = 0; t < r.n; ++t) {
-        put(int32_t(r.block->pos[r.t0 + t]));
-        put(uint32_t(1));
-        put(int32_t(to.seq_id));
-      }
-    put(uint32_t(to.v_trans));
-    put(uint32_t(L));
-    const size_t hd_bytes = size_t(D) * 2;
-    auto rows = [&](bool keys, uint32_t l) {  // cell-major: each cell's heads in order
-      for (const BlockRun& r : runs) {
-        const KvBlock& b = *r.block;
-        const uint16_t* x = (keys ? b.k : b.v).data() + size_t(l) * H * b.n_tokens() * D;
-        for (uint32_t t = r.t0; t < r.t0 + r.n; ++t)
-          for (uint32_t h = 0; h < H; ++h, w += hd_bytes) std::memcpy(w, x + (size_t(h) * b.n_tokens() + t) * D, hd_bytes);
-      }
-    };
-    for (uint32_t l = 0; l < L; ++l) {
-      put(int32_t(kGgmlTypeF16));
-      put(uint64_t(row));
-      rows(true, l);
-    }
-    for (uint32_t l = 0; l < L; ++l) {
-      put(int32_t(kGgmlTypeF16));
-      if (!to.v_trans) {
-        put(uint64_t(row));
-        rows(false, l);
-        continue;
-      }
-      put(uint32_t(2));
-      put(uint32_t(H * D));
-      // Transposed: for each of the n_embd_v elements, every cell in turn.
-      for (uint32_t h = 0; h < H; ++h)
-        for (uint32_t d = 0; d < D; ++d)
-          for (const BlockRun& r : runs) {
-            const KvBlock& b = *r.block;
-            const uint16_t* x = b.v.data() + (size_t(l) * H + h) * b.n_tokens() * D + d;
-            for (uint32_t t = r.t0; t < r.t0 + r.n; ++t, w += 2) std::memcpy(w, x + size_t(t) * D, 2);
-          }
-    }
-  }
-  require(w == out.data() + out.size(), "restore: internal error: state size mismatch");
-  return out;
+  return state_from_blocks(std::span(&runs, 1), to, "pieces");
 }
 
 namespace {

@@ -97,7 +97,7 @@ struct BlockRun {
 // The sequence state of the runs' tokens in order, for a context of layout
 // `to`: byte for byte state_from_capture of the capture the runs would join
 // into, written straight from the runs (one copy of the K/V bytes instead
-// of three: join, rows, blob). The runs must share one single-block
+// of two: join, then the state). The runs must share one single-block
 // geometry; cells take the runs' positions.
 std::vector<uint8_t> state_from_runs(std::span<const BlockRun> runs, const StateLayout& to);
 

@@ -516,8 +516,7 @@ namespace {
 // One cache block's share of a sequence state (docs/llama-state.md): its
 // stream count, then in the sequence's stream the runs' cells and K/V, f16
 // rows cell-major (V transposed when to.v_trans). `bi` names the block in
-// errors. Sizes first (w null: returns the bytes it would write), then
-// written at w (returns the end).
+// errors. bytes() sizes it; write(w) writes it at w and returns the end.
 struct BlockWriter {
   std::span<const BlockRun> runs;
   uint32_t n_stream = 1;
@@ -646,7 +645,6 @@ std::vector<uint8_t> state_from_capture(const KvCapture& c, const StateLayout& t
 }
 
 std::vector<uint8_t> state_from_runs(std::span<const BlockRun> runs, const StateLayout& to) {
-  require(!runs.empty() && runs[0].block, "restore: no pieces to assemble");
   return state_from_blocks(std::span(&runs, 1), to, "pieces");
 }
 

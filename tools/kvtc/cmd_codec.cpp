@@ -273,8 +273,7 @@ Action add_decompress(CLI::App& app) {
   sub->add_option("--reference", *ref, "Original capture: report the reconstruction error of K and V");
   sub->add_option("--precision", *precision,
                   "Projection: auto (int8 where the CPU has AVX2, unless it has native bf16 with AMX or without AVX-512 VNNI: then bf16; else f32), "
-                  "f32 (the same "
-                  "bits on any CPU), bf16, or int8 (entropy-coded chunks in oneDNN's integer GEMM, ~1% more error)")
+                  "f32 (the same bits on any CPU), bf16, or int8 (entropy-coded chunks in oneDNN's integer GEMM, ~1% more error)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "bf16", "int8"}));
   sub->add_flag("--json", *json, "JSON summary");

@@ -19,7 +19,7 @@ cpu=$(result_cpu features)
   echo "- machine: $cpu, $(nproc) threads, $(uname -sr)"
   # SPEED_MODEL: another model's description (bench/swa.sh), when -m names one.
   echo "- model: ${SPEED_MODEL:-SmolLM2-135M-Instruct Q4_1 (30 layers x 3 KV heads x 64 dims; 23,040 bytes of f16 K+V per token)}; llama.cpp built x86-64-v3 (AVX2/FMA/F16C), not -march=native"
-  echo "- columns: proj = the projection's precision (auto = encode bf16 where oneDNN has an AVX512-BF16 or AMX kernel, else f32; decode int8 on AVX2, bf16 instead where native with AMX or without AVX-512 VNNI);"
+  echo "- columns: proj = the projection's precision (auto = encode bf16 where oneDNN has an AVX512-BF16 or AMX kernel, else f32; decode int8 on AVX2 (on AMX where oneDNN has its int8 kernel), bf16 instead where native without AVX-512 VNNI);"
   echo "  compress/decompress = wall ms, fastest of --repeat runs; GB/s = raw f16 K+V bytes per second; stages = thread-ms summed over"
   echo "  threads (gather = f16->f32 + (de-)RoPE + layout, center = mean (bf16: with the rounding of the GEMM input), proj = GEMM,"
   echo "  quant = quantize+pack or unpack+dequantize, entropy = DEFLATE + raw sections); proj GFLOP/s = projection flops / its"

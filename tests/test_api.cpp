@@ -340,13 +340,15 @@ TEST(Codec, StatsAndOptionsAreHonoured) {
     EXPECT_EQ(decompress(a, cal, "int8", di).blocks[0].k, decompress(a, cal, "auto", da).blocks[0].k);
     EXPECT_EQ(si.projection, Precision::kInt8);
     // What auto decodes with: int8 where the CPU has AVX2, unless bf16 is
-    // native and the CPU has AMX or lacks AVX-512 VNNI (then bf16; project.cpp
-    // resolve_precision), else f32 — the entropy-coded chunks then bit for
-    // bit as an explicit int8 decode.
-    const std::vector<std::string>& feats = library_info().cpu_features;
+    // native and the CPU lacks AVX-512 VNNI, or has AMX with the int8 matmul
+    // off its tiles (then bf16; project.cpp resolve_precision), else f32 —
+    // the entropy-coded chunks then bit for bit as an explicit int8 decode.
+    const LibraryInfo li = library_info();
+    const std::vector<std::string>& feats = li.cpu_features;
     auto has = [&](const char* f) { return std::find(feats.begin(), feats.end(), f) != feats.end(); };
     const bool avx2 = has("avx2");
-    const bool bf16_wins = bf16_projection_available() && (has("amx_bf16") || !avx2 || !has("avx512_vnni"));
+    const bool amx_int8 = avx2 && li.int8 && li.int8_projection.find("amx") != std::string::npos;
+    const bool bf16_wins = !amx_int8 && bf16_projection_available() && (has("amx_bf16") || !avx2 || !has("avx512_vnni"));
     const Precision want = bf16_wins ? Precision::kBF16 : avx2 ? Precision::kInt8 : Precision::kF32;
     const std::vector<uint8_t> e = compress(c, cal, ecsq_allocation_set(cal, 8), oa);
     da.stats = &sa;

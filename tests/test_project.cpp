@@ -56,10 +56,14 @@ TEST(Precision, NamesParseAndResolve) {
   const bool bf16 = bf16_projection_available(&why);
   EXPECT_FALSE(why.empty());
   // auto: the integer decode where AVX2 runs it, unless bf16 is native and
-  // the CPU has AMX or lacks AVX-512 VNNI (then bf16); else f32.
+  // the CPU lacks AVX-512 VNNI, or has AMX where the int8 matmul is not on
+  // its tiles (then bf16); else f32.
   const CpuFeatures& cf = cpu_features();
-  const bool int8 = cf.avx2 && int8_projection_available();
-  const bool bf16_wins = bf16 && (cf.amx_bf16 || !int8 || !cf.avx512_vnni);
+  std::string int8_impl;
+  const bool int8 = cf.avx2 && int8_projection_available(&int8_impl);
+  const bool amx_int8 = int8 && int8_impl.find("amx") != std::string::npos;
+  EXPECT_EQ(amx_int8, cf.amx_int8 && int8) << int8_impl;  // oneDNN 2.6 has the kernel wherever the CPU has AMX-INT8
+  const bool bf16_wins = !amx_int8 && bf16 && (cf.amx_bf16 || !int8 || !cf.avx512_vnni);
   EXPECT_EQ(detail::resolve_precision(Precision::kAuto, "t"), bf16_wins ? Precision::kBF16 : int8 ? Precision::kInt8 : Precision::kF32);
   EXPECT_EQ(detail::resolve_precision(Precision::kF32, "t"), Precision::kF32);
   if (bf16)

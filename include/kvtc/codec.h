@@ -35,15 +35,15 @@ constexpr uint32_t kContainerVersion = 3;
 // measured cost (bench/results/quality-precision.md). kTF32 and kF16 exist
 // on the GPU only; the CPU refuses them. kAuto: the encoder in bf16 where
 // the CPU runs it natively, else f32; the decoder in kInt8 where the CPU
-// has AVX2, except where bf16 is native and the CPU has AMX (int8 against
-// AMX's bf16 unmeasured) or lacks AVX-512 VNNI: bf16 there; else f32; on
-// the GPU, f32. Any precision decodes any container; byte-identical output
+// has AVX2, except where bf16 is native and the CPU lacks AVX-512 VNNI, or
+// has AMX without oneDNN's AMX int8 kernel: bf16 there; else f32; on the
+// GPU, f32. Any precision decodes any container; byte-identical output
 // across machines needs kF32.
 // kInt8 (CPU decode): the entropy-coded
 // chunks' integer codes, in fixed point with 3 fraction bits for the
 // reconstruction offset, times the basis in 7-bit integers with one scale
-// per feature, in oneDNN's integer GEMM (gemm:jit: VNNI where the CPU has
-// it, AVX2's vpmaddubsw otherwise); a chunk's leading components whose
+// per feature, in oneDNN's integer GEMM (AMX tiles where the CPU has
+// them; else gemm:jit: VNNI where the CPU has it, AVX2's vpmaddubsw); a chunk's leading components whose
 // codes pass the 8-bit range, the DP's chunks and the encoder run in bf16
 // where native, else f32. ~0.8% more squared error than f32, KL on the model
 // within noise of f32's; the entropy-coded decode 1.33-1.51x faster than f32

@@ -986,7 +986,7 @@ NB_MODULE(_kvtc, m) {
                    "threads: int = 0, precision: str = 'auto') -> tuple"),
            "Decodes a container: (k, v, positions) as numpy arrays [layers, kv_heads, tokens, head_dim] of `dtype` ('float16' or\n"
            "'float32') and int32 [tokens]; lists of two for iSWA models. return_tokens=True appends the stored token ids (or None).\n"
-           "precision: 'auto' (decode: int8 where the CPU has AVX2, bf16 instead where native with AMX or without AVX-512 VNNI, else f32; encode: "
+           "precision: 'auto' (decode: int8 where the CPU has AVX2, bf16 instead where native without AVX-512 VNNI, else f32; encode: "
            "bf16 where native, else f32), 'f32' (the same bits on any CPU), 'bf16' or 'int8'\n"
            "(entropy-coded chunks in oneDNN's integer GEMM: faster, ~1% more error).\n"
            "Raises kvtc.Error for a container of another calibration, truncated or corrupted bytes. Releases the GIL while decoding.")

@@ -89,17 +89,45 @@ bool native(const std::string& impl) {
 // kInt8's decode: src [m][k] s8 codes, weights [k][n] s8 basis, dst f32
 // += per-column scale * (src weights): the sum post-op adds to what the
 // float GEMM of the leading components and the mean left in dst.
-dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k) {
+// The per-column scales go in one of two ways. Run-time output scales are
+// what oneDNN 2.6's gemm:jit takes on VNNI and AVX2, but its AMX kernel
+// (brg:avx512_core_amx_int8) refuses them and the matmul then falls back to
+// gemm:jit: on a 2-core Xeon with AMX, 256 x 5760 x 1024, 422 GOP/s. A
+// binary multiply by a [1][n] scale row before the sum (the same products,
+// scaled once in f32) runs on the tiles at 1,060 GOP/s there; on the same
+// Xeon capped at AVX512_CORE_VNNI it picks brg:avx512_core_vnni at 597
+// against gemm:jit's 740, so it is taken only where it gets the AMX kernel
+// (a scratch probe, bench/results/speed-amx.md).
+dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k, bool binary_scales) {
   using D = dnnl::memory::dims;
   dnnl::memory::desc src(D{m, k}, dt::s8, tag::ab), wei(D{k, n}, dt::s8, tag::ab), dst(D{m, n}, dt::f32, tag::ab);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  attr.set_output_scales(2, {DNNL_RUNTIME_F32_VAL});
   dnnl::post_ops po;
+  if (binary_scales)
+    po.append_binary(dnnl::algorithm::binary_mul, dnnl::memory::desc(D{1, n}, dt::f32, tag::ab));
+  else
+    attr.set_output_scales(2, {DNNL_RUNTIME_F32_VAL});
   po.append_sum(1.0f);
   attr.set_post_ops(po);
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), attr, engine());
 }
+
+// Whether this CPU's int8 decode takes its scales as a binary post-op (its
+// AMX kernel), probed once.
+bool s8_binary_scales() {
+  static const bool yes = [] {
+    if (!cpu_features().amx_int8) return false;
+    try {
+      return std::string(make_pd_s8(64, 64, 64, true).impl_info_str()).find("amx") != std::string::npos;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return yes;
+}
+
+dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k) { return make_pd_s8(m, n, k, s8_binary_scales()); }
 
 // Primitives are JIT-compiled (0.5-3 ms each), so each thread keeps the few
 // shapes a call uses (full and last chunks, K and V). A primitive made
@@ -133,7 +161,10 @@ void execute(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, const void* a,
     std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, dnnl::memory(pd.src_desc(), engine(), const_cast<void*>(a))},
                                                {DNNL_ARG_WEIGHTS, dnnl::memory(pd.weights_desc(), engine(), const_cast<void*>(b))},
                                                {DNNL_ARG_DST, dnnl::memory(pd.dst_desc(), engine(), c)}};
-    if (bias_or_scales && kind == kDecodeS8)
+    if (bias_or_scales && kind == kDecodeS8 && s8_binary_scales())
+      args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                   dnnl::memory({{1, dnnl::memory::dim(n)}, dt::f32, tag::ab}, engine(), const_cast<float*>(bias_or_scales)));
+    else if (bias_or_scales && kind == kDecodeS8)
       args.emplace(DNNL_ARG_ATTR_OUTPUT_SCALES,
                    dnnl::memory({{dnnl::memory::dim(n)}, dt::f32, tag::a}, engine(), const_cast<float*>(bias_or_scales)));
     else if (bias_or_scales)
@@ -283,12 +314,17 @@ Precision resolve_precision(Precision requested, const char* who) {
   // than bf16 at DP-16x's error (8K SmolLM2: 855 -> 544 ms; oneDNN's int8
   // GEMM at ~700 GOP/s against bf16's ~395) with a KL +1.2% +- 2.0% (16x)
   // and -3.3% +- 1.7% (32x) of bf16's over 32 prompts (speed-vnni.md,
-  // quality-int8-vnni.md). Where the CPU has AMX, bf16 runs on its tiles
-  // and int8 against it is unmeasured (oneDNN 2.6's s8 matmul is gemm:jit,
-  // not AMX): bf16 there, and where bf16 is native without VNNI.
+  // quality-int8-vnni.md). Where the CPU has AMX: int8 where its int8
+  // matmul runs on the tiles (s8_binary_scales: 1,096 GOP/s against AMX
+  // bf16's 501 on a 2-core Xeon, the same 8K decode at DP-16x's error
+  // 632 -> 463 ms, bench/results/speed-amx-int8.md; the integer products
+  // are exact, so the KL above holds), else bf16 (oneDNN's VNNI int8, 373
+  // GOP/s there, lost to AMX bf16: speed-amx.md); bf16 also where it is
+  // native without VNNI.
   if (requested == Precision::kAuto) {
     const CpuFeatures& c = cpu_features();
     const bool int8 = c.avx2 && int8_projection_available();
+    if (int8 && s8_binary_scales()) return Precision::kInt8;
     if (bf16 && (c.amx_bf16 || !int8 || !c.avx512_vnni)) return Precision::kBF16;
     return int8 ? Precision::kInt8 : Precision::kF32;
   }

@@ -272,7 +272,7 @@ Action add_decompress(CLI::App& app) {
   sub->add_option("-o,--output", *out, "Output .safetensors (optional with --reference)");
   sub->add_option("--reference", *ref, "Original capture: report the reconstruction error of K and V");
   sub->add_option("--precision", *precision,
-                  "Projection: auto (int8 where the CPU has AVX2, unless it has native bf16 with AMX or without AVX-512 VNNI: then bf16; else f32), "
+                  "Projection: auto (int8 where the CPU has AVX2, unless it has native bf16 without AVX-512 VNNI, or AMX without an AMX int8 kernel: then bf16; else f32), "
                   "f32 (the same bits on any CPU), bf16, or int8 (entropy-coded chunks in oneDNN's integer GEMM, ~1% more error)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "bf16", "int8"}));

@@ -315,9 +315,10 @@ Precision resolve_precision(Precision requested, const char* who) {
   // GEMM at ~700 GOP/s against bf16's ~395) with a KL +1.2% +- 2.0% (16x)
   // and -3.3% +- 1.7% (32x) of bf16's over 32 prompts (speed-vnni.md,
   // quality-int8-vnni.md). Where the CPU has AMX: int8 where its int8
-  // matmul runs on the tiles (s8_binary_scales: 1,096 GOP/s against AMX
-  // bf16's 501 on a 2-core Xeon, the same 8K decode at DP-16x's error
-  // 632 -> 463 ms, bench/results/speed-amx-int8.md; the integer products
+  // matmul runs on the tiles (s8_binary_scales: 1,306 GOP/s against AMX
+  // bf16's 695 on a 2-core Xeon, the 8K decode at DP-16x's error 621 ->
+  // 423 ms, bench/results/speed-amx-int8.md; where the machine ran faster,
+  // a tie, 345 against 348 ms, speed-amx-int8-fast.md; the integer products
   // are exact, so the KL above holds), else bf16 (oneDNN's VNNI int8, 373
   // GOP/s there, lost to AMX bf16: speed-amx.md); bf16 also where it is
   // native without VNNI.

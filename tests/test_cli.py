@@ -102,11 +102,14 @@ class CliTest(unittest.TestCase):
         self.assertIn("features", j["cpu"])
         # What auto runs: bf16 encode where native, else f32; int8 decode
         # where AVX2 and oneDNN's int8 run it, unless bf16 is native and
-        # either AMX or no AVX-512 VNNI is there (then bf16) (project.cpp).
+        # either AMX bf16 without AMX int8 tiles, or no AVX-512 VNNI, is
+        # there (then bf16); int8 always where the int8 kernel is on the
+        # AMX tiles (project.cpp's resolve_precision).
         a, native = j["auto_precision"], not j["bf16_projection"].startswith("unavailable")
         feats = j["cpu"]["features"]
         int8 = "avx2" in feats and not j["int8_projection"].startswith("unavailable")
-        bf16_decode = native and ("amx_bf16" in feats or not int8 or "avx512_vnni" not in feats)
+        int8_tiles = int8 and "amx_int8" in feats and "amx" in j["int8_projection"]
+        bf16_decode = not int8_tiles and native and ("amx_bf16" in feats or not int8 or "avx512_vnni" not in feats)
         self.assertEqual(a["encode"], "bf16" if native else "f32")
         self.assertEqual(a["decode"], "bf16" if bf16_decode else "int8" if int8 else "f32")
 

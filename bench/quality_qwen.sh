@@ -89,7 +89,7 @@ for name in quality-qwen quality-qwen-16k quality-qwen-ecsq quality-qwen-ecsq-ep
     echo "- model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (make models-large), 28 layers, 2 KV heads x 128; p = 7,168 features for K and for V"
     case $name in
       quality-qwen-ecsq) how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on the Intel Xeon of bench/results/entropy.md (.deps/calib/qwen-avx512-160k.safetensors, what make calibrate-qwen runs)" ;;
-      quality-qwen-ecsq-epyc) how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on an AMD EPYC (Zen 3, AVX2 only; .deps/calib/qwen-epyc-160k.safetensors, what make calibrate-qwen runs; the id of quality-qwen-16k's records too; made again with the same id on a Zen 4 EPYC with AVX-512)" ;;
+      quality-qwen-ecsq-epyc) how="\`kvtc calibrate --model qwen --doc-tokens 8192\` on an AMD EPYC (Zen 3, AVX2 only; .deps/calib/qwen-epyc-160k.safetensors, what make calibrate-qwen runs; the id of quality-qwen-16k's records too; made again with the same id on a Zen 4 EPYC with AVX-512 and on an Intel Xeon with AMX)" ;;
       *) how="make calibrate-qwen" ;;
     esac
     echo "- calibration: $how (160K tokens, documents cut at 8,192 tokens); its id, in every record: $(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["calibration_id"][:16])' "$rec")…"

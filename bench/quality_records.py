@@ -23,8 +23,9 @@ method's paired difference from vanilla uses only the prompts both have.
 The whole-cache ratio of a method is the f16 bytes over the stored bytes
 summed over all its prompts at that context. For the pass/fail tasks the
 report also counts the prompts made worse and better, bounds the share made
-worse (per task, and pooled over the tasks), and lists the prompts that
-differ with each answer.
+worse (per task, and pooled over the tasks), bounds the pooled net change
+in the share answered right from below (pooled_pass_fail.net_lower95, in
+points), and lists the prompts that differ with each answer.
 """
 import argparse
 import json
@@ -69,6 +70,31 @@ def upper95(k, n):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if binom_cdf(k, n, mid) > 0.05 else (lo, mid)
     return hi
+
+
+def wilson(k, n, z):
+    """Wilson score interval for a rate seen k times in n, at normal quantile z."""
+    p, z2 = k / n, z * z
+    c, h = (p + z2 / (2 * n)) / (1 + z2 / n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return c - h, c + h
+
+
+def paired_lower95(both, worse, better, n):
+    """One-sided 95% lower bound on a method's pass rate minus vanilla's over
+    n paired prompts (both passed, vanilla only, the method only): Newcombe's
+    hybrid score interval for paired proportions (Stat. Med. 17:2635, 1998,
+    method 10) at z = 1.645. It stays sensible with few discordant prompts,
+    where the normal half-width of (better - worse) / n does not; it bounds
+    the net change, which the share made worse (upper95) bounds from above."""
+    z = 1.6448536269514722
+    neither = n - both - worse - better
+    p1, p2 = (both + better) / n, (both + worse) / n  # the method's rate, vanilla's
+    l1, _ = wilson(both + better, n, z)
+    _, u2 = wilson(both + worse, n, z)
+    margins = (both + better) * (worse + neither) * (both + worse) * (better + neither)
+    phi = (both * neither - worse * better) / math.sqrt(margins) if margins else 0.0
+    d = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    return (p1 - p2) - d
 
 
 # Pass/fail scores (0 or 100 per prompt): their paired difference also gets
@@ -155,8 +181,9 @@ def summarize(recs):
                     if s in BINARY:
                         worse = sum(1 for i in common if vals[i] < rv[i])
                         better = sum(1 for i in common if vals[i] > rv[i])
+                        both = sum(1 for i in common if vals[i] > 0 and rv[i] > 0)
                         # The loss (worse - better) / n is at most the share made worse.
-                        mj["paired_diff"][s].update(worse=worse, better=better, worse_upper95=100 * upper95(worse, len(common)))
+                        mj["paired_diff"][s].update(worse=worse, better=better, both=both, worse_upper95=100 * upper95(worse, len(common)))
                         # Which prompts differ, with what each answered: what
                         # "find out why" starts from.
                         mj.setdefault("differs", [])
@@ -173,8 +200,9 @@ def summarize(recs):
             ds = [mj["paired_diff"][s] for s in tasks]
             if len(ds) > 1:
                 n, worse, better = sum(d["n"] for d in ds), sum(d["worse"] for d in ds), sum(d["better"] for d in ds)
-                mj["pooled_pass_fail"] = {"tasks": tasks, "n": n, "worse": worse, "better": better, "mean": 100 * (better - worse) / n,
-                                          "worse_upper95": 100 * upper95(worse, n)}
+                both = sum(d["both"] for d in ds)
+                mj["pooled_pass_fail"] = {"tasks": tasks, "n": n, "worse": worse, "better": better, "both": both, "mean": 100 * (better - worse) / n,
+                                          "worse_upper95": 100 * upper95(worse, n), "net_lower95": 100 * paired_lower95(both, worse, better, n)}
             cj["methods"].append(mj)
         out.append(cj)
     return out
@@ -281,12 +309,13 @@ def markdown(name, contexts, header, notes, dup, pooled_pairs=None):
         L.append("")
         pooled = [m for m in cj["methods"] if "pooled_pass_fail" in m]
         if pooled:
-            L += [f"Pooled over the pass/fail tasks at {cj['context']} tokens (each prompt of each task one trial; a bound on the share of",
-                  "prompts made worse over this mix of tasks, not on any one task):", ""]
+            L += [f"Pooled over the pass/fail tasks at {cj['context']} tokens (each prompt of each task one trial; bounds on the share of",
+                  "prompts made worse and on the net change in the share answered right, over this mix of tasks, not on any one task;",
+                  "both one-sided 95%: Clopper-Pearson for the first, Newcombe's paired score interval for the second):", ""]
             for m in pooled:
                 d = m["pooled_pass_fail"]
                 L.append(f"- {m['name']} ({'+'.join(d['tasks'])}): {d['n']} prompts, worse on {d['worse']}, better on {d['better']} "
-                         f"(Δ {d['mean']:+.2f} points); share made worse ≤ {d['worse_upper95']:.1f} points (95%)")
+                         f"(Δ {d['mean']:+.2f} points); share made worse ≤ {d['worse_upper95']:.1f} points, net change ≥ {d['net_lower95']:+.1f} points")
             L.append("")
         L += pair_markdown(cj)
         L += differences(cj)

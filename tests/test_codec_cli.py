@@ -533,6 +533,10 @@ class Codec(unittest.TestCase):
         self.assertEqual(sum(x["worse"] for x in differs), d["worse"])
         pooled = kv["pooled_pass_fail"]  # niah and code exact as one set of trials
         self.assertEqual((pooled["n"], pooled["worse"]), (6, d["worse"] + kv["paired_diff"]["niah"]["worse"]))
+        # The net change's lower bound (Newcombe's paired interval) lies below the net change seen,
+        # and, 6 prompts being few, well below it (a bound that sat at the mean would be no bound).
+        self.assertLess(pooled["net_lower95"], pooled["mean"] - 10)
+        self.assertGreaterEqual(pooled["net_lower95"], -100)
         # 6 prompts of ~320 tokens, 132 of each raw: measured 2.3393 here and on AVX2; window +-3%.
         self.assertAlmostEqual(kv["ratio"], 2.3393, delta=0.03 * 2.3393)
         self.assertEqual(van["ratio"], 1.0)

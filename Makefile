@@ -31,6 +31,7 @@
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-window8  the 8-bit window against f16, paired (~45 min) -> bench/results/window8.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
+#   make bench-grouped-pca  layer-grouped PCA: bits vs decode multiply-adds (estimate) -> bench/results/grouped-pca.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
 JOBS ?= $(shell nproc)
@@ -39,7 +40,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed analyze clean distclean
+.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped-pca analyze clean distclean
 
 all: build
 
@@ -233,6 +234,12 @@ bench-quality: $(CALIB) .deps/calib/smollm2-64k.safetensors $(ROPE_CALIB)
 # (kvtc-lab bench; contexts past 8K are the real 8K capture tiled). ~6 min.
 bench-speed: $(CALIB)
 	bench/speed.sh speed --calib $(CALIB) --context 1024 2048 4096 8192 16384 32768 --ratio 8 16 32 64 --precision auto f32 --levels 1 6 12 --repeat 2
+
+# Layer-grouped PCA estimated from the full calibration's covariance (issue 32
+# item 3: fewer decode multiply-adds at what cost in bits; ~1 min, numpy from
+# Debian's python3-numpy) -> bench/results/grouped-pca.md
+bench-grouped-pca: $(CALIB)
+	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60

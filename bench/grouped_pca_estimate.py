@@ -39,7 +39,9 @@ import sys
 import numpy as np
 
 
-def load(path):
+def load(path, expect="kvtc-calibration"):
+    """Metadata, a reader of one tensor by name (a read-only memmap) and the
+    tensor names of a safetensors file whose __metadata__.format is expect."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         first = f.read(8)
@@ -52,24 +54,25 @@ def load(path):
             sys.exit(f"{path}: safetensors header is not JSON ({e})")
     base = 8 + n
     meta = head.get("__metadata__", {})
-    if meta.get("format") != "kvtc-calibration":
-        sys.exit(f"{path}: __metadata__.format is {meta.get('format')!r}, expected 'kvtc-calibration'")
+    if meta.get("format") != expect:
+        sys.exit(f"{path}: __metadata__.format is {meta.get('format')!r}, expected {expect!r}")
+    dtypes = {"F32": "<f4", "F16": "<f2", "I32": "<i4"}
 
-    def tensor(name):
+    def tensor(name, dtype="F32"):
         if name not in head:
-            sys.exit(f"{path}: tensor {name!r} missing (expected a kvtc calibration with every component)")
+            sys.exit(f"{path}: tensor {name!r} missing (expected a {expect} file with it)")
         t = head[name]
-        if t["dtype"] != "F32":
-            sys.exit(f"{path}: tensor {name!r} has dtype {t['dtype']}, expected F32")
+        if t["dtype"] != dtype:
+            sys.exit(f"{path}: tensor {name!r} has dtype {t['dtype']}, expected {dtype}")
         a, b = t["data_offsets"]
         if not 0 <= a <= b <= size - base:
             sys.exit(f"{path}: tensor {name!r} data_offsets [{a}, {b}] lie past the file's {size - base} data bytes (truncated?)")
-        arr = np.memmap(path, dtype="<f4", mode="r", offset=base + a, shape=tuple(t["shape"]))
+        arr = np.memmap(path, dtype=dtypes[dtype], mode="r", offset=base + a, shape=tuple(t["shape"]))
         if arr.nbytes != b - a:
             sys.exit(f"{path}: tensor {name!r} holds {b - a} bytes, its shape needs {arr.nbytes}")
         return arr
 
-    return meta, tensor
+    return meta, tensor, [k for k in head if k != "__metadata__"]
 
 
 def waterfill(lam, d):
@@ -127,7 +130,7 @@ def main():
                          "as kvtc-lab bench's rel. err K/V")
     ap.add_argument("--out", help="markdown report (default: stdout only)")
     a = ap.parse_args()
-    meta, tensor = load(a.calib)
+    meta, tensor, _ = load(a.calib)
     layers = json.loads(meta["layers"])
     width = int(meta["n_head_kv"]) * int(meta["head_dim"])
     n_layer = len(layers)

@@ -31,7 +31,7 @@
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-window8  the 8-bit window against f16, paired (~45 min) -> bench/results/window8.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
-#   make bench-grouped-pca  layer-grouped PCA: bits vs decode multiply-adds (estimate) -> bench/results/grouped-pca.md
+#   make bench-grouped-pca  layer-grouped PCA: bits vs decode multiply-adds (estimate, held-out check) -> bench/results/grouped-pca*.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
 JOBS ?= $(shell nproc)
@@ -238,8 +238,16 @@ bench-speed: $(CALIB)
 # Layer-grouped PCA estimated from the full calibration's covariance (issue 32
 # item 3: fewer decode multiply-adds at what cost in bits; ~1 min, numpy from
 # Debian's python3-numpy) -> bench/results/grouped-pca.md
-bench-grouped-pca: $(CALIB)
+# The held-out check: 2,048 tokens of one eval-split text per kind, captured
+# (~1 min), then the grouped PCA coded on them (~10 min) -> grouped-pca-heldout.md
+GP_TEXTS := prose/bible_1John code/pystdlib__pyio.py_part1 docs/debref_ch05.en.html math/maxima_maxima_133.html
+bench-grouped-pca: $(CALIB) $(CORPUS)
 	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md
+	@mkdir -p .deps/grouped-pca
+	@for t in $(GP_TEXTS); do k=$${t%%/*}; [ -s .deps/grouped-pca/$$k.safetensors ] || \
+	  $(BUILD)/kvtc capture -t .deps/corpus/eval/$$t.txt -o .deps/grouped-pca/$$k.safetensors --max-tokens 2048 --ctx 2048 >/dev/null || exit 1; done
+	/usr/bin/python3 bench/grouped_pca_heldout.py $(CALIB) $(foreach t,$(GP_TEXTS),.deps/grouped-pca/$(firstword $(subst /, ,$(t))).safetensors) \
+	  --out bench/results/grouped-pca-heldout.md
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).
 FUZZ_SECONDS ?= 60

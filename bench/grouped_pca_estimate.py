@@ -102,6 +102,16 @@ def score(groups, d):
     return bits, kept, macs
 
 
+def report(text, out):
+    """Print the report; with out, also write it there (temporary file, then rename)."""
+    print(text)
+    if out:
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, out)
+
+
 def provenance():
     """Commit (with +dirty when the tree differs) and CPU model, for the report."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -174,13 +184,7 @@ def main():
          "|---|---|---|---|---|---|---|---|"]
     for kind, e, g, b, k, m, rb, rm in rows:
         L.append(f"| {kind.upper()} | {e:g} | {g} | {b:,.0f} | {k:,} | {m:,} | {100 * (rb - 1):+.1f}% | {rm:.2f}x |")
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, a.out)
+    report("\n".join(L) + "\n", a.out)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grouped_pca_estimate import load, provenance  # noqa: E402
+from grouped_pca_estimate import load, provenance, report  # noqa: E402
 
 
 def derope(k, pos, meta, path):
@@ -205,13 +205,7 @@ def main():
             b, m = sum(r["bits"] for r in pair), sum(r["macs"] for r in pair)
             b1, m1 = sum(r["bits"] for r in one), sum(r["macs"] for r in one)
             L.append(f"| {tk:g} / {tv:g} | {g} | {b:,.0f} | {100 * (b / b1 - 1):+.1f}% | {m:,} | {m1 / m:.2f}x |")
-    text = "\n".join(L) + "\n"
-    print(text)
-    if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, a.out)
+    report("\n".join(L) + "\n", a.out)
 
 
 if __name__ == "__main__":

@@ -110,13 +110,18 @@ def column_entropy(q):
 LAMBDA = 2.0 * np.log(2.0) / 12.0
 
 
-def code(Y, energy, step):
-    """Quantize Y [N, m] at one step with the rule above: the columns kept,
+def code(Y, energy, step, sd=None, min_sd=None):
+    """Quantize Y [N, m] at one step with the rule above (or, with min_sd,
+    the codec's own rule: a component is coded where its calibration
+    standard deviation sd [m] is at least min_sd x step): the columns kept,
     the summed squared error, the bits per token."""
     q = np.rint(Y / step)
     qerr = np.square(Y - step * q).sum(axis=0, dtype=np.float64)
     h = column_entropy(q.astype(np.int32))
-    keep = (energy - qerr) > LAMBDA * step * step * Y.shape[0] * h
+    if min_sd is None:
+        keep = (energy - qerr) > LAMBDA * step * step * Y.shape[0] * h
+    else:
+        keep = sd >= min_sd * step
     keep &= h > 0
     return keep, float(qerr[keep].sum() + energy[~keep].sum()), float(h[keep].sum())
 
@@ -130,6 +135,9 @@ def main():
                     help="pairs K V of held-out relative errors (default: DP-16x's and DP-32x's on the 8K cache, speed-ecsq-avx2.md)")
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--min-sd", type=float,
+                    help="keep a component where its calibration deviation is >= this x step (the codec's rule, "
+                         "kvtc compress --min-sd, 0.7 by default there) instead of where it pays")
     ap.add_argument("--out")
     a = ap.parse_args()
     if len(a.target) % 2:
@@ -160,22 +168,25 @@ def main():
             span = p // g
             if g == 1:
                 Y = (X @ basis.T).astype(np.float32)  # the calibration's own components
+                sd = np.sqrt(np.clip(var, 0, None))
             else:
-                parts = []
+                parts, sds = [], []
                 for i in range(0, p, span):
                     w, U = np.linalg.eigh(cov[i:i + span, i:i + span])
                     parts.append(X[:, i:i + span] @ np.ascontiguousarray(U[:, ::-1]))  # a reversed view would miss BLAS
+                    sds.append(np.sqrt(np.clip(w[::-1], 0, None)))
                 Y = np.concatenate(parts, axis=1).astype(np.float32)
+                sd = np.concatenate(sds)
             energy = np.square(Y).sum(axis=0, dtype=np.float64)
             for tk, tv in targets:
                 t = tk if kind == "k" else tv
                 lo, hi = 1e-3, 1e2  # log-bisection on the step: error grows with it
                 for _ in range(24):
                     mid = np.sqrt(lo * hi)
-                    e = code(Y, energy, mid)[1] / norm
+                    e = code(Y, energy, mid, sd, a.min_sd)[1] / norm
                     lo, hi = (mid, hi) if e < t else (lo, mid)
                 step = lo  # the largest step tried that meets the target
-                mask, err, bits = code(Y, energy, step)
+                mask, err, bits = code(Y, energy, step, sd, a.min_sd)
                 macs = int(sum(mask[i:i + span].sum() * span for i in range(0, p, span)))
                 rows.append(dict(kind=kind, t=t, groups=g, step=step, err=err / norm, bits=bits, kept=int(mask.sum()), macs=macs))
             del Y
@@ -183,11 +194,14 @@ def main():
     base = {(r["kind"], r["t"]): r for r in rows if r["groups"] == 1}
     L = [f"# Layer-grouped PCA on held-out KV ({os.path.basename(a.calib)})", "",
          f"- command: `/usr/bin/python3 bench/grouped_pca_heldout.py {a.calib} {' '.join(a.captures)} --groups {' '.join(map(str, a.groups))} "
-         f"--target {' '.join(map(str, a.target))} --sink {a.sink} --window {a.window}`",
+         f"--target {' '.join(map(str, a.target))} --sink {a.sink} --window {a.window}"
+         + (f" --min-sd {a.min_sd:g}`" if a.min_sd is not None else "`"),
          "- commit: {}; machine: {}".format(*provenance()),
          f"- calibration id {meta.get('calibration_id', '?')[:16]}…; {n_tok:,} held-out tokens from {len(a.captures)} captures "
          f"(sink {a.sink} and window {a.window} of each left out); p = {n_layer * width}",
-         "- one uniform step for every component, a component kept where it removes more error than its bits cost (2 ln 2 step^2/12 per bit),",
+         ("- one uniform step for every component, a component kept where it removes more error than its bits cost (2 ln 2 step^2/12 per bit),"
+          if a.min_sd is None else
+          f"- one uniform step for every component, a component kept where its calibration deviation is >= {a.min_sd:g} x step (the codec's rule),"),
          "  the step bisected to the target relative error; bits/token = summed zeroth-order entropy of each kept",
          "  component's codes (not the codec's bytes); decode MACs/token = kept components x their group's width", "",
          "| kind | target rel. err | layer groups | rel. err | step | bits/token | bits vs 1 group | kept components | decode MACs/token | MACs fewer by |",

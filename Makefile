@@ -240,7 +240,7 @@ bench-speed: $(CALIB)
 # Debian's python3-numpy) -> bench/results/grouped-pca.md
 # The held-out check: 2,048 tokens of one eval-split text per kind, captured
 # (~1 min), then the grouped PCA coded on them, components kept where they pay
-# (~8 min) and by the codec's own --min-sd 0.7 rule (~5 min) -> grouped-pca-heldout{,-minsd}.md
+# (~8 min) and by the codec's own --min-sd 0.7 rule (~4 min) -> grouped-pca-heldout{,-minsd}.md
 GP_TEXTS := prose/bible_1John code/pystdlib__pyio.py_part1 docs/debref_ch05.en.html math/maxima_maxima_133.html
 bench-grouped-pca: $(CALIB) $(CORPUS)
 	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md

@@ -83,7 +83,7 @@ serve: build $(CORPUS)
 check-long: build $(CORPUS)
 	@scripts/check_long.sh $(BUILD)/kvtc
 
-# Full calibration of the default model (160K tokens; ~15 min on 2 AVX-512 cores,
+# Full calibration of the default model (160K tokens; ~15 min on the 2 cores it was first timed on,
 # 28 min on an AVX2-only Zen 3 where the prefill took 1,492 of 1,658 s).
 CALIB := .deps/calib/smollm2-160k.safetensors
 $(CALIB): | build $(CORPUS)

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -126,6 +127,24 @@ def code(Y, energy, step, sd=None, min_sd=None):
     return keep, float(qerr[keep].sum() + energy[~keep].sum()), float(h[keep].sum())
 
 
+def gemm_ms(kept, span, chunk, n_tok, repeat=5):
+    """Wall ms of the decoder's projection for n_tok tokens in one layout:
+    per chunk of tokens and per group, codes [chunk, kept_g] x basis
+    [kept_g, span] in f32; fastest of repeat runs over 8 chunks, scaled."""
+    rng = np.random.default_rng(0)
+    ops = [(rng.standard_normal((chunk, k), dtype=np.float32), rng.standard_normal((k, span), dtype=np.float32)) for k in kept if k]
+    for c, b in ops:
+        c @ b  # warm-up: threads started, pages touched
+    best = 1e300
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(8):
+            for c, b in ops:
+                c @ b
+        best = min(best, time.perf_counter() - t0)
+    return best / (8 * chunk) * n_tok * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("calib")
@@ -138,6 +157,8 @@ def main():
     ap.add_argument("--min-sd", type=float,
                     help="keep a component where its calibration deviation is >= this x step (the codec's rule, "
                          "kvtc compress --min-sd, 0.7 by default there) instead of where it pays")
+    ap.add_argument("--gemm-chunk", type=int, default=256,
+                    help="tokens per decode GEMM when timing each layout's projection (numpy f32 matmul, the BLAS numpy links)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if len(a.target) % 2:
@@ -187,8 +208,10 @@ def main():
                     lo, hi = (mid, hi) if e < t else (lo, mid)
                 step = lo  # the largest step tried that meets the target
                 mask, err, bits = code(Y, energy, step, sd, a.min_sd)
-                macs = int(sum(mask[i:i + span].sum() * span for i in range(0, p, span)))
-                rows.append(dict(kind=kind, t=t, groups=g, step=step, err=err / norm, bits=bits, kept=int(mask.sum()), macs=macs))
+                kept_g = [int(mask[i:i + span].sum()) for i in range(0, p, span)]
+                macs = sum(k * span for k in kept_g)
+                ms = gemm_ms(kept_g, span, a.gemm_chunk, 8192)
+                rows.append(dict(kind=kind, t=t, groups=g, step=step, err=err / norm, bits=bits, kept=int(mask.sum()), macs=macs, ms=ms))
             del Y
         del X, cov, basis
     base = {(r["kind"], r["t"]): r for r in rows if r["groups"] == 1}
@@ -204,21 +227,25 @@ def main():
           f"- one uniform step for every component, a component kept where its calibration deviation is >= {a.min_sd:g} x step (the codec's rule),"),
          "  the step bisected to the target relative error; bits/token = summed zeroth-order entropy of each kept",
          "  component's codes (not the codec's bytes); decode MACs/token = kept components x their group's width", "",
-         "| kind | target rel. err | layer groups | rel. err | step | bits/token | bits vs 1 group | kept components | decode MACs/token | MACs fewer by |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         f"- GEMM ms / 8K = the decoder's projection of 8,192 tokens in that layout, timed: numpy f32 matmul of {a.gemm_chunk}-token",
+         "  chunks of random codes by each group's kept rows, wall ms, fastest of 5 (this machine's BLAS, not the codec's int8 or bf16 path)", "",
+         "| kind | target rel. err | layer groups | rel. err | step | bits/token | bits vs 1 group | kept components | decode MACs/token | MACs fewer by | GEMM ms / 8K | faster by |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b1 = base[(r["kind"], r["t"])]
         L.append(f"| {r['kind'].upper()} | {r['t']:g} | {r['groups']} | {r['err']:.5f} | {r['step']:.4g} | {r['bits']:,.0f} | "
-                 f"{100 * (r['bits'] / b1['bits'] - 1):+.1f}% | {r['kept']:,} | {r['macs']:,} | {b1['macs'] / r['macs']:.2f}x |")
+                 f"{100 * (r['bits'] / b1['bits'] - 1):+.1f}% | {r['kept']:,} | {r['macs']:,} | {b1['macs'] / r['macs']:.2f}x | "
+                 f"{r['ms']:,.0f} | {b1['ms'] / r['ms']:.2f}x |")
     L += ["", "K + V at each target pair:", "",
-          "| target K / V | layer groups | bits/token K+V | bits vs 1 group | decode MACs/token K+V | MACs fewer by |", "|---|---|---|---|---|---|"]
+          "| target K / V | layer groups | bits/token K+V | bits vs 1 group | decode MACs/token K+V | MACs fewer by | GEMM ms / 8K K+V | faster by |",
+          "|---|---|---|---|---|---|---|---|"]
     for tk, tv in targets:
         for g in a.groups:
             pair = [r for r in rows if r["groups"] == g and r["t"] == (tk if r["kind"] == "k" else tv)]
             one = [r for r in rows if r["groups"] == 1 and r["t"] == (tk if r["kind"] == "k" else tv)]
-            b, m = sum(r["bits"] for r in pair), sum(r["macs"] for r in pair)
-            b1, m1 = sum(r["bits"] for r in one), sum(r["macs"] for r in one)
-            L.append(f"| {tk:g} / {tv:g} | {g} | {b:,.0f} | {100 * (b / b1 - 1):+.1f}% | {m:,} | {m1 / m:.2f}x |")
+            b, m, ms = (sum(r[f] for r in pair) for f in ("bits", "macs", "ms"))
+            b1, m1, ms1 = (sum(r[f] for r in one) for f in ("bits", "macs", "ms"))
+            L.append(f"| {tk:g} / {tv:g} | {g} | {b:,.0f} | {100 * (b / b1 - 1):+.1f}% | {m:,} | {m1 / m:.2f}x | {ms:,.0f} | {ms1 / ms:.2f}x |")
     report("\n".join(L) + "\n", a.out)
 
 

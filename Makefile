@@ -243,14 +243,15 @@ bench-speed: $(CALIB)
 # (~1 min), then the grouped PCA coded on them, components kept where they pay
 # (~8 min) and by the codec's own --min-sd 0.7 rule (~4 min) -> grouped-pca-heldout{,-minsd}.md
 GP_TEXTS := prose/bible_1John code/pystdlib__pyio.py_part1 docs/debref_ch05.en.html math/maxima_maxima_133.html
+GP_CAPTURES := $(foreach t,$(GP_TEXTS),.deps/grouped-pca/$(firstword $(subst /, ,$(t))).safetensors)
 bench-grouped-pca: $(CALIB) $(CORPUS)
 	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md
 	@mkdir -p .deps/grouped-pca
 	@for t in $(GP_TEXTS); do k=$${t%%/*}; [ -s .deps/grouped-pca/$$k.safetensors ] || \
 	  $(BUILD)/kvtc capture -t .deps/corpus/eval/$$t.txt -o .deps/grouped-pca/$$k.safetensors --max-tokens 2048 --ctx 2048 >/dev/null || exit 1; done
-	/usr/bin/python3 bench/grouped_pca_heldout.py $(CALIB) $(foreach t,$(GP_TEXTS),.deps/grouped-pca/$(firstword $(subst /, ,$(t))).safetensors) \
+	/usr/bin/python3 bench/grouped_pca_heldout.py $(CALIB) $(GP_CAPTURES) \
 	  --out bench/results/grouped-pca-heldout.md
-	/usr/bin/python3 bench/grouped_pca_heldout.py $(CALIB) $(foreach t,$(GP_TEXTS),.deps/grouped-pca/$(firstword $(subst /, ,$(t))).safetensors) \
+	/usr/bin/python3 bench/grouped_pca_heldout.py $(CALIB) $(GP_CAPTURES) \
 	  --groups 1 2 3 --target 0.0066 0.045 --min-sd 0.7 --out bench/results/grouped-pca-heldout-minsd.md
 
 # Decoder fuzzing under ASan + UBSan: FUZZ_SECONDS per target (default 60).

@@ -61,7 +61,7 @@ def derope(k, pos, meta, path):
     else:
         a, b = np.arange(half), np.arange(half, n_rot)
     x0, x1 = k[..., a].astype(np.float64), k[..., b].astype(np.float64)
-    out = k.astype(np.float64).copy()
+    out = k.astype(np.float64)  # a new array
     out[..., a] = x0 * c + x1 * s  # the inverse rotation
     out[..., b] = -x0 * s + x1 * c
     return out
@@ -174,6 +174,8 @@ def main():
     for g in a.groups:
         if g < 1 or n_layer % g:
             sys.exit(f"--groups {g}: must divide the {n_layer} layers of {a.calib}")
+    if 1 not in a.groups:  # every row is read against one PCA's
+        a.groups = [1] + a.groups
     feats = [read_capture(c, meta, a.sink, a.window) for c in a.captures]
     n_tok = sum(f[0].shape[0] for f in feats)
     targets = list(zip(a.target[0::2], a.target[1::2]))

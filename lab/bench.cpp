@@ -52,6 +52,7 @@ struct BenchArgs {
   int batch = 1;                                // sequences per codec call (cuda)
   int threads = 0, repeat = 3;
   bool json = false;
+  bool dense = false;  // a layer-grouped calibration's basis as one dense GEMM over its zeros (the control)
 };
 
 // Resident-set high-water mark of this process (VmHWM), reset on request
@@ -280,8 +281,10 @@ void cpu_codec_row(const BenchRun& B, const KvCapture& cap, const AllocationSet&
     if (ms < dec_ms) dec_ms = ms, dec_st = st;
   }
   // int8 is a decode mode: "int8" names the row, the encoder's precision beside it.
-  X["precision"] = dec_st.projection == Precision::kInt8 ? std::string("int8 (enc ") + precision_name(enc_st.projection) + ")"
-                                                         : std::string(precision_name(enc_st.projection));
+  X["precision"] = (dec_st.projection == Precision::kInt8 ? std::string("int8 (enc ") + precision_name(enc_st.projection) + ")"
+                                                          : std::string(precision_name(enc_st.projection))) +
+                   (dec_st.projection_groups > 1 ? ", " + std::to_string(dec_st.projection_groups) + " runs" : std::string());
+  X["projection_groups"] = dec_st.projection_groups;
   X["batch"] = 1;
   X["compressed_mb"] = double(bytes->size()) / 1e6;
   X["ratio"] = double(raw) / double(bytes->size());
@@ -302,20 +305,24 @@ void cpu_codec_row(const BenchRun& B, const KvCapture& cap, const AllocationSet&
   X["rel_error_v"] = err.v;
 }
 
-// Projection throughput: 2 n p r flops per coded K/V and sequence, over the
-// stage's thread time x threads (GPU: its wall time).
+// Projection throughput: 2 n p r flops per coded K/V and sequence (a
+// layer-grouped basis multiplied run by run: 2 n sum_g r_g p_g, what runs),
+// over the stage's thread time x threads (GPU: its wall time).
 // The components used are the container's (an entropy-coded kind keeps
 // what its step needs, fewer than its allocation set offers).
-void projection_gflops(const Calibration& cal, const std::vector<uint8_t>& bytes, nlohmann::ordered_json& X) {
-  double flops = 0;
+void projection_gflops(const Calibration& cal, const std::vector<uint8_t>& bytes, bool cuda, nlohmann::ordered_json& X) {
+  double flops = 0, macs_total = 0;
   const ContainerInfo ci = inspect(bytes, "bench");
   const AllocationSet& al = ci.header.alloc;
   for (size_t b = 0; b < al.size(); ++b)
     for (int kv = 0; kv < 2; ++kv) {
       const auto& bl = al[b][kv].blocks;
       const uint32_t ru = bl.empty() ? 0 : bl.back().start + bl.back().size;
-      flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * cal.blocks[b][kv].p * ru;
+      const double macs = cuda ? double(cal.blocks[b][kv].p) * ru : double(projection_macs_per_token(cal.blocks[b][kv], ru));
+      flops += 2.0 * double(ci.n_compressed_tokens) / double(al.size()) * macs;
+      macs_total += macs;
     }
+  X["projection_macs_per_token"] = macs_total;
   flops *= X["batch"].get<double>();
   for (const char* dir : {"encode", "decode"}) {
     const auto& st = X[std::string(dir) + "_stages"];
@@ -369,7 +376,7 @@ nlohmann::ordered_json codec_row(const BenchRun& B, Session& s, const KvCapture&
   }
   const double peak_mb = (vm_kb("VmHWM:") - rss0) / 1024.0;
   const double enc_ms = X["compress_ms"].get<double>(), dec_ms = X["decompress_ms"].get<double>();
-  projection_gflops(B.cal, bytes, X);
+  projection_gflops(B.cal, bytes, B.cuda, X);  // the GPU multiplies the dense basis
   X["peak_extra_mb"] = peak_mb;
   if (ctx <= B.model->info().n_ctx_train) restore_timings(B, s, cap, dec, ctx, C, X);
   std::fprintf(stderr, "[bench] %u tokens, %gx %s %s: %.2fx, compress %.0f ms, decompress %.0f ms (%.0f s)\n", ctx, ratio, coding.c_str(),
@@ -627,7 +634,13 @@ Action add_bench(CLI::App& app) {
   sub->add_option("--out-json", a->out_json, "Write the JSON here");
   sub->add_option("--out-md", a->out_md, "Write the tables here");
   sub->add_flag("--json", a->json, "Print JSON instead of the tables");
-  return [a] { return run_bench(*a); };
+  sub->add_flag(
+      "--dense", a->dense,
+      "A layer-grouped calibration (kvtc calibrate --layer-groups) multiplied as one dense GEMM over its zeros: the control for its runs apart");
+  return [a] {
+    if (a->dense) set_grouped_projection(false);
+    return run_bench(*a);
+  };
 }
 
 }  // namespace kvtc::lab

@@ -156,6 +156,102 @@ TEST(Fit, RefusesWhatItCannotUse) {
   EXPECT_THROW(CalibrationFitter(lowrank_geometry(), bad), Error);
 }
 
+// Layer groups (FitOptions::layer_groups): one PCA per run of layers, the
+// components zero outside their run and merged by variance; the codec
+// multiplies the runs apart and decodes what the dense GEMM over the zeros
+// decodes. Synthetic caches: the fit's and the projection's arithmetic.
+TEST(Fit, LayerGroupsFitARunEachAndDecodeAsTheDenseGemm) {
+  FitOptions o;
+  o.ratios = {4, 8};
+  o.layer_groups = 2;
+  std::vector<KvCapture> fit, held;
+  for (uint32_t i = 0; i < 3; ++i) fit.push_back(lowrank_capture(300, 10 + i));
+  held.push_back(lowrank_capture(200, 50));
+  const Calibration one = fit_calibration(fit, held, {.ratios = {4, 8}});
+  const Calibration cal = fit_calibration(fit, held, o);
+  EXPECT_EQ(cal.meta.at("layer_groups"), "2");
+  EXPECT_EQ(one.meta.count("layer_groups"), 0u);
+  EXPECT_NE(cal.id, one.id);
+  for (int kv = 0; kv < 2; ++kv) {
+    const Transform &t = cal.blocks[0][kv], &u = one.blocks[0][kv];
+    ASSERT_EQ(t.p, 64u);  // 2 layers x 2 heads x 16: layer 0 is features 0..31
+    ASSERT_EQ(t.r, 64u);
+    EXPECT_NEAR(t.total_variance, u.total_variance, 1e-9 * u.total_variance);
+    uint32_t in0 = 0;
+    double top_t = 0, top_u = 0;
+    for (uint32_t j = 0; j < t.r; ++j) {
+      const float* row = &t.basis[size_t(j) * t.p];
+      const bool zero0 = std::all_of(row, row + 32, [](float x) { return x == 0.0f; });
+      const bool zero1 = std::all_of(row + 32, row + 64, [](float x) { return x == 0.0f; });
+      EXPECT_NE(zero0, zero1) << "component " << j << " must lie in one layer group";
+      in0 += !zero0;
+      if (j > 0) EXPECT_LE(t.variance[j], t.variance[j - 1]);
+      // One PCA's leading variances bound any other basis's (Ky Fan; f32 variances: 1e-6).
+      top_t += t.variance[j], top_u += u.variance[j];
+      EXPECT_LE(top_t, top_u * (1 + 1e-6)) << "top " << j + 1;
+    }
+    EXPECT_EQ(in0, 32u);
+  }
+  // Saved and loaded: the same basis, the same id.
+  const fs::path file = temp_path("grouped.safetensors");
+  calibration_save(file.string(), cal);
+  const Calibration back = calibration_load(file.string());
+  fs::remove(file);
+  EXPECT_EQ(back.id, cal.id);
+  EXPECT_EQ(back.meta.at("layer_groups"), "2");
+  // The codec, run by run and dense, at 8x (DP and entropy-coded), in f32
+  // and auto: the same codes and nearly the same values (measured: the
+  // decoded f16 identical or 1 ulp apart), and close to the cache.
+  const KvCapture c = lowrank_capture(600, 77);
+  for (Coding coding : {Coding::kFixedRate, Coding::kEntropy})
+    for (Precision prec : {Precision::kF32, Precision::kAuto}) {
+      SCOPED_TRACE(std::string(coding == Coding::kEntropy ? "ecsq " : "dp ") + precision_name(prec));
+      const AllocationSet alloc = coding == Coding::kEntropy ? ecsq_allocation_set(cal, 8) : allocation_set(cal, 8);
+      CodecStats es, ds, es_dense, ds_dense;
+      CompressOptions co;
+      co.precision = prec;
+      DecompressOptions dopt;
+      dopt.precision = prec;
+      co.stats = &es, dopt.stats = &ds;
+      const std::vector<uint8_t> grouped = compress(c, cal, alloc, co);
+      const KvCapture out = decompress(grouped, cal, "mem", dopt);
+      set_grouped_projection(false);
+      co.stats = &es_dense, dopt.stats = &ds_dense;
+      const std::vector<uint8_t> dense = compress(c, cal, alloc, co);
+      const KvCapture dense_out = decompress(grouped, cal, "mem", dopt);
+      set_grouped_projection(true);
+      EXPECT_EQ(es.projection_groups, 2u);
+      EXPECT_EQ(ds.projection_groups, 2u);
+      EXPECT_EQ(es_dense.projection_groups, 1u);
+      EXPECT_EQ(ds_dense.projection_groups, 1u);
+      EXPECT_EQ(grouped.size(), dense.size());
+      size_t differ = 0;
+      for (size_t i = 0; i < grouped.size(); ++i) differ += grouped[i] != dense[i];
+      EXPECT_LE(differ, grouped.size() / 100) << "the codes of the runs apart and of the dense GEMM";
+      const KvBlock &a = out.blocks[0], &b = dense_out.blocks[0];
+      ASSERT_EQ(a.k.size(), b.k.size());
+      double worst = 0;
+      for (const auto& [x, y] : {std::pair{&a.k, &b.k}, std::pair{&a.v, &b.v}})
+        for (size_t i = 0; i < x->size(); ++i) {
+          const double fx = f16_to_f32((*x)[i]), fy = f16_to_f32((*y)[i]);
+          worst = std::max(worst, std::fabs(fx - fy) / f16_ulp(std::max(std::fabs(fx), std::fabs(fy))));
+        }
+      EXPECT_LE(worst, 2.0) << "f16 ulps between the runs apart and the dense GEMM";
+      std::printf("  %s %s: %zu of %zu container bytes differ, decoded <= %.0f f16 ulp apart\n", coding == Coding::kEntropy ? "ecsq" : "dp",
+                  precision_name(prec), differ, grouped.size(), worst);
+      const ReconError e = reconstruction_error(c, out, 4, 128);
+      EXPECT_LT(e.k, 0.02);
+      EXPECT_LT(e.v, 0.02);
+    }
+  // What a grouped fit cannot do.
+  FitOptions three = o;
+  three.layer_groups = 3;  // 2 layers
+  EXPECT_NE(error_of([&] { CalibrationFitter(lowrank_geometry(), three); }).find("layer groups"), std::string::npos);
+  FitOptions rnd = o;
+  rnd.pca_route = "randomized";
+  EXPECT_NE(error_of([&] { CalibrationFitter(lowrank_geometry(), rnd); }).find("exact PCA route"), std::string::npos);
+}
+
 TEST(Fit, FeatureRowsRoundTrip) {
   KvCapture c = lowrank_capture(40, 3, 1000);
   const KvBlock before = c.blocks[0];

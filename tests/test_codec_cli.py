@@ -56,7 +56,10 @@ class Codec(unittest.TestCase):
             self.assertIn(n, p.stderr)
 
     def compress(self, ratio, out, *extra):
-        return json.loads(run("compress", self.cap, "--calib", self.cal, "-r", str(ratio), "-o", out, "--json", *extra, check=0).stdout)
+        return self.compress_with(self.cal, ratio, out, *extra)
+
+    def compress_with(self, cal, ratio, out, *extra):
+        return json.loads(run("compress", self.cap, "--calib", cal, "-r", str(ratio), "-o", out, "--json", *extra, check=0).stdout)
 
     def test_calibration_bytes_do_not_depend_on_the_blas_kernels(self):
         # docs/calibration-format.md "Reproducible calibration": OpenBLAS's kernels
@@ -344,6 +347,30 @@ class Codec(unittest.TestCase):
         # 132 of them raw); window +-3%.
         self.assertAlmostEqual(t2["f16_bytes"] / t2["kvtc_bytes"], 1.360, delta=0.03 * 1.36)
         self.assertTrue(os.path.exists(self.path("turns/turn2.kvtc")))
+
+    def test_layer_grouped_calibration(self):
+        # One PCA per 15 layers: the file says so, the codec multiplies the
+        # 2 runs apart (its JSON says how many), and the round trip holds.
+        cal = self.path("g2.safetensors")
+        s = json.loads(run("calibrate", "-m", SMOL, "--tokens", "1500", "--heldout", "256", "--doc-tokens", "1024", "--rank-max", "512",
+                           "--ratios", "16", "--layer-groups", "2", "-o", cal, "--json", check=0).stdout)
+        self.assertEqual(s["layer_groups"], "2")
+        self.assertIn("per layer group (2)", s["pca_route"])  # never the Gram route: each run's block of the covariance
+        box = self.path("g2.kvtc")
+        c = self.compress_with(cal, 16, box, "--coding", "ecsq")
+        self.assertEqual(c["projection_groups"], 2)
+        d = json.loads(run("decompress", box, "--calib", cal, "--reference", self.cap, "--json", check=0).stdout)
+        self.assertEqual(d["projection_groups"], 2)
+        # Measured k 0.0158, v 0.1179 (1,500 tokens, 512 components of
+        # each run's 2,880); bound 1.5x: a run decoded on the other's features
+        # or its components misplaced gives ~1.
+        self.assertLess(d["rel_error_k"], 1.5 * 0.0158)
+        self.assertLess(d["rel_error_v"], 1.5 * 0.1179)
+        p = run("calibrate", "-m", SMOL, "--tokens", "600", "--heldout", "64", "--layer-groups", "31", "-o", self.path("g31.safetensors"))
+        self.assertFails(p, "fewer than the 31 layer groups")
+        p = run("calibrate", "-m", SMOL, "--tokens", "600", "--heldout", "64", "--layer-groups", "2", "--pca", "randomized",
+                "-o", self.path("g2r.safetensors"))
+        self.assertFails(p, "exact PCA route")
 
     def test_keep_rope_calibration(self):
         # Keys fitted with RoPE applied: the container says so, the decoder

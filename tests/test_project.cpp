@@ -255,3 +255,155 @@ TEST(Projector, CachedRowsFollowTheTransformNotItsAddress) {
   Calibration unnamed;
   EXPECT_EQ(detail::transform_key(unnamed, 0, 0), "");
 }
+
+namespace {
+
+// A layer-grouped transform (FitOptions::layer_groups): runs of features
+// [0, 96) and [96, 320) (uneven on purpose) with features 300..319 in no
+// component, each run's components orthonormal there and zero elsewhere,
+// interleaved as a merge by variance would leave them. Synthetic: the
+// projection's arithmetic, not a model.
+Transform grouped_transform(std::mt19937& g) {
+  const uint32_t p = 320, w0 = 96, w1 = 204;  // run 1: features 96..299 carry it
+  Transform a = random_transform(w0, w0, g), b = random_transform(w1, w1, g);
+  Transform T;
+  T.p = p, T.r = w0 + w1;
+  T.mu.resize(p);
+  std::normal_distribution<float> nd;
+  for (float& m : T.mu) m = 4.0f * nd(g);
+  T.basis.assign(size_t(T.r) * p, 0.0f);
+  uint32_t ia = 0, ib = 0;
+  for (uint32_t j = 0; j < T.r; ++j) {
+    const bool from_a = ia < a.r && (j % 3 == 0 || ib == b.r);  // every third component is run 0's
+    float* row = &T.basis[size_t(j) * p];
+    if (from_a)
+      std::copy_n(&a.basis[size_t(ia++) * w0], w0, row);
+    else
+      std::copy_n(&b.basis[size_t(ib++) * w1], w1, row + w0);
+  }
+  return T;
+}
+
+}  // namespace
+
+// The runs are found in the basis; a dense basis is one run; a run that
+// would save under 10% of the multiply-adds is not split.
+TEST(GroupedProjection, FindsTheRunsInTheBasis) {
+  std::mt19937 g(11);
+  const Transform T = grouped_transform(g);
+  const detail::GroupedBasis G = detail::find_groups(T, T.r);
+  ASSERT_EQ(G.groups.size(), 2u);
+  EXPECT_EQ(G.groups[0].c0, 0u);
+  EXPECT_EQ(G.groups[0].w, 96u);
+  EXPECT_EQ(G.groups[1].c0, 96u);
+  EXPECT_EQ(G.groups[1].w, 224u);  // the untouched features 300..319 join the run before them
+  EXPECT_EQ(G.groups[0].comps.size(), 96u);
+  EXPECT_EQ(G.groups[1].comps.size(), 204u);
+  EXPECT_EQ(G.groups[0].comps[1], 3u);
+  EXPECT_EQ(G.groups[1].comps[0], 1u);
+  // The first 2 components alone: one of each run.
+  EXPECT_EQ(detail::find_groups(T, 2).groups.size(), 2u);
+  EXPECT_EQ(detail::find_groups(T, 1).groups.size(), 0u);
+  EXPECT_EQ(detail::find_groups(random_transform(64, 32, g), 32).groups.size(), 0u);
+  // One component on features 0..7, the other 239 on 8..319: splitting
+  // saves 2.4% of the multiply-adds, not worth two GEMMs.
+  Transform t = T;
+  for (uint32_t j = 0; j < t.r; ++j) {
+    float* row = &t.basis[size_t(j) * t.p];
+    std::fill(row, row + t.p, 0.0f);
+    if (j == 0)
+      std::fill(row, row + 8, 0.25f);
+    else
+      row[8 + j % 312] = 1.0f, row[319] = 0.5f;
+  }
+  EXPECT_EQ(detail::find_groups(t, t.r).groups.size(), 0u);
+  for (uint32_t j = 1; j < t.r; ++j)
+    t.basis[size_t(j) * t.p + 319] = 0.0f, t.basis[size_t(j) * t.p + 8 + j % 312] = 0.0f, t.basis[size_t(j) * t.p + 200] = 1.0f;
+  EXPECT_EQ(detail::find_groups(t, t.r).groups.size(), 2u);  // now the 239 span one feature
+}
+
+// Run by run against one dense GEMM over the zeros (set_grouped_projection
+// off), in every precision this CPU runs: encode token- and
+// component-major, decode of all rows and of a prefix, and the entropy-coded
+// chunks' integer decode. The same products less the zeros', summed in
+// another order: measured rel. diff <= ~1e-7 (f32, bf16) and ~1e-7 (int8's
+// float part; its integer sums are exact): bound 1e-5. A projection whose
+// runs were swapped or whose components went to the wrong run would be off
+// by ~1.
+TEST(GroupedProjection, RunByRunEqualsTheDenseGemm) {
+  std::mt19937 g(12);
+  const Transform T = grouped_transform(g);
+  const uint32_t n = 96, p = T.p, r = T.r;
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(n) * p);
+  for (uint32_t t = 0; t < n; ++t)
+    for (uint32_t f = 0; f < p; ++f) x[size_t(t) * p + f] = T.mu[f] + nd(g) * (f < 300 ? 1.0f : 0.0f);
+  std::exponential_distribution<double> ex(1.0);
+  std::vector<int32_t> q(size_t(r) * n);
+  for (uint32_t j = 0; j < r; ++j)
+    for (uint32_t t = 0; t < n; ++t) q[size_t(j) * n + t] = int32_t(std::lround((g() % 2 ? 1 : -1) * ex(g) * 3.0 * std::pow(0.995, j)));
+  std::vector<Precision> precs{Precision::kF32};
+  if (bf16_projection_available()) precs.push_back(Precision::kBF16);
+  if (int8_projection_available()) precs.push_back(Precision::kInt8);
+  for (Precision prec : precs) {
+    SCOPED_TRACE(precision_name(prec));
+    struct Out {
+      std::vector<float> enc, enc_cm, dec, dec_prefix, codes, wide, mixed, mixed_float;
+    };
+    auto run = [&](bool grouped) {
+      detail::set_grouped_projection(grouped);
+      const detail::Projector P(T, r, prec);  // no key: made here, not from the cache
+      detail::set_grouped_projection(true);
+      EXPECT_EQ(P.groups(), grouped ? 2u : 1u);
+      Out o;
+      std::vector<float> xc = x;
+      o.enc.resize(size_t(n) * r);
+      P.encode(xc.data(), n, o.enc.data(), nullptr);
+      xc = x;
+      o.enc_cm.resize(size_t(n) * r);
+      P.encode(xc.data(), n, o.enc_cm.data(), nullptr, true);
+      o.dec.resize(size_t(n) * p);
+      P.decode(o.enc.data(), n, o.dec.data(), nullptr);
+      // A prefix (as the int8 path's leading components): the first 50 rows of the component-major D.
+      const detail::Projector P50(T, 50, prec);
+      o.dec_prefix.resize(size_t(n) * p);
+      std::vector<float> cm50(o.enc_cm.begin(), o.enc_cm.begin() + size_t(50) * n);
+      P50.decode(cm50.data(), n, o.dec_prefix.data(), nullptr, true);
+      // Entropy-coded chunks whose integer/float split is the same either
+      // way: small codes (every component in the integer GEMM on the int8
+      // path, a few past 8 bits added apart), then all past 8 bits (every
+      // component in the float GEMM).
+      o.codes.resize(size_t(n) * p);
+      P.decode_codes(q.data(), n, 0.25f, 0.1f, o.codes.data(), nullptr);
+      std::vector<int32_t> wide = q;
+      for (int32_t& c : wide) c = c < 0 ? c - 17 : c + 17;
+      o.wide.resize(size_t(n) * p);
+      P.decode_codes(wide.data(), n, 0.25f, 0.1f, o.wide.data(), nullptr);
+      // A mixed chunk (the leading components past 8 bits): the runs round
+      // their float share up to 32 each, so it differs from the dense
+      // split; against the float decode instead.
+      std::vector<int32_t> mixed = q;
+      for (uint32_t j = 0; j < 40; ++j)
+        for (uint32_t t = 0; t < n; ++t) mixed[size_t(j) * n + t] *= 12;
+      o.mixed.resize(size_t(n) * p);
+      P.decode_codes(mixed.data(), n, 0.25f, 0.1f, o.mixed.data(), nullptr);
+      std::vector<float> d(mixed.size());
+      for (size_t i = 0; i < d.size(); ++i) d[i] = (mixed[i] < 0 ? -1 : mixed[i] > 0 ? 1 : 0) * (std::abs(mixed[i]) - 0.1f) * 0.25f;
+      o.mixed_float.resize(size_t(n) * p);
+      P.decode(d.data(), n, o.mixed_float.data(), nullptr, true);
+      return o;
+    };
+    const Out dense = run(false), grouped = run(true);
+    EXPECT_LT(rel_diff(dense.enc, grouped.enc), 1e-5);
+    EXPECT_LT(rel_diff(dense.enc_cm, grouped.enc_cm), 1e-5);
+    EXPECT_LT(rel_diff(dense.dec, grouped.dec), 1e-5);
+    EXPECT_LT(rel_diff(dense.dec_prefix, grouped.dec_prefix), 1e-5);
+    EXPECT_LT(rel_diff(dense.codes, grouped.codes), 1e-5);
+    EXPECT_LT(rel_diff(dense.wide, grouped.wide), 1e-5);
+    // int8 against float: measured ~2e-3 (the basis in 7 bits), bound 1e-2 as Int8NearTheFloatGemm.
+    EXPECT_LT(rel_diff(grouped.mixed_float, grouped.mixed), prec == Precision::kInt8 ? 1e-2 : 1e-5);
+    // The round trip itself: x back within bf16's rounding (f32: exact but
+    // for the 20 features no component spans, which carry only the mean here).
+    EXPECT_LT(rel_diff(x, grouped.dec), prec == Precision::kF32 ? 1e-5 : 1e-2);
+  }
+}

@@ -155,6 +155,16 @@ struct FitOptions {
   uint32_t skip_sinks = 4;
   // Ablation (the paper's Figure 4): fit keys as stored, RoPE applied.
   bool keep_rope = false;
+  // Layer-grouped PCA (docs/method.md "Layer groups"): each cache block's
+  // layers split into this many runs of consecutive layers (as equal as
+  // they divide: group i holds layers [i L / G, (i+1) L / G)), one PCA per
+  // run, every component zero outside its run's features, all components
+  // merged by decreasing variance. The decoder finds the groups in the
+  // basis (its zeros) and multiplies each run apart: with 2 groups ~1.8x
+  // fewer multiply-adds for ~12% more bits at equal error on SmolLM2
+  // (bench/results/grouped-pca-reading.md). 1: one PCA over all layers
+  // (the method). Needs the exact PCA route; at most the block's layers.
+  uint32_t layer_groups = 1;
 };
 
 // stage: "prefill" (the model's forward pass over a document), "stream"

@@ -69,7 +69,11 @@ struct CodecStats {
   double total_ms = 0;                     // wall time of the call
   int threads = 1;                         // worker (CPU) or host (GPU) threads used
   Precision projection = Precision::kF32;  // what the projection ran in (never kAuto)
-  std::string entropy_backend;             // "libdeflate", "nvcomp", "libdeflate-host", "stored", or a mix
+  // Runs of layers the projection multiplied apart, most over the cache's
+  // (block, K/V) transforms: 1 for one PCA's dense basis, the calibration's
+  // layer_groups for a layer-grouped one (FitOptions::layer_groups).
+  uint32_t projection_groups = 1;
+  std::string entropy_backend;  // "libdeflate", "nvcomp", "libdeflate-host", "stored", or a mix
 };
 
 struct CompressOptions {

@@ -71,6 +71,16 @@ std::vector<std::pair<uint32_t, uint32_t>> kept_runs(const KvBlock& b, uint32_t 
   return runs;
 }
 
+// The first feature of each of `groups` runs of consecutive layers (group i:
+// layers [i L / groups, (i+1) L / groups)); empty for one group.
+std::vector<uint32_t> layer_group_starts(const BlockGeometry& g, uint32_t groups) {
+  std::vector<uint32_t> starts;
+  if (groups <= 1) return starts;
+  const uint32_t L = g.n_layer(), per_layer = g.n_head_kv * g.head_dim;
+  for (uint32_t i = 0; i < groups; ++i) starts.push_back(uint32_t(uint64_t(i) * L / groups) * per_layer);
+  return starts;
+}
+
 }  // namespace
 
 struct CalibrationFitter::Impl {
@@ -125,6 +135,8 @@ CalibrationFitter::CalibrationFitter(const CacheGeometry& g, const FitOptions& o
           "calibrate: PCA route must be auto, exact or randomized, got '" + opt.pca_route + "'");
   require(opt.rank_max >= 1, "calibrate: rank_max must be at least 1");
   for (double r : opt.ratios) require(r >= 1 && r <= 4096, "calibrate: ratios must be in [1, 4096], got " + ratio_key(r));
+  require(opt.layer_groups >= 1, "calibrate: layer_groups must be at least 1");
+  require(opt.layer_groups == 1 || opt.pca_route != "randomized", "calibrate: layer groups need the exact PCA route, not randomized");
   I.g = g;
   I.opt = opt;
   const size_t nb = g.blocks.size();
@@ -137,7 +149,10 @@ CalibrationFitter::CalibrationFitter(const CacheGeometry& g, const FitOptions& o
   for (size_t b = 0; b < nb; ++b) {
     const uint32_t p = g.blocks[b].features();
     require(p >= 1 && p <= (1u << 20), "calibrate: block " + std::to_string(b) + " has " + std::to_string(p) + " features (1 .. 2^20 supported)");
-    I.randomized[b] = opt.pca_route == "randomized" || (opt.pca_route == "auto" && p > 12288);
+    I.randomized[b] = opt.pca_route == "randomized" || (opt.pca_route == "auto" && p > 12288 && opt.layer_groups == 1);
+    require(opt.layer_groups <= g.blocks[b].n_layer(), "calibrate: block " + std::to_string(b) + " has " + std::to_string(g.blocks[b].n_layer()) +
+                                                           " layer(s), fewer than the " + std::to_string(opt.layer_groups) +
+                                                           " layer groups asked for");
     for (int k = 0; k < 2; ++k) {
       if (I.randomized[b])
         I.spool[b][k] = std::make_unique<SpoolSource>(p);
@@ -196,7 +211,8 @@ Calibration CalibrationFitter::finish(const ProgressFn& progress) {
       if (progress) progress("pca", step++, 2 * nb);
       RandomizedOptions ro;
       ro.power_iters = I.opt.power_iters;
-      Pca pca = I.randomized[b] ? randomized_pca(*I.spool[b][k], I.opt.rank_max, ro) : I.acc[b][k]->finish(I.opt.rank_max);
+      Pca pca = I.randomized[b] ? randomized_pca(*I.spool[b][k], I.opt.rank_max, ro)
+                                : I.acc[b][k]->finish(I.opt.rank_max, layer_group_starts(I.g.blocks[b], I.opt.layer_groups));
       gram = gram || pca.gram;
       I.acc[b][k].reset();
       I.spool[b][k].reset();
@@ -235,7 +251,9 @@ Calibration CalibrationFitter::finish(const ProgressFn& progress) {
   cal.meta["pca_route"] =
       I.randomized[0] ? "randomized: Halko subspace iteration, " + std::to_string(I.opt.power_iters) + " power iterations, rows spooled as f16"
       : gram          ? "exact: Gram matrix of the calibration rows (fewer than the features), LAPACK dsyevr"
-                      : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
+      : I.opt.layer_groups > 1 ? "exact: streamed f32 SYRK into f64, LAPACK dsyevr per layer group (" + std::to_string(I.opt.layer_groups) + ")"
+                               : "exact: streamed f32 SYRK into f64, LAPACK dsyevr";
+  if (I.opt.layer_groups > 1) cal.meta["layer_groups"] = std::to_string(I.opt.layer_groups);
   cal.meta["kvtc_version"] = KVTC_VERSION;
   cal.id = calibration_compute_id(cal);
   return cal;

@@ -89,38 +89,95 @@ std::vector<double> CovAccumulator::start(Pca& out) const {
   return m;
 }
 
-Pca CovAccumulator::finish(uint32_t r_max) const {
+namespace {
+
+// The top r eigenpairs of the w x w symmetric matrix a (upper triangle,
+// row-major f64; clobbered): eigenvalues descending in `val`, eigenvectors
+// as rows of w in `vec` (sign: the largest-magnitude entry positive).
+void top_eigenpairs(std::vector<double>& a, uint32_t w, uint32_t r, std::vector<double>& val, std::vector<float>& vec) {
+  std::vector<double> ev(w), z(size_t(w) * r);
+  std::vector<lapack_int> isuppz(2 * size_t(r));
+  lapack_int found = 0;
+  // Eigenvalues il..iu in ascending order: the top r are w-r+1..w.
+  lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', lapack_int(w), a.data(), lapack_int(w), 0.0, 0.0, lapack_int(w - r + 1),
+                                   lapack_int(w), 0.0, &found, ev.data(), z.data(), lapack_int(r), isuppz.data());
+  require(info == 0 && found == lapack_int(r), "PCA: LAPACK dsyevr failed (info " + std::to_string(info) + ")");
+  val.resize(r);
+  vec.resize(size_t(r) * w);
+  for (uint32_t j = 0; j < r; ++j) {
+    const uint32_t col = r - 1 - j;  // descending
+    val[j] = std::max(0.0, ev[col]);
+    store_component(z.data(), r, col, 1.0, w, &vec[size_t(j) * w]);
+  }
+}
+
+}  // namespace
+
+Pca CovAccumulator::finish(uint32_t r_max, const std::vector<uint32_t>& groups) const {
   require(n_ >= 2, "PCA: need at least 2 calibration tokens, have " + std::to_string(n_));
   const uint32_t r = std::min(r_max, p_);
   require(r >= 1, "PCA: rank must be at least 1");
-  if (s_.empty() && r < n_) {
+  const bool grouped = groups.size() > 1;
+  if (grouped) {
+    require(groups[0] == 0, "PCA: the first layer group must start at feature 0");
+    for (size_t i = 1; i < groups.size(); ++i)
+      require(groups[i] > groups[i - 1] && groups[i] < p_, "PCA: layer groups must start at ascending features below " + std::to_string(p_));
+  }
+  if (!grouped && s_.empty() && r < n_) {
     Pca g = finish_gram(r);
     if (g.r == r) return g;
   }
-  std::vector<double> kept_sum;  // rows still kept (the Gram route declined): their covariance now
+  std::vector<double> kept_sum;  // rows still kept (the Gram route declined or a grouped fit): their covariance now
   std::vector<float> tmp;
   if (s_.empty()) add_kept(tmp, kept_sum);
   const std::vector<double>& s = s_.empty() ? kept_sum : s_;
   Pca out;
   out.r = r;
   const std::vector<double> m = start(out);
-  std::vector<double> cov(size_t(p_) * p_, 0.0);
-  for (uint32_t a = 0; a < p_; ++a)
-    for (uint32_t b = a; b < p_; ++b) cov[size_t(a) * p_ + b] = s[size_t(a) * p_ + b] / double(n_) - m[a] * m[b];
-  for (uint32_t f = 0; f < p_; ++f) out.total_variance += cov[size_t(f) * p_ + f];
-  std::vector<double> w(p_), z(size_t(p_) * r);
-  std::vector<lapack_int> isuppz(2 * size_t(r));
-  lapack_int found = 0;
-  // Eigenvalues il..iu in ascending order: the top r are p-r+1..p.
-  lapack_int info = LAPACKE_dsyevr(LAPACK_ROW_MAJOR, 'V', 'I', 'U', lapack_int(p_), cov.data(), lapack_int(p_), 0.0, 0.0, lapack_int(p_ - r + 1),
-                                   lapack_int(p_), 0.0, &found, w.data(), z.data(), lapack_int(r), isuppz.data());
-  require(info == 0 && found == lapack_int(r), "PCA: LAPACK dsyevr failed (info " + std::to_string(info) + ")");
-  out.basis.resize(size_t(r) * p_);
+  for (uint32_t f = 0; f < p_; ++f) out.total_variance += s[size_t(f) * p_ + f] / double(n_) - m[f] * m[f];
+  out.basis.assign(size_t(r) * p_, 0.0f);
   out.variance.resize(r);
+  // The covariance of features [c0, c1) (upper triangle).
+  auto block = [&](uint32_t c0, uint32_t c1) {
+    const uint32_t w = c1 - c0;
+    std::vector<double> cov(size_t(w) * w, 0.0);
+    for (uint32_t a = c0; a < c1; ++a)
+      for (uint32_t b = a; b < c1; ++b) cov[size_t(a - c0) * w + (b - c0)] = s[size_t(a) * p_ + b] / double(n_) - m[a] * m[b];
+    return cov;
+  };
+  if (!grouped) {
+    std::vector<double> cov = block(0, p_), val;
+    std::vector<float> vec;
+    top_eigenpairs(cov, p_, r, val, vec);
+    out.basis = std::move(vec);
+    out.variance = std::move(val);
+    return out;
+  }
+  struct Part {
+    uint32_t c0, w;
+    std::vector<double> val;
+    std::vector<float> vec;
+  };
+  std::vector<Part> parts;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const uint32_t c0 = groups[i], c1 = i + 1 < groups.size() ? groups[i + 1] : p_;
+    Part pt{c0, c1 - c0, {}, {}};
+    std::vector<double> cov = block(c0, c1);
+    top_eigenpairs(cov, pt.w, std::min(r, pt.w), pt.val, pt.vec);
+    parts.push_back(std::move(pt));
+  }
+  // Merge by decreasing variance; on a tie the earlier group first (the
+  // order, and so the file's bytes, must not depend on the sort's library).
+  std::vector<size_t> at(parts.size(), 0);
   for (uint32_t j = 0; j < r; ++j) {
-    const uint32_t col = r - 1 - j;  // descending
-    out.variance[j] = std::max(0.0, w[col]);
-    store_component(z.data(), r, col, 1.0, p_, &out.basis[size_t(j) * p_]);
+    size_t best = parts.size();
+    for (size_t g = 0; g < parts.size(); ++g)
+      if (at[g] < parts[g].val.size() && (best == parts.size() || parts[g].val[at[g]] > parts[best].val[at[best]])) best = g;
+    require(best < parts.size(), "PCA: layer groups hold fewer components than the rank");
+    const Part& pt = parts[best];
+    out.variance[j] = pt.val[at[best]];
+    std::copy_n(&pt.vec[at[best] * pt.w], pt.w, &out.basis[size_t(j) * p_ + pt.c0]);
+    ++at[best];
   }
   return out;
 }

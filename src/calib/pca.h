@@ -40,7 +40,13 @@ class CovAccumulator {
   // Top-r eigenpairs of the covariance (LAPACK dsyevr), through the Gram
   // matrix of the kept rows when there are no more than keep_rows of them
   // and r < n (the centred rows have rank at most n - 1).
-  Pca finish(uint32_t r_max) const;
+  // With `groups` (the first feature of each group, ascending, starting at
+  // 0; more than one entry), a layer-grouped PCA instead: the eigenpairs of
+  // each diagonal block [groups[i], groups[i+1]) of the covariance (the last
+  // block ends at p), each component zero outside its block, all blocks'
+  // components merged by decreasing variance (ties: the earlier block
+  // first) and the top r kept. Always through the covariance.
+  Pca finish(uint32_t r_max, const std::vector<uint32_t>& groups = {}) const;
 
  private:
   void add_kept(std::vector<float>& tmp, std::vector<double>& s) const;  // s += the kept rows' x'x, chunk by chunk

@@ -137,6 +137,10 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
   if (opt.stats) {
     clk.export_to(opt.stats, threads);
     opt.stats->projection = prec;
+    opt.stats->projection_groups = 1;
+    for (const auto& pk : proj)
+      for (const auto& P : pk)
+        if (P) opt.stats->projection_groups = std::max<uint32_t>(opt.stats->projection_groups, uint32_t(P->groups()));
     bool ecsq = false, dp = false;
     for (const Section& s : jobs)
       if (s.kind == kChunk) (is_ecsq(H.alloc[s.block][s.kv]) ? ecsq : dp) = true;

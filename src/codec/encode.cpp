@@ -114,6 +114,7 @@ struct EcsqPrep {
   std::vector<std::vector<uint8_t>> ids;                    // per plan index: table ids rate control chose at the final step (or empty)
   std::vector<std::array<uint32_t, 2>> ld;                  // projected components per (block, kind)
   std::vector<std::array<container::EcsqParams, 2>> param;  // per (block, kind)
+  uint32_t groups = 1;                                      // most runs of layers a projection multiplied apart
 };
 
 // `steps` (append): per (block, kind) the container's step, 0 where none;
@@ -171,7 +172,10 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
   std::vector<std::array<std::unique_ptr<detail::Projector>, 2>> proj(c.blocks.size());
   for (size_t b = 0; b < c.blocks.size(); ++b)
     for (int kv = 0; kv < 2; ++kv)
-      if (E.ld[b][kv]) proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], E.ld[b][kv], prec, detail::transform_key(cal, b, kv));
+      if (E.ld[b][kv]) {
+        proj[b][kv] = std::make_unique<detail::Projector>(cal.blocks[b][kv], E.ld[b][kv], prec, detail::transform_key(cal, b, kv));
+        E.groups = std::max<uint32_t>(E.groups, uint32_t(proj[b][kv]->groups()));
+      }
   const int threads = detail::resolve_threads(opt.threads, jobs.size());
   detail::parallel_for(jobs.size(), threads, [&](size_t k) {
     const SectionPlan& s = plan[jobs[k]];
@@ -394,6 +398,10 @@ void write_body(std::vector<uint8_t>& out, const KvCapture& c, const Calibration
   if (opt.stats) {
     clk.export_to(opt.stats, threads);
     opt.stats->projection = prec;
+    opt.stats->projection_groups = ecsq.groups;
+    for (const auto& pk : proj)
+      for (const auto& P : pk)
+        if (P) opt.stats->projection_groups = std::max<uint32_t>(opt.stats->projection_groups, uint32_t(P->groups()));
     const std::string dp = opt.deflate_level > 0 ? "libdeflate" : "stored";
     opt.stats->entropy_backend = any_ecsq && any_dp ? dp + "+rans" : any_ecsq ? "rans" : dp;
     opt.stats->transfer_ms = opt.stats->host_ms = 0;

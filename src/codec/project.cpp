@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -70,10 +71,12 @@ using tag = dnnl::memory::format_tag;
 // default) shares one scratchpad between primitives, and the codec runs
 // distinct primitives at once (chunks in parallel_for, the store's worker
 // beside a restore), which then may overwrite each other's.
-dnnl::matmul::primitive_desc make_pd(bool decode, uint32_t m, uint32_t n, uint32_t k, bool src_t = false) {
+// ldc: the row stride of dst (0: n), a layer group's columns of the
+// decoder's [m][p] output.
+dnnl::matmul::primitive_desc make_pd(bool decode, uint32_t m, uint32_t n, uint32_t k, bool src_t = false, uint32_t ldc = 0) {
   using D = dnnl::memory::dims;
   dnnl::memory::desc src(D{m, k}, dt::bf16, src_t ? tag::ba : tag::ab), wei(D{k, n}, dt::bf16, decode ? tag::ab : tag::ba),
-      dst(D{m, n}, dt::f32, tag::ab);
+      dst(D{m, n}, dt::f32, D{ldc ? ldc : n, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (decode) return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dnnl::memory::desc(D{1, n}, dt::f32, tag::ab), dst), attr, engine());
@@ -98,9 +101,9 @@ bool native(const std::string& impl) {
 // Xeon capped at AVX512_CORE_VNNI it picks brg:avx512_core_vnni at 597
 // against gemm:jit's 740, so it is taken only where it gets the AMX kernel
 // (a scratch probe, bench/results/speed-amx.md).
-dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k, bool binary_scales) {
+dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k, bool binary_scales, uint32_t ldc = 0) {
   using D = dnnl::memory::dims;
-  dnnl::memory::desc src(D{m, k}, dt::s8, tag::ab), wei(D{k, n}, dt::s8, tag::ab), dst(D{m, n}, dt::f32, tag::ab);
+  dnnl::memory::desc src(D{m, k}, dt::s8, tag::ab), wei(D{k, n}, dt::s8, tag::ab), dst(D{m, n}, dt::f32, D{ldc ? ldc : n, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   dnnl::post_ops po;
@@ -127,7 +130,9 @@ bool s8_binary_scales() {
   return yes;
 }
 
-dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k) { return make_pd_s8(m, n, k, s8_binary_scales()); }
+dnnl::matmul::primitive_desc make_pd_s8(uint32_t m, uint32_t n, uint32_t k, uint32_t ldc = 0) {
+  return make_pd_s8(m, n, k, s8_binary_scales(), ldc);
+}
 
 // Primitives are JIT-compiled (0.5-3 ms each), so each thread keeps the few
 // shapes a call uses (full and last chunks, K and V). A primitive made
@@ -138,14 +143,14 @@ struct Matmul {
   dnnl::matmul prim;
 };
 enum MatmulKind : uint32_t { kEncodeBf16, kDecodeBf16, kDecodeS8 };
-const Matmul& matmul_for(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, bool src_t) {
-  thread_local std::map<std::array<uint32_t, 6>, Matmul> cache;
+const Matmul& matmul_for(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, bool src_t, uint32_t ldc) {
+  thread_local std::map<std::array<uint32_t, 7>, Matmul> cache;
   const uint32_t nthr = omp_in_parallel() ? 1u : uint32_t(omp_get_max_threads());
-  const std::array<uint32_t, 6> key{kind, m, n, k, nthr, src_t};
+  const std::array<uint32_t, 7> key{kind, m, n, k, nthr, src_t, ldc};
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() > 64) cache.clear();  // a long-lived thread seeing many shapes
-    dnnl::matmul::primitive_desc pd = kind == kDecodeS8 ? make_pd_s8(m, n, k) : make_pd(kind == kDecodeBf16, m, n, k, src_t);
+    dnnl::matmul::primitive_desc pd = kind == kDecodeS8 ? make_pd_s8(m, n, k, ldc) : make_pd(kind == kDecodeBf16, m, n, k, src_t, ldc);
     it = cache.emplace(key, Matmul{pd, dnnl::matmul(pd)}).first;
   }
   return it->second;
@@ -153,9 +158,10 @@ const Matmul& matmul_for(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, bo
 
 // Runs a cached primitive; `bias_or_scales` is the bias (bf16 decode) or
 // the output scales (s8).
-void execute(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, const void* a, const void* b, const float* bias_or_scales, float* c, bool src_t) {
+void execute(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, const void* a, const void* b, const float* bias_or_scales, float* c, bool src_t,
+             uint32_t ldc = 0) {
   try {
-    const Matmul& mm = matmul_for(kind, m, n, k, src_t);
+    const Matmul& mm = matmul_for(kind, m, n, k, src_t, ldc);
     const dnnl::matmul::primitive_desc& pd = mm.pd;
     thread_local dnnl::stream s(engine());
     std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, dnnl::memory(pd.src_desc(), engine(), const_cast<void*>(a))},
@@ -183,13 +189,15 @@ void execute(MatmulKind kind, uint32_t m, uint32_t n, uint32_t k, const void* a,
   }
 }
 
-void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, const uint16_t* b, const float* bias, float* c, bool src_t = false) {
-  execute(decode ? kDecodeBf16 : kEncodeBf16, m, n, k, a, b, bias, c, src_t);
+// c's rows ldc apart (0: n).
+void run(bool decode, uint32_t m, uint32_t n, uint32_t k, const uint16_t* a, const uint16_t* b, const float* bias, float* c, bool src_t = false,
+         uint32_t ldc = 0) {
+  execute(decode ? kDecodeBf16 : kEncodeBf16, m, n, k, a, b, bias, c, src_t, ldc);
 }
 
 // c[m][n] += scales[n] * (a[m][k] b[k][n]), integers summed exactly in 32 bits.
-void run_s8(uint32_t m, uint32_t n, uint32_t k, const int8_t* a, const int8_t* b, const float* scales, float* c) {
-  execute(kDecodeS8, m, n, k, a, b, scales, c, false);
+void run_s8(uint32_t m, uint32_t n, uint32_t k, const int8_t* a, const int8_t* b, const float* scales, float* c, uint32_t ldc = 0) {
+  execute(kDecodeS8, m, n, k, a, b, scales, c, false, ldc);
 }
 #endif
 
@@ -260,6 +268,18 @@ bool int8_projection_available(std::string* impl) {
   return probe.first;
 }
 #undef KVTC_PROBE
+
+void set_grouped_projection(bool on) {
+  detail::set_grouped_projection(on);
+}
+
+uint64_t projection_macs_per_token(const Transform& t, uint32_t ru) {
+  const detail::GroupedBasis G = detail::grouped_projection() ? detail::find_groups(t, ru) : detail::GroupedBasis{};
+  if (G.groups.empty()) return uint64_t(ru) * t.p;
+  uint64_t macs = 0;
+  for (const detail::GroupedBasis::Group& g : G.groups) macs += uint64_t(g.comps.size()) * g.w;
+  return macs;
+}
 
 double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat) {
   p = detail::resolve_precision(p, "projection_gemm_gflops");
@@ -394,6 +414,66 @@ std::array<float, kProbe> probe_of(const Transform& T, uint32_t ru) {
 }
 }  // namespace
 
+namespace {
+std::atomic<bool> g_grouped{true};
+}  // namespace
+
+void set_grouped_projection(bool on) {
+  g_grouped = on;
+}
+bool grouped_projection() {
+  return g_grouped;
+}
+
+GroupedBasis find_groups(const Transform& T, uint32_t ru) {
+  const uint32_t p = T.p;
+  GroupedBasis out;
+  if (ru < 2 || p < 2) return out;
+  // Each component's support [lo, hi]; lo = p for an all-zero row.
+  std::vector<uint32_t> lo(ru, p), hi(ru, 0);
+  for (uint32_t j = 0; j < ru; ++j) {
+    const float* row = T.basis.data() + size_t(j) * p;
+    for (uint32_t f = 0; f < p; ++f)
+      if (row[f] != 0.0f) {
+        lo[j] = f;
+        break;
+      }
+    for (uint32_t f = p; f-- > lo[j];)
+      if (row[f] != 0.0f) {
+        hi[j] = f;
+        break;
+      }
+  }
+  // The supports' union as disjoint runs: sorted by start, merged where they meet.
+  std::vector<std::pair<uint32_t, uint32_t>> iv;
+  for (uint32_t j = 0; j < ru; ++j)
+    if (lo[j] < p) iv.push_back({lo[j], hi[j]});
+  std::sort(iv.begin(), iv.end());
+  std::vector<uint32_t> starts;
+  uint32_t end = 0;
+  for (size_t i = 0; i < iv.size(); ++i) {
+    if (i == 0 || iv[i].first > end) starts.push_back(iv[i].first);
+    end = i == 0 ? iv[i].second : std::max(end, iv[i].second);
+  }
+  if (starts.size() < 2) return out;
+  starts[0] = 0;  // features no component touches join the run before them: zero in every row
+  out.groups.resize(starts.size());
+  for (size_t g = 0; g < starts.size(); ++g) {
+    out.groups[g].c0 = starts[g];
+    out.groups[g].w = (g + 1 < starts.size() ? starts[g + 1] : p) - starts[g];
+  }
+  for (uint32_t j = 0; j < ru; ++j) {
+    const size_t g = lo[j] < p ? size_t(std::upper_bound(starts.begin(), starts.end(), lo[j]) - starts.begin()) - 1 : 0;
+    out.groups[g].comps.push_back(j);
+  }
+  // 2 runs of SmolLM2's 5,760 features: ~1.8x fewer multiply-adds; below
+  // 10% the extra, smaller GEMMs (and the gathering) would not pay.
+  double macs = 0;
+  for (const GroupedBasis::Group& G : out.groups) macs += double(G.comps.size()) * G.w;
+  if (macs > 0.9 * double(ru) * p) out.groups.clear();
+  return out;
+}
+
 std::string transform_key(const Calibration& cal, size_t block, int kv) {
   if (cal.id.empty()) return {};
   return cal.id + "/" + std::to_string(block) + (kv ? "/v" : "/k");
@@ -440,10 +520,127 @@ Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const 
   const size_t n = size_t(ru_) * T.p;
   if (prec_ == Precision::kBF16) basis_bf16_ = cached_rows<std::vector<uint16_t>>(T, ru_, key, false, n * 2, [&] { return round_basis(T, ru_); });
   if (int8_) basis_s8_ = cached_rows<Int8Basis>(T, ru_, key, true, n + size_t(T.p) * 4, [&] { return quantize_basis(T, ru_); });
+  if (!grouped_projection()) return;
+  // Packed in the precisions this Projector runs (the key says which).
+  const bool f32 = prec_ == Precision::kF32, bf16 = prec_ == Precision::kBF16;
+  const std::string gkey = key.empty() ? key : key + "/groups/" + (f32 ? "f32" : "bf16") + (int8_ ? "+s8" : "");
+  auto make = [&] {
+    auto G = std::make_shared<GroupedBasis>(find_groups(T, ru_));
+    const uint32_t p = T.p;
+    for (GroupedBasis::Group& g : G->groups) {
+      const size_t rows = (g.comps.size() + 31) / 32 * 32;
+      if (f32) g.f32.assign(rows * g.w, 0.0f);
+      if (bf16) g.bf16.assign(rows * g.w, 0);
+      if (int8_) g.s8.assign(rows * g.w, 0);
+      for (size_t i = 0; i < g.comps.size(); ++i) {
+        const size_t src = size_t(g.comps[i]) * p + g.c0, dst = i * g.w;
+        if (f32) std::copy_n(T.basis.data() + src, g.w, g.f32.data() + dst);
+        if (bf16) std::copy_n(basis_bf16_->data() + src, g.w, g.bf16.data() + dst);
+        if (int8_) std::copy_n(basis_s8_->q.data() + src, g.w, g.s8.data() + dst);
+      }
+    }
+    return std::shared_ptr<const GroupedBasis>(G);
+  };
+  // Bytes for the cache's cap: at most the dense rows' in each precision.
+  grouped_ = cached_rows<GroupedBasis>(T, ru_, gkey, false, n * ((f32 ? 4 : 2) + (int8_ ? 1 : 0)), make);
+  if (grouped_->groups.empty()) grouped_.reset();
+}
+
+void Projector::group_gemm(const GroupedBasis::Group& G, const float* dg, uint32_t m, uint32_t n, bool cm, float* x, StageClock* clk) const {
+  const uint32_t p = T_.p;
+  if (prec_ == Precision::kF32 || m == 0) {
+    {
+      StageTimer st(clk, kCenter);
+      for (uint32_t t = 0; t < n; ++t) std::memcpy(x + size_t(t) * p + G.c0, T_.mu.data() + G.c0, size_t(G.w) * 4);
+    }
+    if (m == 0) return;
+    StageTimer st(clk, kProject);
+    cblas_sgemm(CblasRowMajor, cm ? CblasTrans : CblasNoTrans, CblasNoTrans, int(n), int(G.w), int(m), 1.0f, dg, cm ? int(n) : int(m), G.f32.data(),
+                int(G.w), 1.0f, x + G.c0, int(p));
+    return;
+  }
+#if KVTC_HAVE_DNNL
+  std::vector<uint16_t> db(size_t(n) * m);
+  {
+    StageTimer st(clk, kCenter);
+    sub_to_bf16(dg, nullptr, db.data(), db.size());
+  }
+  StageTimer st(clk, kProject);
+  run(true, n, G.w, m, db.data(), G.bf16.data(), T_.mu.data() + G.c0, x + G.c0, cm, p);
+#else
+  throw Error("Projector: bf16 without oneDNN");
+#endif
+}
+
+void Projector::decode_rows_grouped(const float* d, uint32_t n, uint32_t k, float* x, StageClock* clk, bool component_major) const {
+  std::vector<float> dg;
+  for (const GroupedBasis::Group& G : grouped_->groups) {
+    const uint32_t m = uint32_t(std::lower_bound(G.comps.begin(), G.comps.end(), k) - G.comps.begin());
+    {
+      StageTimer st(clk, kCenter);
+      dg.resize(size_t(n) * m);
+      if (component_major)
+        for (uint32_t i = 0; i < m; ++i) std::memcpy(dg.data() + size_t(i) * n, d + size_t(G.comps[i]) * n, size_t(n) * 4);
+      else
+        for (uint32_t t = 0; t < n; ++t)
+          for (uint32_t i = 0; i < m; ++i) dg[size_t(t) * m + i] = d[size_t(t) * ru_ + G.comps[i]];
+    }
+    group_gemm(G, dg.data(), m, n, component_major, x, clk);
+  }
+}
+
+void Projector::encode_grouped(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const {
+  const uint32_t p = T_.p;
+  const bool f32 = prec_ == Precision::kF32;
+  if (f32) {
+    StageTimer st(clk, kCenter);
+    for (uint32_t t = 0; t < n; ++t) {
+      float* row = x + size_t(t) * p;
+      for (uint32_t f = 0; f < p; ++f) row[f] -= T_.mu[f];
+    }
+  }
+  std::vector<float> og;
+  std::vector<uint16_t> xb;
+  for (const GroupedBasis::Group& G : grouped_->groups) {
+    const uint32_t m = uint32_t(G.comps.size()), w = G.w;
+    if (m == 0) continue;
+    og.resize(size_t(n) * m);
+    if (f32) {
+      StageTimer st(clk, kProject);
+      if (component_major)  // og [m][n] = B_g X_g'
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(n), int(w), 1.0f, G.f32.data(), int(w), x + G.c0, int(p), 0.0f, og.data(),
+                    int(n));
+      else  // og [n][m] = X_g B_g'
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(m), int(w), 1.0f, x + G.c0, int(p), G.f32.data(), int(w), 0.0f, og.data(),
+                    int(m));
+    } else {
+#if KVTC_HAVE_DNNL
+      {
+        StageTimer st(clk, kCenter);
+        xb.resize(size_t(n) * w);
+        for (uint32_t t = 0; t < n; ++t) sub_to_bf16(x + size_t(t) * p + G.c0, T_.mu.data() + G.c0, xb.data() + size_t(t) * w, w);
+      }
+      StageTimer st(clk, kProject);
+      if (component_major)
+        run(false, m, n, w, G.bf16.data(), xb.data(), nullptr, og.data());
+      else
+        run(false, n, m, w, xb.data(), G.bf16.data(), nullptr, og.data());
+#else
+      throw Error("Projector: bf16 without oneDNN");
+#endif
+    }
+    StageTimer st(clk, kProject);  // the run's components to their places in D
+    if (component_major)
+      for (uint32_t i = 0; i < m; ++i) std::memcpy(d + size_t(G.comps[i]) * n, og.data() + size_t(i) * n, size_t(n) * 4);
+    else
+      for (uint32_t t = 0; t < n; ++t)
+        for (uint32_t i = 0; i < m; ++i) d[size_t(t) * ru_ + G.comps[i]] = og[size_t(t) * m + i];
+  }
 }
 
 void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const {
   const uint32_t p = T_.p;
+  if (grouped_) return encode_grouped(x, n, d, clk, component_major);
   if (prec_ == Precision::kF32 || ru_ == 0) {
     {
       StageTimer st(clk, kCenter);
@@ -483,6 +680,7 @@ void Projector::decode(const float* d, uint32_t n, float* x, StageClock* clk, bo
 void Projector::decode_rows(const float* d, uint32_t n, uint32_t k, float* x, StageClock* clk, bool component_major) const {
   const uint32_t p = T_.p;
   require(k <= ru_ && (component_major || k == ru_), "Projector: rows to decode");
+  if (grouped_ && k > 0) return decode_rows_grouped(d, n, k, x, clk, component_major);
   if (prec_ == Precision::kF32 || k == 0) {
     {
       StageTimer st(clk, kCenter);
@@ -516,6 +714,57 @@ void Projector::decode_rows(const float* d, uint32_t n, uint32_t k, float* x, St
 // 400-1,000 and added nothing measurable.
 constexpr int kFracBits = 3;
 
+namespace {
+// A code past 8 bits in the integer GEMM: its remainder, added apart.
+struct Outlier {
+  uint32_t t, i;  // token; row among those converted
+  int32_t rest;
+};
+
+// rows[i] (i < k), each n codes of the chunk, as kInt8's fixed-point values
+// v = sign(c) (8 |c| - ro) clamped to 8 bits, token-major into a [n][k]
+// (cm: the component-major staging), the clamped remainders into outliers.
+template <class Row>
+void codes_to_s8(Row rows, uint32_t k, uint32_t n, int32_t ro, std::vector<int8_t>& cm, std::vector<int8_t>& a, std::vector<Outlier>& outliers) {
+  cm.resize(size_t(k) * n);  // written whole below
+  for (uint32_t i = 0; i < k; ++i) {
+    const int32_t* row = rows(i);
+    int8_t* out = cm.data() + size_t(i) * n;
+    uint32_t over = 0;
+    for (uint32_t t = 0; t < n; ++t) {
+      const int32_t q = row[t], sg = q >> 31, m = ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0), cl = std::min(m, 127);
+      over += uint32_t(m > 127);
+      out[t] = int8_t((cl ^ sg) - sg);
+    }
+    if (over)
+      for (uint32_t t = 0; t < n; ++t) {
+        const int32_t q = row[t], m = ((q < 0 ? -q : q) << kFracBits) - ro;
+        if (q != 0 && m > 127) outliers.push_back({t, i, q < 0 ? 127 - m : m - 127});
+      }
+  }
+  // Token-major for the GEMM (its transposed-source kernel ran ~20% slower
+  // on an AVX2 EPYC), in 32 x 32 tiles.
+  a.resize(size_t(n) * k);
+  constexpr uint32_t kTile = 32;
+  for (uint32_t t0 = 0; t0 < n; t0 += kTile)
+    for (uint32_t i0 = 0; i0 < k; i0 += kTile)
+      for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
+        for (uint32_t i = i0; i < std::min(k, i0 + kTile); ++i) a[size_t(t) * k + i] = cm[size_t(i) * n + t];
+}
+
+// x[t][0..w) += rest * sc[f] q[f] for each outlier, q = qrows[o.i] (w
+// apart), x's rows ldx apart: what the integer GEMM would have added with
+// wider codes, on the same integer basis.
+void add_outliers(const std::vector<Outlier>& outliers, const int8_t* qrows, const float* sc, uint32_t w, float* x, uint32_t ldx) {
+  for (const Outlier& o : outliers) {
+    const int8_t* qrow = qrows + size_t(o.i) * w;
+    float* xr = x + size_t(o.t) * ldx;
+    const float r = float(o.rest);
+    for (uint32_t f = 0; f < w; ++f) xr[f] += r * (sc[f] * float(qrow[f]));
+  }
+}
+}  // namespace
+
 void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float offset, float* x, StageClock* clk, DecodeScratch* scratch) const {
   if (!int8_ || ru_ == 0) {
     std::vector<float> d(size_t(ru_) * n);
@@ -526,6 +775,8 @@ void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float off
     return decode(d.data(), n, x, clk, true);
   }
 #if KVTC_HAVE_DNNL
+  DecodeScratch own;
+  DecodeScratch& S = scratch ? *scratch : own;
   const uint32_t p = T_.p;
   // v = sign(c) (8 |c| - ro) for c != 0, ro = round(8 offset) in [-4, 4]:
   // |v| >= 4, and |v| > 127 iff |c| >= wide.
@@ -538,15 +789,6 @@ void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float off
   // spend on it: the integer GEMM is 1.3-2x faster, so a quarter still pays).
   // j0, the first integer component, rounded up to 32 so that a few
   // primitive shapes serve every chunk.
-  struct Outlier {
-    uint32_t t, j;
-    int32_t rest;
-  };
-  std::vector<Outlier> outliers;
-  DecodeScratch own;
-  DecodeScratch& S = scratch ? *scratch : own;
-  std::vector<int8_t>& a = S.a;
-  std::vector<float>& lead = S.lead;
   uint32_t j0 = 0;
   {
     StageTimer st(clk, kQuant);
@@ -557,51 +799,51 @@ void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float off
       if (over > n / 4) j0 = j + 1;
     }
     j0 = std::min(ru_, (j0 + 31) / 32 * 32);
+  }
+  const float unit = std::ldexp(step, -kFracBits);
+  std::vector<float> sc(p);
+  for (uint32_t f = 0; f < p; ++f) sc[f] = basis_s8_->scale[f] * unit;
+  std::vector<Outlier> outliers;
+  std::vector<float>& lead = S.lead;
+  if (grouped_) {
+    // Run by run: its components before j0 (rounded up to 32 within the
+    // run, so that a few shapes serve every chunk) in the float GEMM, the
+    // rest in the integer one, each on the run's own features.
+    for (const GroupedBasis::Group& G : grouped_->groups) {
+      const uint32_t mg = uint32_t(G.comps.size());
+      const uint32_t a0 = uint32_t(std::lower_bound(G.comps.begin(), G.comps.end(), j0) - G.comps.begin());
+      const uint32_t a = std::min(mg, (a0 + 31) / 32 * 32), k = mg - a;
+      outliers.clear();
+      {
+        StageTimer st(clk, kQuant);
+        lead.resize(size_t(a) * n);
+        for (uint32_t i = 0; i < a; ++i) {
+          const int32_t* row = c + size_t(G.comps[i]) * n;
+          for (uint32_t t = 0; t < n; ++t) lead[size_t(i) * n + t] = container::ecsq_value(row[t], step, offset);
+        }
+        codes_to_s8([&](uint32_t i) { return c + size_t(G.comps[a + i]) * n; }, k, n, ro, S.cm, S.a, outliers);
+      }
+      group_gemm(G, lead.data(), a, n, true, x, clk);  // the mean and the leading components
+      if (k == 0) continue;
+      StageTimer st(clk, kProject);
+      const int8_t* q = G.s8.data() + size_t(a) * G.w;
+      run_s8(n, G.w, k, S.a.data(), q, sc.data() + G.c0, x + G.c0, p);
+      add_outliers(outliers, q, sc.data() + G.c0, G.w, x + G.c0, p);
+    }
+    return;
+  }
+  {
+    StageTimer st(clk, kQuant);
     lead.resize(size_t(j0) * n);
     for (size_t i = 0; i < lead.size(); ++i) lead[i] = container::ecsq_value(c[i], step, offset);
-    const uint32_t k = ru_ - j0;
-    std::vector<int8_t>& cm = S.cm;
-    cm.resize(size_t(k) * n);  // written whole below
-    for (uint32_t i = 0; i < k; ++i) {
-      const int32_t* row = c + size_t(j0 + i) * n;
-      int8_t* out = cm.data() + size_t(i) * n;
-      uint32_t over = 0;
-      for (uint32_t t = 0; t < n; ++t) {
-        const int32_t q = row[t], sg = q >> 31, m = ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0), cl = std::min(m, 127);
-        over += uint32_t(m > 127);
-        out[t] = int8_t((cl ^ sg) - sg);
-      }
-      if (over)
-        for (uint32_t t = 0; t < n; ++t) {
-          const int32_t q = row[t], m = ((q < 0 ? -q : q) << kFracBits) - ro;
-          if (q != 0 && m > 127) outliers.push_back({t, j0 + i, q < 0 ? 127 - m : m - 127});
-        }
-    }
-    // Token-major for the GEMM (its transposed-source kernel ran ~20% slower
-    // on an AVX2 EPYC), in 32 x 32 tiles.
-    a.resize(size_t(n) * k);
-    constexpr uint32_t kTile = 32;
-    for (uint32_t t0 = 0; t0 < n; t0 += kTile)
-      for (uint32_t i0 = 0; i0 < k; i0 += kTile)
-        for (uint32_t t = t0; t < std::min(n, t0 + kTile); ++t)
-          for (uint32_t i = i0; i < std::min(k, i0 + kTile); ++i) a[size_t(t) * k + i] = cm[size_t(i) * n + t];
+    codes_to_s8([&](uint32_t i) { return c + size_t(j0 + i) * n; }, ru_ - j0, n, ro, S.cm, S.a, outliers);
   }
   decode_rows(lead.data(), n, j0, x, clk, true);  // the mean and the leading components
   if (j0 == ru_) return;
-  const float unit = std::ldexp(step, -kFracBits);
-  const float* scale = basis_s8_->scale.data();
-  std::vector<float> sc(p);
-  for (uint32_t f = 0; f < p; ++f) sc[f] = scale[f] * unit;
   StageTimer st(clk, kProject);
-  run_s8(n, p, ru_ - j0, a.data(), basis_s8_->q.data() + size_t(j0) * p, sc.data(), x);
-  // The clamped codes' remainders, on the same integer basis: what the
-  // integer GEMM would have added with wider codes.
-  for (const Outlier& o : outliers) {
-    const int8_t* qrow = basis_s8_->q.data() + size_t(o.j) * p;
-    float* xr = x + size_t(o.t) * p;
-    const float r = float(o.rest);
-    for (uint32_t f = 0; f < p; ++f) xr[f] += r * (sc[f] * float(qrow[f]));
-  }
+  const int8_t* q = basis_s8_->q.data() + size_t(j0) * p;
+  run_s8(n, p, ru_ - j0, S.a.data(), q, sc.data(), x);
+  add_outliers(outliers, q, sc.data(), p, x, p);
 #else
   throw Error("Projector: int8 without oneDNN");
 #endif

@@ -54,6 +54,37 @@ struct Int8Basis {
   std::vector<float> scale;  // [p]
 };
 
+// A layer-grouped basis (FitOptions::layer_groups) as the projection
+// multiplies it: the features split into runs [c0, c0 + w) such that each of
+// the first ru components is zero outside one run. Found in the basis
+// itself (its exact zeros, which bf16 and int8 keep), so a container needs
+// no record of it: the calibration id covers the basis. One PCA's dense
+// basis gives one run, and the projection stays one GEMM.
+struct GroupedBasis {
+  struct Group {
+    uint32_t c0 = 0, w = 0;
+    std::vector<uint32_t> comps;  // this run's components among the first ru, ascending
+    // Its rows packed [comps.size() rounded up to 32][w] (zero rows past
+    // them), in the precisions the Projector runs: f32 on the f32 path,
+    // bf16 on the bf16 path, int8 (the dense Int8Basis's bytes) with kInt8.
+    std::vector<float> f32;
+    std::vector<uint16_t> bf16;
+    std::vector<int8_t> s8;
+  };
+  std::vector<Group> groups;  // empty: one run (dense)
+};
+
+// The runs of T's first ru components; empty when they form one run or
+// splitting saves under 10% of the multiply-adds (the GEMMs are then
+// slower apart). Rows are packed in none of the precisions.
+GroupedBasis find_groups(const Transform& T, uint32_t ru);
+
+// Whether Projectors made from now on multiply a grouped basis run by run
+// (default on). Off: one dense GEMM over the zeros, the control that
+// kvtc-lab bench and the tests compare against. Process-wide.
+void set_grouped_projection(bool on);
+bool grouped_projection();
+
 // Buffers Projector::decode_codes reuses across calls (the caller's, one per
 // thread at a time; grown, never shrunk).
 struct DecodeScratch {
@@ -61,6 +92,12 @@ struct DecodeScratch {
   std::vector<float> lead;
 };
 
+// With a layer-grouped basis (find_groups: more than one run, and
+// grouped_projection() when made) every GEMM below runs once per run on
+// that run's features and components (gathered; the int8 path's float
+// share rounded up to 32 components within each run), the same products
+// less those with the basis's zeros: ~1.8x fewer multiply-adds for
+// SmolLM2's 2 runs of 15 layers.
 class Projector {
  public:
   Projector(const Transform& T, uint32_t ru, Precision resolved, const std::string& key = {});
@@ -85,6 +122,8 @@ class Projector {
   void decode_codes(const int32_t* c, uint32_t n, float step, float offset, float* x, StageClock* clk, DecodeScratch* scratch = nullptr) const;
 
   uint32_t ru() const { return ru_; }
+  // Runs multiplied apart (1: one dense GEMM).
+  size_t groups() const { return grouped_ ? grouped_->groups.size() : 1; }
   // Whether decode_codes multiplies integers (the caller then decodes the
   // codes, not their float values).
   bool int8() const { return int8_; }
@@ -93,6 +132,12 @@ class Projector {
   // decode() over D's first k rows (component-major d with n columns, or
   // token-major with ru_ columns).
   void decode_rows(const float* d, uint32_t n, uint32_t k, float* x, StageClock* clk, bool component_major) const;
+  // The same run by run: X[:, c0:c0+w] = D[:, comps] B_g + mu[c0:c0+w].
+  void decode_rows_grouped(const float* d, uint32_t n, uint32_t k, float* x, StageClock* clk, bool component_major) const;
+  // One run's float GEMM: X[:, c0:c0+w] = dg B_g[:m] + mu, dg component-major
+  // [m][n] (cm) or token-major [n][m]; m = 0 writes the mean.
+  void group_gemm(const GroupedBasis::Group& G, const float* dg, uint32_t m, uint32_t n, bool cm, float* x, StageClock* clk) const;
+  void encode_grouped(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const;
 
   const Transform& T_;
   uint32_t ru_;
@@ -100,6 +145,7 @@ class Projector {
   bool int8_ = false;
   std::shared_ptr<const std::vector<uint16_t>> basis_bf16_;  // [ru][p], bf16 path only
   std::shared_ptr<const Int8Basis> basis_s8_;                // kInt8 only
+  std::shared_ptr<const GroupedBasis> grouped_;              // null: one dense GEMM
 };
 
 }  // namespace kvtc::detail

@@ -34,7 +34,7 @@ nlohmann::ordered_json calib_summary(const Calibration& cal, const std::string& 
   j["output"] = path;
   j["calibration_id"] = cal.id;
   j["model_sha256"] = cal.geometry.model_sha256;
-  for (const char* k : {"arch", "calib_tokens", "calib_documents", "heldout_tokens", "pca_route"})
+  for (const char* k : {"arch", "calib_tokens", "calib_documents", "heldout_tokens", "pca_route", "layer_groups"})
     if (cal.meta.count(k)) j[k] = cal.meta.at(k);
   j["blocks"] = nlohmann::json::array();
   for (size_t b = 0; b < cal.blocks.size(); ++b)
@@ -102,6 +102,11 @@ Action add_calibrate(CLI::App& app) {
          "--rope-scale", [o](float n) { o->rope.freq_scale = 1.0f / n; }, "RoPE context scaling factor N: --rope-freq-scale 1/N")
       ->check(CLI::PositiveNumber);
   sub->add_option("--yarn-orig-ctx", o->rope.yarn_orig_ctx, "YaRN's original context of the contexts (default: the GGUF's)");
+  sub->add_option("--layer-groups", o->fit.layer_groups,
+                  "One PCA per run of consecutive layers (this many runs): the decoder multiplies each run apart, ~1.8x fewer multiply-adds "
+                  "with 2 for ~12% more bits at equal error (meta layer_groups)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   sub->add_flag("--keep-rope", o->fit.keep_rope, "Ablation: fit keys with RoPE applied, as llama.cpp stores them (meta keys_rope = kept)");
   sub->add_option("--kinds", o->kinds, "Corpus kinds to calibrate on (prose, docs, code, math; default all)");
   sub->add_option("-o,--output", *out, "Output calibration file (.safetensors)")->required();
@@ -246,6 +251,7 @@ Action add_compress(CLI::App& app) {
     j["load_ms"] = load_ms;
     j["encode_ms"] = enc_ms;
     j["projection"] = precision_name(stats.projection);
+    j["projection_groups"] = stats.projection_groups;
     j["entropy_backend"] = stats.entropy_backend;
     j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms},   {"project", stats.project_ms},
                             {"quant", stats.quant_ms},   {"entropy", stats.entropy_ms}, {"threads", stats.threads}};
@@ -272,7 +278,8 @@ Action add_decompress(CLI::App& app) {
   sub->add_option("-o,--output", *out, "Output .safetensors (optional with --reference)");
   sub->add_option("--reference", *ref, "Original capture: report the reconstruction error of K and V");
   sub->add_option("--precision", *precision,
-                  "Projection: auto (int8 where the CPU has AVX2, unless it has native bf16 without AVX-512 VNNI, or AMX without an AMX int8 kernel: then bf16; else f32), "
+                  "Projection: auto (int8 where the CPU has AVX2, unless it has native bf16 without AVX-512 VNNI, or AMX without an AMX int8 kernel: "
+                  "then bf16; else f32), "
                   "f32 (the same bits on any CPU), bf16, or int8 (entropy-coded chunks in oneDNN's integer GEMM, ~1% more error)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "f32", "bf16", "int8"}));
@@ -295,6 +302,7 @@ Action add_decompress(CLI::App& app) {
     j["tokens"] = c.blocks[0].n_tokens();
     j["decode_ms"] = ms;
     j["projection"] = precision_name(stats.projection);
+    j["projection_groups"] = stats.projection_groups;
     j["entropy_backend"] = stats.entropy_backend;
     j["stage_thread_ms"] = {{"gather", stats.gather_ms}, {"center", stats.center_ms},   {"project", stats.project_ms},
                             {"quant", stats.quant_ms},   {"entropy", stats.entropy_ms}, {"threads", stats.threads}};

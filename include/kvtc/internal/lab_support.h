@@ -44,4 +44,15 @@ void set_feature_rows(KvBlock& b, bool keys, bool rerope, uint32_t t0, uint32_t 
 // returns GFLOP/s (2 m n k flops).
 double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, int repeat);
 
+// Whether codec calls from now on multiply a layer-grouped basis
+// (FitOptions::layer_groups) run by run (the default) or as one dense GEMM
+// over its zeros: the control for kvtc-lab bench and the tests.
+// Process-wide; set it between codec calls, not during one.
+void set_grouped_projection(bool on);
+// Multiply-adds per token of the projection over t's first ru components
+// as the codec runs it now: ru x p for a dense basis (or with grouped
+// projection off), sum over runs of (its components among the first ru) x
+// (its features) for a layer-grouped one. For kvtc-lab bench's GFLOP/s.
+uint64_t projection_macs_per_token(const Transform& t, uint32_t ru);
+
 }  // namespace kvtc

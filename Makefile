@@ -20,6 +20,7 @@
 #   make fuzz     the decoder's libFuzzer targets under ASan/UBSan (FUZZ_SECONDS each)
 #   make tsan     ThreadSanitizer over the codec's and the store's threads (clang, libomp + Archer)
 #   make calibrate   full calibration (160K tokens)           -> .deps/calib/
+#   make calibrate-grouped  the same, one PCA per 15 layers (2 runs) -> .deps/calib/
 #   make bench-ratio ratio and error on evaluation caches     -> bench/results/ratio.md
 #   make calibrate-qwen  the large model's calibration (160K tokens, ~1 h)
 #   make bench-swa   Gemma 3 (sliding-window layers): quality by cache block,
@@ -31,6 +32,7 @@
 #   make bench-quality  every method's quality (docs/eval.md) -> bench/results/quality.md
 #   make bench-window8  the 8-bit window against f16, paired (~45 min) -> bench/results/window8.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
+#   make bench-grouped  the layer-grouped PCA in the codec against one PCA, 8K, equal error -> bench/results/grouped.md
 #   make bench-grouped-pca  layer-grouped PCA: bits vs decode multiply-adds (estimate, held-out check) -> bench/results/grouped-pca*.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
@@ -40,7 +42,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped-pca analyze clean distclean
+.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-grouped calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped bench-grouped-pca analyze clean distclean
 
 all: build
 
@@ -91,6 +93,15 @@ $(CALIB): | build $(CORPUS)
 	$(BUILD)/kvtc calibrate -o $@ --json > .deps/calib/smollm2-160k.json
 
 calibrate: $(CALIB)
+
+# The same corpus and tokens with a PCA per run of 15 layers (FitOptions::layer_groups,
+# docs/method.md "Layer groups"): the decoder multiplies each run apart; for make bench-grouped.
+CALIB_G2 := .deps/calib/smollm2-160k-g2.safetensors
+$(CALIB_G2): | build $(CORPUS)
+	@mkdir -p .deps/calib
+	$(BUILD)/kvtc calibrate --layer-groups 2 -o $@ --json > .deps/calib/smollm2-160k-g2.json
+
+calibrate-grouped: $(CALIB_G2)
 
 # Full calibration of Qwen2.5-Coder-1.5B (issue 14; 160K tokens, documents cut
 # at 8,192 tokens as SmolLM2's context cuts them; ~1 h on 2 cores).
@@ -244,6 +255,12 @@ bench-speed: $(CALIB)
 # (~8 min) and by the codec's own --min-sd 0.7 rule (~4 min) -> grouped-pca-heldout{,-minsd}.md
 GP_TEXTS := prose/bible_1John code/pystdlib__pyio.py_part1 docs/debref_ch05.en.html math/maxima_maxima_133.html
 GP_CAPTURES := $(foreach t,$(GP_TEXTS),.deps/grouped-pca/$(firstword $(subst /, ,$(t))).safetensors)
+# The codec with a layer-grouped calibration (make calibrate-grouped) against one
+# PCA on the same 8K cache and machine, and the grouped basis as one dense GEMM
+# (the control); ~25 min after both calibrations -> bench/results/grouped.md
+bench-grouped: $(CALIB) $(CALIB_G2)
+	bench/grouped.sh $(CALIB) $(CALIB_G2)
+
 bench-grouped-pca: $(CALIB) $(CORPUS)
 	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md
 	@mkdir -p .deps/grouped-pca

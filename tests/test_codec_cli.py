@@ -361,11 +361,12 @@ class Codec(unittest.TestCase):
         self.assertEqual(c["projection_groups"], 2)
         d = json.loads(run("decompress", box, "--calib", cal, "--reference", self.cap, "--json", check=0).stdout)
         self.assertEqual(d["projection_groups"], 2)
-        # Measured k 0.0158, v 0.1179 (1,500 tokens, 512 components of
-        # each run's 2,880); bound 1.5x: a run decoded on the other's features
-        # or its components misplaced gives ~1.
-        self.assertLess(d["rel_error_k"], 1.5 * 0.0158)
-        self.assertLess(d["rel_error_v"], 1.5 * 0.1179)
+        # Measured k 0.0426, v 0.300 on a Zen 4 EPYC (1,500 tokens, 512
+        # components; one PCA with the same settings: 0.0417, 0.282); bound
+        # 1.5x: a run decoded on the other's features or its components
+        # misplaced gives ~1.
+        self.assertLess(d["rel_error_k"], 1.5 * 0.0426)
+        self.assertLess(d["rel_error_v"], 1.5 * 0.300)
         p = run("calibrate", "-m", SMOL, "--tokens", "600", "--heldout", "64", "--layer-groups", "31", "-o", self.path("g31.safetensors"))
         self.assertFails(p, "fewer than the 31 layer groups")
         p = run("calibrate", "-m", SMOL, "--tokens", "600", "--heldout", "64", "--layer-groups", "2", "--pca", "randomized",

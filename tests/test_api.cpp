@@ -200,8 +200,9 @@ TEST(Fit, LayerGroupsFitARunEachAndDecodeAsTheDenseGemm) {
   EXPECT_EQ(back.id, cal.id);
   EXPECT_EQ(back.meta.at("layer_groups"), "2");
   // The codec, run by run and dense, at 8x (DP and entropy-coded), in f32
-  // and auto: the same codes and nearly the same values (measured: the
-  // decoded f16 identical or 1 ulp apart), and close to the cache.
+  // and auto: the same codes and nearly the same values (measured on a Zen
+  // 4 EPYC: identical bytes and decoded f16; bounds 1% of the bytes and 2
+  // f16 ulps, for kernels that sum in another order), and close to the cache.
   const KvCapture c = lowrank_capture(600, 77);
   for (Coding coding : {Coding::kFixedRate, Coding::kEntropy})
     for (Precision prec : {Precision::kF32, Precision::kAuto}) {

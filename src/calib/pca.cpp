@@ -135,8 +135,6 @@ Pca CovAccumulator::finish(uint32_t r_max, const std::vector<uint32_t>& groups) 
   out.r = r;
   const std::vector<double> m = start(out);
   for (uint32_t f = 0; f < p_; ++f) out.total_variance += s[size_t(f) * p_ + f] / double(n_) - m[f] * m[f];
-  out.basis.assign(size_t(r) * p_, 0.0f);
-  out.variance.resize(r);
   // The covariance of features [c0, c1) (upper triangle).
   auto block = [&](uint32_t c0, uint32_t c1) {
     const uint32_t w = c1 - c0;
@@ -158,6 +156,8 @@ Pca CovAccumulator::finish(uint32_t r_max, const std::vector<uint32_t>& groups) 
     std::vector<double> val;
     std::vector<float> vec;
   };
+  out.basis.assign(size_t(r) * p_, 0.0f);
+  out.variance.resize(r);
   std::vector<Part> parts;
   for (size_t i = 0; i < groups.size(); ++i) {
     const uint32_t c0 = groups[i], c1 = i + 1 < groups.size() ? groups[i + 1] : p_;

@@ -521,11 +521,18 @@ Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const 
   if (prec_ == Precision::kBF16) basis_bf16_ = cached_rows<std::vector<uint16_t>>(T, ru_, key, false, n * 2, [&] { return round_basis(T, ru_); });
   if (int8_) basis_s8_ = cached_rows<Int8Basis>(T, ru_, key, true, n + size_t(T.p) * 4, [&] { return quantize_basis(T, ru_); });
   if (!grouped_projection()) return;
+  // Found before the cache is asked: on a dense basis each row's first and
+  // last entries are nonzero, so this reads 2 ru floats and one PCA's
+  // Projectors take no slot of the cache of rounded rows.
+  GroupedBasis found = find_groups(T, ru_);
+  if (found.groups.empty()) return;
   // Packed in the precisions this Projector runs (the key says which).
   const bool f32 = prec_ == Precision::kF32, bf16 = prec_ == Precision::kBF16;
   const std::string gkey = key.empty() ? key : key + "/groups/" + (f32 ? "f32" : "bf16") + (int8_ ? "+s8" : "");
-  auto make = [&] {
-    auto G = std::make_shared<GroupedBasis>(find_groups(T, ru_));
+  size_t bytes = 0;
+  for (const GroupedBasis::Group& g : found.groups) bytes += (g.comps.size() + 31) / 32 * 32 * g.w * ((f32 ? 4 : 2) + (int8_ ? 1 : 0));
+  grouped_ = cached_rows<GroupedBasis>(T, ru_, gkey, false, bytes, [&] {
+    auto G = std::make_shared<GroupedBasis>(std::move(found));
     const uint32_t p = T.p;
     for (GroupedBasis::Group& g : G->groups) {
       const size_t rows = (g.comps.size() + 31) / 32 * 32;
@@ -540,10 +547,16 @@ Projector::Projector(const Transform& T, uint32_t ru, Precision resolved, const 
       }
     }
     return std::shared_ptr<const GroupedBasis>(G);
-  };
-  // Bytes for the cache's cap: at most the dense rows' in each precision.
-  grouped_ = cached_rows<GroupedBasis>(T, ru_, gkey, false, n * ((f32 ? 4 : 2) + (int8_ ? 1 : 0)), make);
-  if (grouped_->groups.empty()) grouped_.reset();
+  });
+}
+
+void Projector::center(float* x, uint32_t n, StageClock* clk) const {
+  StageTimer st(clk, kCenter);
+  const uint32_t p = T_.p;
+  for (uint32_t t = 0; t < n; ++t) {
+    float* row = x + size_t(t) * p;
+    for (uint32_t f = 0; f < p; ++f) row[f] -= T_.mu[f];
+  }
 }
 
 void Projector::group_gemm(const GroupedBasis::Group& G, const float* dg, uint32_t m, uint32_t n, bool cm, float* x, StageClock* clk) const {
@@ -592,13 +605,7 @@ void Projector::decode_rows_grouped(const float* d, uint32_t n, uint32_t k, floa
 void Projector::encode_grouped(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const {
   const uint32_t p = T_.p;
   const bool f32 = prec_ == Precision::kF32;
-  if (f32) {
-    StageTimer st(clk, kCenter);
-    for (uint32_t t = 0; t < n; ++t) {
-      float* row = x + size_t(t) * p;
-      for (uint32_t f = 0; f < p; ++f) row[f] -= T_.mu[f];
-    }
-  }
+  if (f32) center(x, n, clk);
   std::vector<float> og;
   std::vector<uint16_t> xb;
   for (const GroupedBasis::Group& G : grouped_->groups) {
@@ -642,13 +649,7 @@ void Projector::encode(float* x, uint32_t n, float* d, StageClock* clk, bool com
   const uint32_t p = T_.p;
   if (grouped_) return encode_grouped(x, n, d, clk, component_major);
   if (prec_ == Precision::kF32 || ru_ == 0) {
-    {
-      StageTimer st(clk, kCenter);
-      for (uint32_t t = 0; t < n; ++t) {
-        float* row = x + size_t(t) * p;
-        for (uint32_t f = 0; f < p; ++f) row[f] -= T_.mu[f];
-      }
-    }
+    center(x, n, clk);
     if (ru_ == 0) return;
     StageTimer st(clk, kProject);
     if (component_major)  // D' = B[:ru] (X - mu)'

@@ -138,6 +138,7 @@ class Projector {
   // [m][n] (cm) or token-major [n][m]; m = 0 writes the mean.
   void group_gemm(const GroupedBasis::Group& G, const float* dg, uint32_t m, uint32_t n, bool cm, float* x, StageClock* clk) const;
   void encode_grouped(float* x, uint32_t n, float* d, StageClock* clk, bool component_major) const;
+  void center(float* x, uint32_t n, StageClock* clk) const;  // X[n][p] -= mu, in place (the f32 encoder's)
 
   const Transform& T_;
   uint32_t ru_;

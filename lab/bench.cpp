@@ -52,6 +52,7 @@ struct BenchArgs {
   int batch = 1;                                // sequences per codec call (cuda)
   int threads = 0, repeat = 3;
   bool json = false;
+  bool scalar_kernels = false;  // the decoder's conversions without AVX-512 (the control for them)
   bool dense = false;  // a layer-grouped calibration's basis as one dense GEMM over its zeros (the control)
 };
 
@@ -163,6 +164,7 @@ nlohmann::ordered_json load_and_describe(BenchRun& B) {
   R["cpu"] = li.cpu;
   R["cpu_features"] = li.cpu_features;
   R["repeat"] = a.repeat;
+  R["vector_kernels"] = !a.scalar_kernels;
   B.cuda = a.device == "cuda";
   require(B.cuda || a.device == "cpu", "bench: --device must be cpu or cuda, got '" + a.device + "'");
   require(B.cuda || a.batch == 1, "bench: --batch is for --device cuda (the CPU codec takes one sequence per call)");
@@ -637,8 +639,11 @@ Action add_bench(CLI::App& app) {
   sub->add_flag(
       "--dense", a->dense,
       "A layer-grouped calibration (kvtc calibrate --layer-groups) multiplied as one dense GEMM over its zeros: the control for its runs apart");
+  sub->add_flag("--scalar-kernels", a->scalar_kernels,
+                "The decoder's int8 code conversion and re-RoPE in their scalar forms (the same bits): the control for their AVX-512 kernels");
   return [a] {
     if (a->dense) set_grouped_projection(false);
+    if (a->scalar_kernels) set_vector_kernels(false);
     return run_bench(*a);
   };
 }

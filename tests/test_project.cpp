@@ -4,6 +4,8 @@
 // spread), which is why centring happens before the rounding to bf16.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -410,4 +412,52 @@ TEST(GroupedProjection, RunByRunEqualsTheDenseGemm) {
     // for the 20 features no component spans, which carry only the mean here).
     EXPECT_LT(rel_diff(x, grouped.dec), prec == Precision::kF32 ? 1e-5 : 1e-2);
   }
+}
+
+// The int8 decode's conversion of codes (synthetic: about the arithmetic).
+// The AVX-512BW path (16 x 16 tiles transposed in registers) must give the
+// scalar path's bytes and outliers exactly, also for token and component
+// counts that leave tails (124 tokens: a chunk's last; 37 components) and
+// codes past 8 bits (the leading components, step-sized spreads of ~40).
+TEST(Int8Codes, VectorPathGivesTheScalarBytesAndOutliers) {
+  std::mt19937 g(11);
+  std::normal_distribution<float> nd;
+  struct Shape {
+    uint32_t n, k;
+    float spread;
+  };
+  for (const Shape sh : {Shape{256, 2100, 6.0f}, Shape{124, 2093, 6.0f}, Shape{256, 37, 40.0f}, Shape{7, 3, 100.0f}, Shape{16, 16, 30.0f}})
+    for (const float offset : {0.3f, -0.45f, 0.0f}) {
+      std::vector<int32_t> c(size_t(sh.n) * sh.k);
+      for (uint32_t j = 0; j < sh.k; ++j)
+        for (uint32_t t = 0; t < sh.n; ++t) c[size_t(j) * sh.n + t] = int32_t(std::lround(nd(g) * sh.spread * std::exp(-float(j) / 600.0f)));
+      std::vector<int8_t> a;
+      std::vector<std::array<int32_t, 3>> o;
+      detail::int8_codes(c.data(), sh.k, sh.n, offset, false, &a, &o);
+      // The scalar path against the definition: v = sign(c) (8 |c| - ro), clamped, remainder apart.
+      const int32_t ro = int32_t(std::lround(8.0 * offset));
+      size_t n_over = 0;
+      for (uint32_t t = 0; t < sh.n; ++t)
+        for (uint32_t j = 0; j < sh.k; ++j) {
+          const int32_t q = c[size_t(j) * sh.n + t], v = q == 0 ? 0 : (q > 0 ? 1 : -1) * (8 * std::abs(q) - ro);
+          ASSERT_EQ(int32_t(a[size_t(t) * sh.k + j]), std::clamp(v, -127, 127)) << "token " << t << " component " << j;
+          n_over += std::abs(v) > 127;
+        }
+      ASSERT_EQ(o.size(), n_over);
+      for (const auto& x : o) {
+        const int32_t q = c[size_t(x[1]) * sh.n + x[0]], v = (q > 0 ? 1 : -1) * (8 * std::abs(q) - ro);
+        EXPECT_EQ(x[2], v - std::clamp(v, -127, 127));
+      }
+      if (!detail::int8_codes_vector_path()) continue;
+      std::vector<int8_t> av;
+      std::vector<std::array<int32_t, 3>> ov;
+      detail::int8_codes(c.data(), sh.k, sh.n, offset, true, &av, &ov);
+      EXPECT_EQ(av, a) << sh.n << " tokens, " << sh.k << " components";
+      // One token's outliers in the same order (add_outliers' float sums depend on it).
+      std::vector<std::vector<std::array<int32_t, 3>>> per(sh.n), perv(sh.n);
+      for (const auto& x : o) per[x[0]].push_back(x);
+      for (const auto& x : ov) perv[x[0]].push_back(x);
+      EXPECT_EQ(perv, per) << sh.n << " tokens, " << sh.k << " components";
+    }
+  if (!detail::int8_codes_vector_path()) GTEST_SKIP() << "no AVX-512BW here: the scalar path checked alone";
 }

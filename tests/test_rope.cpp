@@ -11,6 +11,7 @@
 
 #include "codec/rope.h"
 #include "core/capture_io.h"
+#include "core/util.h"
 #include "kvtc/error.h"
 #include "kvtc/store.h"
 
@@ -314,4 +315,42 @@ TEST(RopeFacts, MessagesNameTheSource) {
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.n_rot = 65; }), "m.gguf: n_rot 65 must be even and <= head_dim 64");
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.freq_base = 0; }), "m.gguf: RoPE frequency base and scale must be positive");
   EXPECT_EQ(gwhy([](RopeFacts& b) { b.freq_factors.assign(3, 1.0f); }), "m.gguf: rope_freqs has 3 entries, expected n_rot/2 = 32");
+}
+
+// The decoder's fused rotation and f16 rounding (rope_apply_f16: AVX-512 in
+// double where the CPU has it) against rope_apply then f32_to_f16_n: the same
+// bits, for both layouts, a partial rotation (n_rot < head_dim), a rotation
+// the vector path does not take (n_rot 12) and rows read with a stride.
+// Synthetic keys: the test is about the arithmetic.
+TEST(RopeF16, FusedPathGivesTheStagedBits) {
+  std::mt19937 g(5);
+  std::normal_distribution<float> nd;
+  struct Case {
+    RopeLayout layout;
+    uint32_t head_dim, n_rot;
+  };
+  bool vector_taken = false;
+  for (const Case cs : {Case{RopeLayout::kNorm, 64, 64}, Case{RopeLayout::kNeox, 128, 128}, Case{RopeLayout::kNeox, 64, 32},
+                        Case{RopeLayout::kNorm, 80, 48}, Case{RopeLayout::kNorm, 64, 12}, Case{RopeLayout::kNone, 64, 0}}) {
+    Rope r;
+    r.layout = cs.layout, r.n_rot = cs.n_rot, r.freq_base = 100000.0f;
+    const uint32_t n = 37, stride = 3 * cs.head_dim + 5;
+    std::vector<int32_t> pos(n);
+    for (uint32_t k = 0; k < n; ++k) pos[k] = int32_t(k * 211 + 3);
+    std::vector<float> in(size_t(n) * stride);
+    for (float& v : in) v = 20.0f * nd(g);
+    const RopeTable t = rope_table(pos.data(), n, r, cs.head_dim, false);
+    std::vector<float> staged(size_t(n) * cs.head_dim);
+    for (uint32_t k = 0; k < n; ++k)
+      for (uint32_t d = 0; d < cs.head_dim; ++d) staged[size_t(k) * cs.head_dim + d] = in[size_t(k) * stride + d];
+    rope_apply(staged.data(), t);
+    std::vector<uint16_t> want(staged.size()), got(staged.size());
+    f32_to_f16_n(staged.data(), want.data(), staged.size());
+    const RopeExpanded ex = rope_expand(t);
+    vector_taken |= !ex.cc.empty();
+    rope_apply_f16(in.data(), stride, t, ex, got.data());
+    EXPECT_EQ(got, want) << "head_dim " << cs.head_dim << ", n_rot " << cs.n_rot;
+    EXPECT_TRUE(rope_expand(t).cc.empty() || cs.n_rot % 16 == 0) << "the vector path needs n_rot a multiple of 16";
+  }
+  if (!vector_taken) GTEST_SKIP() << "no AVX-512 here: the staged path checked alone";
 }

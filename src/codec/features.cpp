@@ -29,15 +29,14 @@ void gather_features(const KvBlock& b, KvKind kind, const Rope* rope, uint32_t t
 void scatter_features(float* in, KvKind kind, const Rope* rope, uint32_t t0, uint32_t t1, KvBlock& b) {
   const uint32_t p = b.features(), D = b.head_dim, n = t1 - t0;
   std::vector<uint16_t>& dst = kind == KvKind::kKey ? b.k : b.v;
-  std::vector<float> tmp(size_t(n) * D);
   RopeTable rt;
+  rt.head_dim = D, rt.n_tok = n;  // no rotation: values, or keys stored with theirs
   if (kind == KvKind::kKey && rope) rt = rope_table(b.pos.data() + t0, n, *rope, b.head_dim, /*inverse=*/false);
+  const RopeExpanded ex = rope_expand(rt);  // the cos/sin per dimension, shared by every layer and head
   for (uint32_t l = 0; l < b.n_layer(); ++l)
     for (uint32_t h = 0; h < b.n_head_kv; ++h) {
       const size_t f0 = (size_t(l) * b.n_head_kv + h) * D;
-      for (uint32_t t = 0; t < n; ++t) std::memcpy(&tmp[size_t(t) * D], &in[size_t(t) * p + f0], D * sizeof(float));
-      rope_apply(tmp.data(), rt);
-      f32_to_f16_n(tmp.data(), &dst[b.index(l, h, t0, 0)], size_t(n) * D);
+      rope_apply_f16(in + f0, p, rt, ex, &dst[b.index(l, h, t0, 0)]);
     }
 }
 

@@ -715,6 +715,15 @@ void Projector::decode_rows(const float* d, uint32_t n, uint32_t k, float* x, St
 // 400-1,000 and added nothing measurable.
 constexpr int kFracBits = 3;
 
+bool int8_codes_vector_path() {
+#if defined(__x86_64__)
+  static const bool v = cpu_features().avx512f && cpu_features().avx512bw && cpu_features().avx512vl;
+  return v && vector_kernels();
+#else
+  return false;
+#endif
+}
+
 namespace {
 // A code past 8 bits in the integer GEMM: its remainder, added apart.
 struct Outlier {
@@ -722,11 +731,116 @@ struct Outlier {
   int32_t rest;
 };
 
+// One code as kInt8's fixed-point value v = sign(c) (8 |c| - ro) clamped to
+// 8 bits (|v| >= 4 for c != 0: ro is in [-4, 4]); the clamped remainder of
+// token t, converted row i, goes to outliers.
+inline int8_t code_to_s8(int32_t q, int32_t ro, uint32_t t, uint32_t i, std::vector<Outlier>& outliers) {
+  const int32_t sg = q >> 31, m = ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0), cl = std::min(m, 127);
+  if (m > 127) outliers.push_back({t, i, q < 0 ? 127 - m : m - 127});
+  return int8_t((cl ^ sg) - sg);
+}
+
+// How many of a row's n codes pass 8 bits: |c| >= wide.
+inline uint32_t count_wide(const int32_t* row, uint32_t n, int32_t wide) {
+  uint32_t over = 0;
+  for (uint32_t t = 0; t < n; ++t) over += uint32_t(row[t] >= wide) + uint32_t(row[t] <= -wide);
+  return over;
+}
+
+#if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics warn of their own _mm512_undefined_epi32()
+// (GCC bug 105593), once per use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// A 16 x 16 byte matrix, row i in r[i], transposed in place: four rounds of
+// unpacks (bytes, then 16-, 32-, 64-bit units of the previous round).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void transpose16x16_epi8(__m128i* r) {
+  __m128i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // a[i]: rows 2i, 2i+1 interleaved, columns 0..7; a[8 + i]: 8..15
+    a[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    a[i + 8] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // b[8h + i]: rows 4i..4i+3, columns 8h..8h+3; b[8h + 4 + i]: 8h+4..8h+7
+    for (int i = 0; i < 4; ++i) {
+      b[h * 8 + i] = _mm_unpacklo_epi16(a[h * 8 + 2 * i], a[h * 8 + 2 * i + 1]);
+      b[h * 8 + 4 + i] = _mm_unpackhi_epi16(a[h * 8 + 2 * i], a[h * 8 + 2 * i + 1]);
+    }
+  for (int q = 0; q < 4; ++q)  // a[4q + 2e + i]: rows 8i..8i+7, columns 4q+2e, 4q+2e+1
+    for (int i = 0; i < 2; ++i) {
+      a[q * 4 + i] = _mm_unpacklo_epi32(b[q * 4 + 2 * i], b[q * 4 + 2 * i + 1]);
+      a[q * 4 + 2 + i] = _mm_unpackhi_epi32(b[q * 4 + 2 * i], b[q * 4 + 2 * i + 1]);
+    }
+  for (int q = 0; q < 4; ++q)  // r[j]: column j, rows 0..15
+    for (int e = 0; e < 2; ++e) {
+      r[q * 4 + 2 * e] = _mm_unpacklo_epi64(a[q * 4 + e * 2], a[q * 4 + e * 2 + 1]);
+      r[q * 4 + 2 * e + 1] = _mm_unpackhi_epi64(a[q * 4 + e * 2], a[q * 4 + e * 2 + 1]);
+    }
+}
+
+// codes_to_s8 in 16 x 16 tiles: 16 codes of a row converted in one vector,
+// 16 rows' bytes transposed in registers and stored token-major, without
+// the component-major staging. On the Zen 4 EPYC, a 256-token chunk of
+// 2,100 rows: 0.125 ms against the staged scalar loop's 0.50. The outliers
+// come per token in increasing row order, as the scalar loop's do, so the
+// sums add_outliers makes are the same to the bit.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void codes_to_s8_avx512(const int32_t* const* rows, uint32_t k, uint32_t n, int32_t ro, int8_t* a,
+                                                                             std::vector<Outlier>& outliers) {
+  const uint32_t n16 = n / 16 * 16, k16 = k / 16 * 16;
+  const __m512i vro = _mm512_set1_epi32(ro), v127 = _mm512_set1_epi32(127), zero = _mm512_setzero_si512();
+  for (uint32_t t0 = 0; t0 < n16; t0 += 16) {
+    for (uint32_t i0 = 0; i0 < k16; i0 += 16) {
+      __m128i r[16];
+      for (uint32_t ii = 0; ii < 16; ++ii) {
+        const __m512i q = _mm512_loadu_si512(rows[i0 + ii] + t0);
+        const __mmask16 nz = _mm512_test_epi32_mask(q, q), neg = _mm512_cmplt_epi32_mask(q, zero);
+        const __m512i m = _mm512_maskz_sub_epi32(nz, _mm512_slli_epi32(_mm512_abs_epi32(q), kFracBits), vro);
+        const __mmask16 over = _mm512_cmpgt_epi32_mask(m, v127);
+        const __m512i cl = _mm512_min_epi32(m, v127);
+        r[ii] = _mm512_cvtepi32_epi8(_mm512_mask_sub_epi32(cl, neg, zero, cl));
+        if (over) {
+          alignas(64) int32_t mm[16], qq[16];
+          _mm512_store_si512(mm, m);
+          _mm512_store_si512(qq, q);
+          for (uint32_t l = 0; l < 16; ++l)
+            if (over >> l & 1) outliers.push_back({t0 + l, i0 + ii, qq[l] < 0 ? 127 - mm[l] : mm[l] - 127});
+        }
+      }
+      transpose16x16_epi8(r);
+      for (uint32_t tt = 0; tt < 16; ++tt) _mm_storeu_si128(reinterpret_cast<__m128i*>(a + size_t(t0 + tt) * k + i0), r[tt]);
+    }
+    for (uint32_t t = t0; t < t0 + 16; ++t)
+      for (uint32_t i = k16; i < k; ++i) a[size_t(t) * k + i] = code_to_s8(rows[i][t], ro, t, i, outliers);
+  }
+  for (uint32_t t = n16; t < n; ++t)
+    for (uint32_t i = 0; i < k; ++i) a[size_t(t) * k + i] = code_to_s8(rows[i][t], ro, t, i, outliers);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) uint32_t count_wide_avx512(const int32_t* row, uint32_t n, int32_t wide) {
+  const __m512i w = _mm512_set1_epi32(wide);
+  uint32_t over = 0, t = 0;
+  for (; t + 16 <= n; t += 16) over += uint32_t(__builtin_popcount(_mm512_cmpge_epi32_mask(_mm512_abs_epi32(_mm512_loadu_si512(row + t)), w)));
+  return over + count_wide(row + t, n - t, wide);
+}
+
+#pragma GCC diagnostic pop
+#endif
+
 // rows[i] (i < k), each n codes of the chunk, as kInt8's fixed-point values
-// v = sign(c) (8 |c| - ro) clamped to 8 bits, token-major into a [n][k]
-// (cm: the component-major staging), the clamped remainders into outliers.
+// (code_to_s8) token-major into a [n][k], the clamped remainders into
+// outliers (those of one token in increasing i on both paths, which is
+// what add_outliers' sums depend on). cm: the scalar path's staging.
 template <class Row>
-void codes_to_s8(Row rows, uint32_t k, uint32_t n, int32_t ro, std::vector<int8_t>& cm, std::vector<int8_t>& a, std::vector<Outlier>& outliers) {
+void codes_to_s8(Row rows, uint32_t k, uint32_t n, int32_t ro, std::vector<int8_t>& cm, std::vector<int8_t>& a, std::vector<Outlier>& outliers,
+                 bool vector = int8_codes_vector_path()) {
+  a.resize(size_t(n) * k);
+#if defined(__x86_64__)
+  if (vector) {
+    thread_local std::vector<const int32_t*> ptrs;
+    ptrs.resize(k);
+    for (uint32_t i = 0; i < k; ++i) ptrs[i] = rows(i);
+    return codes_to_s8_avx512(ptrs.data(), k, n, ro, a.data(), outliers);
+  }
+#endif
   cm.resize(size_t(k) * n);  // written whole below
   for (uint32_t i = 0; i < k; ++i) {
     const int32_t* row = rows(i);
@@ -745,7 +859,6 @@ void codes_to_s8(Row rows, uint32_t k, uint32_t n, int32_t ro, std::vector<int8_
   }
   // Token-major for the GEMM (its transposed-source kernel ran ~20% slower
   // on an AVX2 EPYC), in 32 x 32 tiles.
-  a.resize(size_t(n) * k);
   constexpr uint32_t kTile = 32;
   for (uint32_t t0 = 0; t0 < n; t0 += kTile)
     for (uint32_t i0 = 0; i0 < k; i0 += kTile)
@@ -765,6 +878,15 @@ void add_outliers(const std::vector<Outlier>& outliers, const int8_t* qrows, con
   }
 }
 }  // namespace
+
+void int8_codes(const int32_t* c, uint32_t k, uint32_t n, float offset, bool vector, std::vector<int8_t>* a, std::vector<std::array<int32_t, 3>>* outliers) {
+  require(!vector || int8_codes_vector_path(), "int8_codes: this CPU has no AVX-512BW");
+  std::vector<int8_t> cm;
+  std::vector<Outlier> o;
+  codes_to_s8([&](uint32_t i) { return c + size_t(i) * n; }, k, n, int32_t(std::lround(std::ldexp(double(offset), kFracBits))), cm, *a, o, vector);
+  outliers->clear();
+  for (const Outlier& x : o) outliers->push_back({int32_t(x.t), int32_t(x.i), x.rest});
+}
 
 void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float offset, float* x, StageClock* clk, DecodeScratch* scratch) const {
   if (!int8_ || ru_ == 0) {
@@ -795,8 +917,11 @@ void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float off
     StageTimer st(clk, kQuant);
     for (uint32_t j = 0; j < ru_; ++j) {
       const int32_t* row = c + size_t(j) * n;
-      uint32_t over = 0;
-      for (uint32_t t = 0; t < n; ++t) over += uint32_t(row[t] >= wide) + uint32_t(row[t] <= -wide);
+#if defined(__x86_64__)
+      const uint32_t over = int8_codes_vector_path() ? count_wide_avx512(row, n, wide) : count_wide(row, n, wide);
+#else
+      const uint32_t over = count_wide(row, n, wide);
+#endif
       if (over > n / 4) j0 = j + 1;
     }
     j0 = std::min(ru_, (j0 + 31) / 32 * 32);

@@ -4,6 +4,7 @@
 // rounds the GEMM's input (encode) or is the GEMM's bias (decode).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -84,6 +85,16 @@ GroupedBasis find_groups(const Transform& T, uint32_t ru);
 // kvtc-lab bench and the tests compare against. Process-wide.
 void set_grouped_projection(bool on);
 bool grouped_projection();
+
+// The int8 decode's first step, apart for the tests: component-major codes
+// c[k][n] of one chunk (k components, n tokens) as 8-bit fixed-point values
+// sign(c) (8 |c| - round(8 offset)), token-major into a [n][k], and each
+// value clamped at +-127 as (token, component, remainder) in outliers.
+// vector: the AVX-512BW path (int8_codes_vector_path(): this CPU has it;
+// the decoder takes it there), else the scalar one. Both give the same
+// bytes and the same outliers in the same order.
+void int8_codes(const int32_t* c, uint32_t k, uint32_t n, float offset, bool vector, std::vector<int8_t>* a, std::vector<std::array<int32_t, 3>>* outliers);
+bool int8_codes_vector_path();
 
 // Buffers Projector::decode_codes reuses across calls (the caller's, one per
 // thread at a time; grown, never shrunk).

@@ -32,6 +32,20 @@ struct RopeTable {
 RopeTable rope_table(const int32_t* pos, size_t n_tok, const Rope& r, uint32_t head_dim, bool inverse);
 // Rotates x in place: x is [t.n_tok][head_dim] (one head).
 void rope_apply(float* x, const RopeTable& t);
+// The decoder's last step for one head: the n_tok rows of `in` (row k at
+// in + k * stride, head_dim floats; not changed) rotated by t (none when
+// t.half == 0) and rounded to f16 into out[n_tok][head_dim] — the bits
+// rope_apply then f32_to_f16_n give, on every CPU. With AVX-512F and n_rot
+// a multiple of 16 the rotation runs 8 pairs at a time in double (each
+// product and sum rounded apart, as the scalar code's) from ex, else row
+// by row through rope_apply. ex: rope_expand(t), shared by the heads.
+struct RopeExpanded {
+  // [n_tok][n_rot]: dimension d's rotated value is x[d] cc[d] + x[partner(d)] ss[d],
+  // partner d ^ 1 (NORM) or d +- n_rot / 2 (NEOX). Empty where the vector path does not apply.
+  std::vector<double> cc, ss;
+};
+RopeExpanded rope_expand(const RopeTable& t);
+void rope_apply_f16(const float* in, size_t stride, const RopeTable& t, const RopeExpanded& ex, uint16_t* out);
 // rope_apply(x, rope_table(...)). Apply then undo returns x within a few f32 ulps.
 void rope_rotate(float* x, const int32_t* pos, size_t n_tok, const Rope& r, uint32_t head_dim, bool inverse);
 

@@ -1,5 +1,7 @@
 #include "core/util.h"
 
+#include <atomic>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -279,6 +281,17 @@ __attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* in, uint16
 #endif
 
 }  // namespace
+
+namespace {
+std::atomic<bool> g_vector_kernels{true};
+}  // namespace
+
+void set_vector_kernels(bool on) {
+  g_vector_kernels = on;
+}
+bool vector_kernels() {
+  return g_vector_kernels;
+}
 
 void f16_to_f32_n(const uint16_t* in, float* out, size_t n) {
 #if defined(__x86_64__)

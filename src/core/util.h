@@ -56,6 +56,13 @@ struct CpuFeatures {
   std::string brand;  // CPUID brand string, trimmed
 };
 const CpuFeatures& cpu_features();
+// Whether the decoder's AVX-512 conversion kernels (the int8 path's codes,
+// re-RoPE with f16 rounding) run where the CPU has them (the default), or
+// their scalar forms everywhere: the same bits either way, the control
+// kvtc-lab bench --scalar-kernels measures them against. Process-wide; set
+// it between codec calls (lab_support.h declares it for the tools).
+void set_vector_kernels(bool on);
+bool vector_kernels();
 
 // Asks the kernel for transparent huge pages over the whole 2 MiB pages
 // inside [p, p + bytes) (Linux madvise(MADV_HUGEPAGE); a no-op elsewhere,

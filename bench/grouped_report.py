@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The layer-grouped PCA against one PCA at equal error (bench/grouped.sh).
 
-Reads three `kvtc-lab bench --out-json` files of the same 8K cache on the
-same machine: one PCA, the layer-grouped calibration, and the grouped one
-multiplied as one dense GEMM (--dense). For each (calibration, coding,
+Reads `kvtc-lab bench --out-json` files of the same 8K cache on the same
+machine: one PCA, one or more layer-grouped calibrations (labelled by the
+runs their projection found), the first grouped one multiplied as one dense
+GEMM (--dense) and, optionally, the last one with the decoder's scalar
+conversion kernels (--scalar, kvtc-lab bench --scalar-kernels). For each (calibration, coding,
 precision) it finds, between the two measured rows that bracket it, the
 nominal ratio whose error equals one PCA's DP at 16x and at 32x (the
 geometric mean of the K and V relative errors, linear in log ratio), and
@@ -79,24 +81,42 @@ def at_error(rows, target):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--one", required=True)
-    ap.add_argument("--grouped", required=True)
+    ap.add_argument("--grouped", required=True, action="append", help="a grouped calibration's bench JSON (repeat for each)")
     ap.add_argument("--dense", required=True)
+    ap.add_argument("--scalar", help="the last grouped calibration with --scalar-kernels")
     ap.add_argument("--command", required=True)
     ap.add_argument("--commit", required=True)
     ap.add_argument("--machine", required=True)
     ap.add_argument("--out-md", required=True)
     ap.add_argument("--out-json", required=True)
     a = ap.parse_args()
-    files = {"one PCA": load(a.one, "one PCA"), "2 runs": load(a.grouped, "grouped"), "2 runs, dense GEMM": load(a.dense, "dense")}
-    if files["2 runs"][0]["calibration_id"] != files["2 runs, dense GEMM"][0]["calibration_id"]:
-        fail("--grouped and --dense must be runs of the same calibration")
-    if files["one PCA"][0]["calibration_id"] == files["2 runs"][0]["calibration_id"]:
-        fail("--one and --grouped are the same calibration")
-    for label in ("2 runs",):
-        if not any(r.get("projection_groups", 1) > 1 for r in files[label][2]):
-            fail(f"{label}: no row ran the projection by runs (is it a layer-grouped calibration? kvtc calibrate --layer-groups)")
-    if any(r.get("projection_groups", 1) != 1 for r in files["2 runs, dense GEMM"][2]):
+    files = {"one PCA": load(a.one, "one PCA")}
+    grouped_labels = []
+    for path in a.grouped:
+        f = load(path, "grouped")
+        runs = max(r.get("projection_groups", 1) for r in f[2])
+        if runs <= 1:
+            fail(f"{path}: no row ran the projection by runs (is it a layer-grouped calibration? kvtc calibrate --layer-groups)")
+        if f[0]["calibration_id"] == files["one PCA"][0]["calibration_id"]:
+            fail(f"--one and --grouped {path} are the same calibration")
+        label = f"{runs} runs"
+        if label in files:
+            fail(f"{path}: a second calibration of {label}")
+        files[label] = f
+        grouped_labels.append(label)
+    dense = load(a.dense, "dense")
+    if dense[0]["calibration_id"] != files[grouped_labels[0]][0]["calibration_id"]:
+        fail("--dense must be a run of the first --grouped calibration")
+    if any(r.get("projection_groups", 1) != 1 for r in dense[2]):
         fail("--dense: a row ran by runs; was it made with kvtc-lab bench --dense?")
+    files[f"{grouped_labels[0]}, dense GEMM"] = dense
+    if a.scalar:
+        sc = load(a.scalar, "scalar kernels")
+        if sc[0]["calibration_id"] != files[grouped_labels[-1]][0]["calibration_id"]:
+            fail("--scalar must be a run of the last --grouped calibration")
+        if sc[0].get("vector_kernels", True):
+            fail("--scalar: made without kvtc-lab bench --scalar-kernels")
+        files[f"{grouped_labels[-1]}, scalar kernels"] = sc
     raw_mb = files["one PCA"][1]["raw_mb"]
     for label, (_, _, rows) in files.items():
         for r in rows:
@@ -119,7 +139,7 @@ def main():
             if m is not None:
                 matched.setdefault(tname, {})[" / ".join(key)] = m
 
-    md = ["# Layer-grouped PCA in the codec: 2 runs of 15 layers against one PCA (SmolLM2, 8K tokens)", ""]
+    md = [f"# Layer-grouped PCA in the codec: {' and '.join(grouped_labels)} of layers against one PCA (SmolLM2, 8K tokens)", ""]
     md.append(f"- command: `{a.command}`")
     md.append(f"- commit: {a.commit}")
     md.append(f"- machine: {a.machine}")
@@ -129,7 +149,8 @@ def main():
     md.append(
         "- columns: compress / decompress = wall ms, fastest of the repeats; MACs/token = the projection's multiply-adds per token over "
         "K and V as it ran (a run's components x its features, summed; dense: components x 5,760); dec proj = the decoder's GEMM "
-        "thread-ms; err = relative squared error of the coded tokens, K / V"
+        "thread-ms; err = relative squared error of the coded tokens, K / V; scalar kernels: the decoder's int8 code conversion and "
+        "re-RoPE in their scalar forms (the same bits), the control for their AVX-512 kernels"
     )
     md.append("")
     md.append("## Measured rows")
@@ -169,6 +190,29 @@ def main():
                 f"{m['decompress_ms']:.0f} | {raw_mb / m['decompress_ms']:.2f} | {vs_t} | {m['macs']:,.0f} | "
                 f"{m['compress_ms']:.0f} |"
             )
+    if a.scalar:
+        vec_label, sc_label = grouped_labels[-1], f"{grouped_labels[-1]}, scalar kernels"
+        vec = {(r["coding"], r["nominal_ratio"], base_precision(r["precision"])): r for r in files[vec_label][2]}
+        md.append("")
+        md.append(f"### Decoder stages, {vec_label}: the AVX-512 conversion kernels against their scalar forms")
+        md.append("")
+        md.append(
+            "The same calibration, files and bits; only the int8 path's code conversion (`quant`) and the re-RoPE with f16 "
+            "rounding (`gather`) differ. Stages in thread-ms summed over the worker threads; decompress in wall ms."
+        )
+        md.append("")
+        md.append("| coding | nominal | kernels | decompress ms | dec GB/s | gather + re-RoPE | quant | entropy | project |")
+        md.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(files[sc_label][2], key=lambda r: (r["coding"], r["nominal_ratio"])):
+            v = vec.get((r["coding"], r["nominal_ratio"], base_precision(r["precision"])))
+            for name, x in (("scalar", r), ("AVX-512", v)):
+                if x is None:
+                    continue
+                st = x["decode_stages"]
+                md.append(
+                    f"| {x['coding']} | {x['nominal_ratio']:g}x | {name} | {x['decompress_ms']:.0f} | {x['decode_gbs']:.2f} | "
+                    f"{st['gather_rope_ms']:.0f} | {st['quant_pack_ms']:.0f} | {st['entropy_ms']:.0f} | {st['project_ms']:.0f} |"
+                )
     md.append("")
     with open(a.out_md, "w") as f:
         f.write("\n".join(md))

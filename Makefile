@@ -33,6 +33,7 @@
 #   make bench-window8  the 8-bit window against f16, paired (~45 min) -> bench/results/window8.md
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
 #   make bench-grouped  the layer-grouped PCA in the codec against one PCA, 8K, equal error -> bench/results/grouped.md
+#   make bench-grouped-quality  the grouped calibrations' ppl / KL at equal error (SmolLM2, 2K) -> bench/results/grouped-quality.md
 #   make bench-grouped-pca  layer-grouped PCA: bits vs decode multiply-adds (estimate, held-out check) -> bench/results/grouped-pca*.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
@@ -42,7 +43,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-grouped calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped bench-grouped-pca analyze clean distclean
+.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-grouped calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped bench-grouped-quality bench-grouped-pca analyze clean distclean
 
 all: build
 
@@ -266,6 +267,9 @@ GP_CAPTURES := $(foreach t,$(GP_TEXTS),.deps/grouped-pca/$(firstword $(subst /, 
 # (the control); ~25 min after both calibrations -> bench/results/grouped.md
 bench-grouped: $(CALIB) $(CALIB_G2) $(CALIB_G3)
 	bench/grouped.sh $(CALIB) $(CALIB_G2) $(CALIB_G3)
+
+bench-grouped-quality: $(CALIB) $(CALIB_G2) $(CALIB_G3)
+	bench/grouped_quality.sh $(CALIB) $(CALIB_G2) $(CALIB_G3)
 
 bench-grouped-pca: $(CALIB) $(CORPUS)
 	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md

@@ -119,7 +119,7 @@ __attribute__((target("avx512f,f16c"))) void rope_apply_f16_avx512(const float* 
   const uint32_t D = t.head_dim, nr = 2 * t.half, half = t.half;
   const bool norm = t.layout == RopeLayout::kNorm;
   alignas(64) double xd[512];
-  alignas(64) float y[1024];
+  alignas(64) float y[512];
   for (size_t k = 0; k < t.n_tok; ++k) {
     const float* x = in + k * stride;
     for (uint32_t d = 0; d < nr; d += 8) _mm512_store_pd(xd + d, _mm512_cvtps_pd(_mm256_loadu_ps(x + d)));
@@ -147,7 +147,7 @@ RopeExpanded rope_expand(const RopeTable& t) {
   RopeExpanded ex;
   const uint32_t nr = 2 * t.half;
   // xd/y above hold one row of up to 512 rotated dimensions.
-  if (t.half == 0 || nr % 16 != 0 || t.head_dim > 1024 || nr > 512 || !rope_vector_path()) return ex;
+  if (t.half == 0 || nr % 16 != 0 || nr > 512 || !rope_vector_path()) return ex;
   const bool norm = t.layout == RopeLayout::kNorm;
   ex.cc.resize(t.n_tok * nr);
   ex.ss.resize(t.n_tok * nr);

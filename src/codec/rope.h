@@ -36,7 +36,7 @@ void rope_apply(float* x, const RopeTable& t);
 // in + k * stride, head_dim floats; not changed) rotated by t (none when
 // t.half == 0) and rounded to f16 into out[n_tok][head_dim] — the bits
 // rope_apply then f32_to_f16_n give, on every CPU. With AVX-512F and n_rot
-// a multiple of 16 the rotation runs 8 pairs at a time in double (each
+// a multiple of 16 (at most 512) the rotation runs 8 pairs at a time in double (each
 // product and sum rounded apart, as the scalar code's) from ex, else row
 // by row through rope_apply. ex: rope_expand(t), shared by the heads.
 struct RopeExpanded {

@@ -53,7 +53,7 @@ struct BenchArgs {
   int threads = 0, repeat = 3;
   bool json = false;
   bool scalar_kernels = false;  // the decoder's conversions without AVX-512 (the control for them)
-  bool dense = false;  // a layer-grouped calibration's basis as one dense GEMM over its zeros (the control)
+  bool dense = false;           // a layer-grouped calibration's basis as one dense GEMM over its zeros (the control)
 };
 
 // Resident-set high-water mark of this process (VmHWM), reset on request

@@ -731,20 +731,22 @@ struct Outlier {
   int32_t rest;
 };
 
-// One code as kInt8's fixed-point value v = sign(c) (8 |c| - ro) clamped to
-// 8 bits (|v| >= 4 for c != 0: ro is in [-4, 4]); the clamped remainder of
-// token t, converted row i, goes to outliers.
-inline int8_t code_to_s8(int32_t q, int32_t ro, uint32_t t, uint32_t i, std::vector<Outlier>& outliers) {
-  const int32_t sg = q >> 31, m = ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0), cl = std::min(m, 127);
-  if (m > 127) outliers.push_back({t, i, q < 0 ? 127 - m : m - 127});
-  return int8_t((cl ^ sg) - sg);
+// |v| of kInt8's fixed-point value v = sign(q) (8 |q| - ro) before the
+// clamp: 0 for q = 0, >= 4 otherwise (ro is in [-4, 4]).
+inline int32_t s8_magnitude(int32_t q, int32_t ro) {
+  const int32_t sg = q >> 31;
+  return ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0);
 }
-
-// How many of a row's n codes pass 8 bits: |c| >= wide.
-inline uint32_t count_wide(const int32_t* row, uint32_t n, int32_t wide) {
-  uint32_t over = 0;
-  for (uint32_t t = 0; t < n; ++t) over += uint32_t(row[t] >= wide) + uint32_t(row[t] <= -wide);
-  return over;
+// The remainder past the clamp of code q, |v| = m > 127.
+inline Outlier outlier_of(uint32_t t, uint32_t i, int32_t q, int32_t m) {
+  return {t, i, q < 0 ? 127 - m : m - 127};
+}
+// One code as its value clamped to 8 bits; the remainder of token t,
+// converted row i, goes to outliers.
+inline int8_t code_to_s8(int32_t q, int32_t ro, uint32_t t, uint32_t i, std::vector<Outlier>& outliers) {
+  const int32_t sg = q >> 31, m = s8_magnitude(q, ro), cl = std::min(m, 127);
+  if (m > 127) outliers.push_back(outlier_of(t, i, q, m));
+  return int8_t((cl ^ sg) - sg);
 }
 
 #if defined(__x86_64__)
@@ -783,8 +785,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void transpose16x16_
 // 2,100 rows: 0.125 ms against the staged scalar loop's 0.50. The outliers
 // come per token in increasing row order, as the scalar loop's do, so the
 // sums add_outliers makes are the same to the bit.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void codes_to_s8_avx512(const int32_t* const* rows, uint32_t k, uint32_t n, int32_t ro, int8_t* a,
-                                                                             std::vector<Outlier>& outliers) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void codes_to_s8_avx512(const int32_t* const* rows, uint32_t k, uint32_t n, int32_t ro,
+                                                                             int8_t* a, std::vector<Outlier>& outliers) {
   const uint32_t n16 = n / 16 * 16, k16 = k / 16 * 16;
   const __m512i vro = _mm512_set1_epi32(ro), v127 = _mm512_set1_epi32(127), zero = _mm512_setzero_si512();
   for (uint32_t t0 = 0; t0 < n16; t0 += 16) {
@@ -802,7 +804,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void codes_to_s8_avx512(con
           _mm512_store_si512(mm, m);
           _mm512_store_si512(qq, q);
           for (uint32_t l = 0; l < 16; ++l)
-            if (over >> l & 1) outliers.push_back({t0 + l, i0 + ii, qq[l] < 0 ? 127 - mm[l] : mm[l] - 127});
+            if (over >> l & 1) outliers.push_back(outlier_of(t0 + l, i0 + ii, qq[l], mm[l]));
         }
       }
       transpose16x16_epi8(r);
@@ -815,15 +817,26 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void codes_to_s8_avx512(con
     for (uint32_t i = 0; i < k; ++i) a[size_t(t) * k + i] = code_to_s8(rows[i][t], ro, t, i, outliers);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) uint32_t count_wide_avx512(const int32_t* row, uint32_t n, int32_t wide) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) uint32_t count_wide_avx512(const int32_t* row, uint32_t n, int32_t wide, uint32_t* done) {
   const __m512i w = _mm512_set1_epi32(wide);
   uint32_t over = 0, t = 0;
   for (; t + 16 <= n; t += 16) over += uint32_t(__builtin_popcount(_mm512_cmpge_epi32_mask(_mm512_abs_epi32(_mm512_loadu_si512(row + t)), w)));
-  return over + count_wide(row + t, n - t, wide);
+  *done = t;
+  return over;
 }
 
 #pragma GCC diagnostic pop
 #endif
+
+// How many of a row's n codes pass 8 bits: |c| >= wide.
+uint32_t count_wide(const int32_t* row, uint32_t n, int32_t wide) {
+  uint32_t over = 0, t = 0;
+#if defined(__x86_64__)
+  if (int8_codes_vector_path()) over = count_wide_avx512(row, n, wide, &t);
+#endif
+  for (; t < n; ++t) over += uint32_t(row[t] >= wide) + uint32_t(row[t] <= -wide);
+  return over;
+}
 
 // rows[i] (i < k), each n codes of the chunk, as kInt8's fixed-point values
 // (code_to_s8) token-major into a [n][k], the clamped remainders into
@@ -847,14 +860,14 @@ void codes_to_s8(Row rows, uint32_t k, uint32_t n, int32_t ro, std::vector<int8_
     int8_t* out = cm.data() + size_t(i) * n;
     uint32_t over = 0;
     for (uint32_t t = 0; t < n; ++t) {
-      const int32_t q = row[t], sg = q >> 31, m = ((((q ^ sg) - sg) << kFracBits) - ro) * int32_t(q != 0), cl = std::min(m, 127);
+      const int32_t q = row[t], sg = q >> 31, m = s8_magnitude(q, ro), cl = std::min(m, 127);
       over += uint32_t(m > 127);
       out[t] = int8_t((cl ^ sg) - sg);
     }
     if (over)
       for (uint32_t t = 0; t < n; ++t) {
-        const int32_t q = row[t], m = ((q < 0 ? -q : q) << kFracBits) - ro;
-        if (q != 0 && m > 127) outliers.push_back({t, i, q < 0 ? 127 - m : m - 127});
+        const int32_t m = s8_magnitude(row[t], ro);
+        if (m > 127) outliers.push_back(outlier_of(t, i, row[t], m));
       }
   }
   // Token-major for the GEMM (its transposed-source kernel ran ~20% slower
@@ -879,7 +892,8 @@ void add_outliers(const std::vector<Outlier>& outliers, const int8_t* qrows, con
 }
 }  // namespace
 
-void int8_codes(const int32_t* c, uint32_t k, uint32_t n, float offset, bool vector, std::vector<int8_t>* a, std::vector<std::array<int32_t, 3>>* outliers) {
+void int8_codes(const int32_t* c, uint32_t k, uint32_t n, float offset, bool vector, std::vector<int8_t>* a,
+                std::vector<std::array<int32_t, 3>>* outliers) {
   require(!vector || int8_codes_vector_path(), "int8_codes: this CPU has no AVX-512BW");
   std::vector<int8_t> cm;
   std::vector<Outlier> o;
@@ -917,12 +931,7 @@ void Projector::decode_codes(const int32_t* c, uint32_t n, float step, float off
     StageTimer st(clk, kQuant);
     for (uint32_t j = 0; j < ru_; ++j) {
       const int32_t* row = c + size_t(j) * n;
-#if defined(__x86_64__)
-      const uint32_t over = int8_codes_vector_path() ? count_wide_avx512(row, n, wide) : count_wide(row, n, wide);
-#else
-      const uint32_t over = count_wide(row, n, wide);
-#endif
-      if (over > n / 4) j0 = j + 1;
+      if (count_wide(row, n, wide) > n / 4) j0 = j + 1;
     }
     j0 = std::min(ru_, (j0 + 31) / 32 * 32);
   }

@@ -93,7 +93,8 @@ bool grouped_projection();
 // vector: the AVX-512BW path (int8_codes_vector_path(): this CPU has it;
 // the decoder takes it there), else the scalar one. Both give the same
 // bytes and the same outliers in the same order.
-void int8_codes(const int32_t* c, uint32_t k, uint32_t n, float offset, bool vector, std::vector<int8_t>* a, std::vector<std::array<int32_t, 3>>* outliers);
+void int8_codes(const int32_t* c, uint32_t k, uint32_t n, float offset, bool vector, std::vector<int8_t>* a,
+                std::vector<std::array<int32_t, 3>>* outliers);
 bool int8_codes_vector_path();
 
 // Buffers Projector::decode_codes reuses across calls (the caller's, one per

@@ -114,7 +114,7 @@ bool rope_vector_path() {
 // staged copy, rotation and conversion took ~80 thread-ms of 8,060 tokens'
 // keys and values on the Zen 4 EPYC.
 __attribute__((target("avx512f,f16c"))) void rope_apply_f16_avx512(const float* in, size_t stride, const RopeTable& t, const RopeExpanded& ex,
-                                                                    uint16_t* out) {
+                                                                   uint16_t* out) {
   constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const uint32_t D = t.head_dim, nr = 2 * t.half, half = t.half;
   const bool norm = t.layout == RopeLayout::kNorm;
@@ -128,12 +128,14 @@ __attribute__((target("avx512f,f16c"))) void rope_apply_f16_avx512(const float* 
     for (uint32_t d = 0; d < nr; d += 8) {
       const __m512d v = _mm512_load_pd(xd + d);
       const __m512d w = norm ? _mm512_permute_pd(v, 0x55) : _mm512_load_pd(xd + (d < half ? d + half : d - half));
-      const __m512d r = _mm512_add_round_pd(_mm512_mul_round_pd(v, _mm512_loadu_pd(cc + d), kRn), _mm512_mul_round_pd(w, _mm512_loadu_pd(ss + d), kRn), kRn);
+      const __m512d r =
+          _mm512_add_round_pd(_mm512_mul_round_pd(v, _mm512_loadu_pd(cc + d), kRn), _mm512_mul_round_pd(w, _mm512_loadu_pd(ss + d), kRn), kRn);
       _mm256_store_ps(y + d, _mm512_cvtpd_ps(r));
     }
     uint16_t* o = out + k * D;
     uint32_t d = 0;
-    for (; d + 16 <= nr; d += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtps_ph(_mm512_load_ps(y + d), _MM_FROUND_TO_NEAREST_INT));
+    for (; d + 16 <= nr; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtps_ph(_mm512_load_ps(y + d), _MM_FROUND_TO_NEAREST_INT));
     for (; d + 16 <= D; d += 16)  // past n_rot: not rotated
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtps_ph(_mm512_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
     if (d < D) f32_to_f16_n(x + d, o + d, D - d);

@@ -53,6 +53,7 @@ struct BenchArgs {
   int threads = 0, repeat = 3;
   bool json = false;
   bool scalar_kernels = false;  // the decoder's conversions without AVX-512 (the control for them)
+  uint32_t ecsq_lanes = 32;     // 4: entropy-coded chunks as version 2 wrote them (the control for 32 lanes)
   bool dense = false;           // a layer-grouped calibration's basis as one dense GEMM over its zeros (the control)
 };
 
@@ -165,6 +166,7 @@ nlohmann::ordered_json load_and_describe(BenchRun& B) {
   R["cpu_features"] = li.cpu_features;
   R["repeat"] = a.repeat;
   R["vector_kernels"] = !a.scalar_kernels;
+  R["ecsq_lanes"] = a.ecsq_lanes;
   B.cuda = a.device == "cuda";
   require(B.cuda || a.device == "cpu", "bench: --device must be cpu or cuda, got '" + a.device + "'");
   require(B.cuda || a.batch == 1, "bench: --batch is for --device cuda (the CPU codec takes one sequence per call)");
@@ -640,10 +642,16 @@ Action add_bench(CLI::App& app) {
       "--dense", a->dense,
       "A layer-grouped calibration (kvtc calibrate --layer-groups) multiplied as one dense GEMM over its zeros: the control for its runs apart");
   sub->add_flag("--scalar-kernels", a->scalar_kernels,
-                "The decoder's int8 code conversion and re-RoPE in their scalar forms (the same bits): the control for their AVX-512 kernels");
+                "The decoder's int8 code conversion, re-RoPE and 32-lane rANS in their scalar forms (the same bits): the control for their "
+                "vector kernels");
+  sub->add_option("--ecsq-lanes", a->ecsq_lanes,
+                  "Entropy-coded chunks in 32 lanes (container version 4) or 4 (version 2, as earlier writers): the control for 32 lanes")
+      ->capture_default_str()
+      ->check(CLI::IsMember({4, 32}));
   return [a] {
     if (a->dense) set_grouped_projection(false);
     if (a->scalar_kernels) set_vector_kernels(false);
+    set_ecsq_writer_lanes(a->ecsq_lanes);
     return run_bench(*a);
   };
 }

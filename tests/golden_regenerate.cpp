@@ -3,9 +3,8 @@
 // by the tests: the golden files are the format's promise, rewritten only
 // when a format version is deliberately changed (tests/golden/README.md).
 //   build/tests/kvtc_golden_regenerate v1   # tests/golden/v1 (format version 1)
-//   build/tests/kvtc_golden_regenerate v2   # tests/golden/v2 (version 2, from v1's input)
-//   build/tests/kvtc_golden_regenerate v2-encoder  # only tests/golden/v2/reencoded.kvtc (an encoder change)
-//   build/tests/kvtc_golden_regenerate v3   # tests/golden/v3 (version 3: v2's coding, the window at 8 bits)
+//   build/tests/kvtc_golden_regenerate v4   # tests/golden/v4 (version 4: ecsq in 32 lanes, from v1's input)
+//   build/tests/kvtc_golden_regenerate v4-encoder  # only tests/golden/v4/reencoded.kvtc (an encoder change)
 //   build/tests/kvtc_golden_regenerate sums # only print the checksums of the files as they are
 #include <cstdio>
 #include <filesystem>
@@ -22,6 +21,7 @@ namespace {
 const std::string kDir = KVTC_GOLDEN_DIR;
 const std::string kDir2 = KVTC_GOLDEN_V2_DIR;
 const std::string kDir3 = KVTC_GOLDEN_V3_DIR;
+const std::string kDir4 = KVTC_GOLDEN_V4_DIR;
 
 void regenerate_v1() {
   KvCapture c = fuzz::small_capture(64);
@@ -45,60 +45,48 @@ void regenerate_v1() {
   write_file_atomic(kDir + "/fail_version.kvtc", v2);
 }
 
-// The v1 capture and calibration, coded with ecsq at 2x.
-void regenerate_v2() {
+// tests/golden/v2 and v3 are frozen: today's writer codes ecsq in version
+// 4's layout, so it can no longer write them (git holds the code that did).
+
+// The v1 capture and calibration, coded with ecsq at 2x by a version-4
+// writer: the chunks in 32 lanes.
+void regenerate_v4() {
   const KvCapture c = capture_load(kDir + "/original.safetensors");
   const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
-  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), golden::options());
-  fs::create_directories(kDir2);
-  write_file_atomic(kDir2 + "/ok.kvtc", good);
-  write_file_atomic(kDir2 + "/fail_truncated.kvtc", std::vector<uint8_t>(good.begin(), good.end() - 5));
+  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), golden::options_v4());
+  fs::create_directories(kDir4);
+  write_file_atomic(kDir4 + "/ok.kvtc", good);
+  write_file_atomic(kDir4 + "/fail_truncated.kvtc", std::vector<uint8_t>(good.begin(), good.end() - 5));
   std::vector<uint8_t> v = good;
-  v[4] = 3;
-  write_file_atomic(kDir2 + "/fail_version.kvtc", v);
-  v[4] = 1;
-  write_file_atomic(kDir2 + "/fail_ecsq_in_v1.kvtc", v);
+  v[4] = 5;
+  write_file_atomic(kDir4 + "/fail_version.kvtc", v);
+  v[4] = 3;  // 32-lane chunks read as 4-lane ones
+  write_file_atomic(kDir4 + "/fail_lanes32_in_v3.kvtc", v);
 }
 
 // What today's encoder writes for the same input: the bytes the re-encode
 // test pins. Rewritten when the encoder's choices deliberately change (rate
 // control's search picks another step), which ok.kvtc never is.
-void regenerate_v2_encoder() {
+void regenerate_v4_encoder() {
   const KvCapture c = capture_load(kDir + "/original.safetensors");
   const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
-  write_file_atomic(kDir2 + "/reencoded.kvtc", compress(c, cal, ecsq_allocation_set(cal, 2), golden::options()));
-}
-
-// The v1 capture and calibration, ecsq at 2x with the window at 8 bits:
-// entropy-coded chunks and raw8 sections in one file.
-void regenerate_v3() {
-  const KvCapture c = capture_load(kDir + "/original.safetensors");
-  const Calibration cal = calibration_load(kDir + "/calibration.safetensors");
-  const std::vector<uint8_t> good = compress(c, cal, ecsq_allocation_set(cal, 2), golden::options_v3());
-  fs::create_directories(kDir3);
-  write_file_atomic(kDir3 + "/ok.kvtc", good);
-  std::vector<uint8_t> v = good;
-  v[4] = 4;
-  write_file_atomic(kDir3 + "/fail_version.kvtc", v);
-  v[4] = 2;
-  write_file_atomic(kDir3 + "/fail_raw8_in_v2.kvtc", v);
+  write_file_atomic(kDir4 + "/reencoded.kvtc", compress(c, cal, ecsq_allocation_set(cal, 2), golden::options_v4()));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string what = argc == 2 ? argv[1] : "";
-  if (what != "v1" && what != "v2" && what != "v2-encoder" && what != "v3" && what != "sums") {
-    std::fprintf(stderr, "usage: %s v1|v2|v2-encoder|v3|sums\n", argv[0]);
+  if (what != "v1" && what != "v4" && what != "v4-encoder" && what != "sums") {
+    std::fprintf(stderr, "usage: %s v1|v4|v4-encoder|sums (v2 and v3 are frozen)\n", argv[0]);
     return 2;
   }
   try {
     if (what == "v1") regenerate_v1();
-    if (what == "v2") regenerate_v2();
-    if (what == "v2" || what == "v2-encoder") regenerate_v2_encoder();
-    if (what == "v3") regenerate_v3();
+    if (what == "v4") regenerate_v4();
+    if (what == "v4" || what == "v4-encoder") regenerate_v4_encoder();
     const Calibration cal = calibration_load(kDir + "/calibration.safetensors", true);
-    for (const std::string& dir : {kDir, kDir2, kDir3}) {
+    for (const std::string& dir : {kDir, kDir2, kDir3, kDir4}) {
       const KvCapture c = decompress(read_file(dir + "/ok.kvtc"), cal, "ok.kvtc", golden::decode_options());
       std::printf("%s/ok.kvtc decodes to %s\n", dir.c_str(), golden::decoded_checksum(c).c_str());
     }

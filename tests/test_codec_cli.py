@@ -230,8 +230,8 @@ class Codec(unittest.TestCase):
         self.assertFails(run("append", box, grown, "--calib", self.cal), "multiple of 16")
 
     def test_entropy_coded_mode(self):
-        """--coding ecsq on the real capture: version 2 (3 with the default
-        8-bit window), the ratio rate control was asked for, less error than
+        """--coding ecsq on the real capture: version 4 (32-lane rANS, with
+        the default 8-bit window or without), the ratio rate control was asked for, less error than
         the DP at the ratio the DP reaches, the sink exact and the window
         within its 8-bit error, append, restore into llama.cpp, and errors
         for options that need it."""
@@ -240,8 +240,8 @@ class Codec(unittest.TestCase):
         target = dp["ratio_compressed_tokens"]
         s = self.compress(target, out)  # the default
         self.assertEqual(s["coding"], "ecsq")
-        self.assertEqual((s["container_version"], s["coding"], s["entropy_backend"]), (3, "ecsq", "rans"))
-        self.assertEqual(self.compress(target, self.path("e16.kvtc"), "--window-bits", "16")["container_version"], 2)
+        self.assertEqual((s["container_version"], s["coding"], s["entropy_backend"]), (4, "ecsq", "rans"))
+        self.assertEqual(self.compress(target, self.path("e16.kvtc"), "--window-bits", "16")["container_version"], 4)
         self.assertLessEqual(s["bytes"], s["bound_bytes"])
         self.assertAlmostEqual(s["ratio_compressed_tokens"], target, delta=0.02 * target)  # rate control
         e = json.loads(run("decompress", out, "--calib", self.cal, "--reference", self.cap, "--json", check=0).stdout)
@@ -302,7 +302,7 @@ class Codec(unittest.TestCase):
         run("compress", short, "--calib", self.cal, "-r", "16", "--coding", "ecsq", "-o", box, check=0)
         run("append", box, grown, "--calib", self.cal, check=0)
         info = json.loads(run("inspect", box, "--json", check=0).stdout)
-        self.assertEqual((info["version"], info["tokens"]), (3, 664))
+        self.assertEqual((info["version"], info["tokens"]), (4, 664))  # an 8-bit window and 32-lane chunks: version 4
         g = json.loads(run("decompress", box, "--calib", self.cal, "--reference", grown, "--json", check=0).stdout)
         self.assertLess(g["rel_error_v"], 2 * e["rel_error_v"])
         self.assertFails(run("compress", self.cap, "--calib", self.cal, "--coding", "dp", "--step", "0.1", "-o", self.path("x.kvtc")),

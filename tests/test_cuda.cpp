@@ -414,7 +414,9 @@ TEST(CudaHost, EntropyCodedChunksDecodeIntoTheJobPlane) {
   const std::vector<uint8_t> bytes = compress(c, cal, al, small_opts(0));
   const container::Parsed P = container::parse(bytes, "t.kvtc", 2);
   const container::DecodePlan D = container::plan_decode(P, cal, "t.kvtc");
-  ASSERT_EQ(container::container_version(D.H.alloc), 2u);
+  ASSERT_EQ(container::container_version(D.H.alloc), 4u);
+  const container::EcsqLayout lay = container::ecsq_layout(D.H.version);
+  ASSERT_EQ(lay, container::EcsqLayout::kLanes32);
   for (uint32_t kv = 0; kv < 2; ++kv) {
     std::vector<const container::Section*> chunks;
     for (const container::Section& s : D.kv_sections)
@@ -433,11 +435,11 @@ TEST(CudaHost, EntropyCodedChunksDecodeIntoTheJobPlane) {
     for (auto* s : chunks) {
       const std::vector<uint8_t> pl = container::payload(*s, "t.kvtc");
       const uint32_t n = s->t1 - s->t0;
-      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), row0, n, ru, plane.data(), ld, cuda::ElemType::kF32, "t", scratch);
-      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), row0, n, ru, bf.data(), ld, cuda::ElemType::kBf16, "t", scratch);
-      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), row0, n, ru, hf.data(), ld, cuda::ElemType::kF16, "t", scratch);
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), lay, row0, n, ru, plane.data(), ld, cuda::ElemType::kF32, "t", scratch);
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), lay, row0, n, ru, bf.data(), ld, cuda::ElemType::kBf16, "t", scratch);
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), lay, row0, n, ru, hf.data(), ld, cuda::ElemType::kF16, "t", scratch);
       std::vector<float> d(size_t(n) * ru);
-      container::ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(), "t", false);  // token-major d[t * ru + j]
+      container::ecsq_decode_chunk(pl.data(), pl.size(), n, ru, lay, d.data(), "t", false);  // token-major d[t * ru + j]
       for (uint32_t t = 0; t < n; ++t)
         for (uint32_t j = 0; j < ru; ++j) {
           const float x = d[size_t(t) * ru + j];
@@ -456,9 +458,9 @@ TEST(CudaHost, EntropyCodedChunksDecodeIntoTheJobPlane) {
       for (size_t r = rows; r < ld; ++r) ASSERT_EQ(plane[j * ld + r], -7.0f);
     // A damaged stream is an Error naming the chunk (the CPU decoder's checks).
     std::vector<uint8_t> pl = container::payload(*chunks[1], "t.kvtc");
-    pl.resize(container::ecsq_fixed_bytes(ru) - 1);
+    pl.resize(container::ecsq_fixed_bytes(ru, lay) - 1);
     try {
-      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), 0, chunks[1]->t1 - chunks[1]->t0, ru, plane.data(), ld, cuda::ElemType::kF32,
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), lay, 0, chunks[1]->t1 - chunks[1]->t0, ru, plane.data(), ld, cuda::ElemType::kF32,
                                 "t.kvtc: chunk section (block 0 K, tokens 36..68)", scratch);
       FAIL() << "a truncated entropy-coded chunk was accepted";
     } catch (const Error& e) {

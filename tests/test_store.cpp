@@ -880,7 +880,8 @@ TEST(Store, EntropyCodedPieces) {
 
 TEST(Store, EightBitWindowPieces) {
   // StoreOptions::window_bits 8 (the default; kvtc-server --kvtc-window-bits): the
-  // tail's raw window in container version 3 (raw8), so another salt; the
+  // tail's raw window in raw8 sections (container version 3, or 4 with a
+  // window_bits salt line when entropy-coded), so another salt; the
   // chunks decode to the same values, the window within its quantization's
   // error, in fewer bytes. A raw store stays f16 (the exact baseline).
   ASSERT_EQ(StoreOptions{}.window_bits, 8u);  // the default (bench/results/window8.md)

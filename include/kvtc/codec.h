@@ -24,9 +24,12 @@
 namespace kvtc {
 
 // The newest container version this library writes and reads. Version 2
-// adds entropy-coded chunks (Coding::kEntropy); a container without them is
-// still written as version 1, byte for byte what earlier releases wrote.
-constexpr uint32_t kContainerVersion = 3;
+// adds entropy-coded chunks (Coding::kEntropy), version 3 the 8-bit window,
+// version 4 the entropy-coded chunks' 32-lane layout (docs/format.md), in
+// which they are written now; a container without them is still written as
+// version 1 (3 with an 8-bit window), byte for byte what earlier releases
+// wrote. Every version is read.
+constexpr uint32_t kContainerVersion = 4;
 
 // Arithmetic of the projection on the PCA basis (the codec's GEMM, ~90% of
 // its CPU time). kBF16 rounds the GEMM's inputs (centred features or

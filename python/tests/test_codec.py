@@ -72,7 +72,7 @@ def test_bytes_equal_the_cli_container(cal, cap, smol_capture, smol_calibration,
 
 def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
     """coding='ecsq' writes what `kvtc compress --coding ecsq` writes
-    (container version 2) and decodes to what `kvtc decompress` does."""
+    (container version 4) and decodes to what `kvtc decompress` does."""
     k, v, pos, tokens, meta = cap
     out = str(work / "cli-ecsq.kvtc")
     run("compress", smol_capture, "--calib", smol_calibration, "-r", "18", "--coding", "ecsq", "-o", out)
@@ -80,8 +80,8 @@ def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
         cli = f.read()
     data = cal.compress(k, v, pos, ratio=18, tokens=tokens, meta=meta, coding="ecsq")
     assert data == cli
-    assert kvtc.inspect(data)["version"] == 3  # the 8-bit window's version
-    assert kvtc.inspect(cal.compress(k, v, pos, coding="ecsq", window_bits=16))["version"] == 2
+    assert kvtc.inspect(data)["version"] == 4  # 32-lane rANS, the window 8-bit or not
+    assert kvtc.inspect(cal.compress(k, v, pos, coding="ecsq", window_bits=16))["version"] == 4
     dec = str(work / "cli-ecsq.safetensors")
     run("decompress", out, "--calib", smol_calibration, "-o", dec)
     k_cli, v_cli, _, _, _ = read_capture(dec)
@@ -103,7 +103,7 @@ def test_entropy_coded_mode(cal, cap, smol_capture, smol_calibration, work):
 
 def test_eight_bit_window(cal, cap, smol_capture, smol_calibration, work):
     """window_bits=8 writes what `kvtc compress --window-bits 8` writes
-    (container version 3, raw8 window sections): the window within its
+    (container version 4 with the default entropy coding, raw8 window sections): the window within its
     int8 quantization's error, the rest as with f16, fewer bytes; the store
     takes it too (another fingerprint)."""
     k, v, pos, tokens, meta = cap
@@ -113,7 +113,7 @@ def test_eight_bit_window(cal, cap, smol_capture, smol_calibration, work):
         cli = f.read()
     data = cal.compress(k, v, pos, tokens=tokens, meta=meta, window_bits=8)
     assert data == cli
-    assert kvtc.inspect(data)["version"] == 3
+    assert kvtc.inspect(data)["version"] == 4  # entropy-coded (the default) with raw8 window sections
     assert data == cal.compress(k, v, pos, tokens=tokens, meta=meta)  # the default
     f16 = cal.compress(k, v, pos, tokens=tokens, meta=meta, window_bits=16)
     assert len(data) < len(f16) - k[:, :, -128:].nbytes * 2 // 3  # the window's K and V: about half their f16 bytes saved

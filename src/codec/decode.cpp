@@ -106,7 +106,7 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
         codes.resize(dn);
         {
           StageTimer st(ck, detail::kEntropy);
-          ecsq_decode_codes(pl.data(), pl.size(), n, ru, codes.data(), where);
+          ecsq_decode_codes(pl.data(), pl.size(), n, ru, ecsq_layout(H.version), codes.data(), where);
           std::fill(codes.begin() + size_t(n) * ru, codes.end(), 0);
         }
         P.decode_codes(codes.data(), n, step, offset, feat.data(), ck, &sc->proj);
@@ -114,7 +114,7 @@ KvCapture decompress(std::span<const uint8_t> bytes, const Calibration& cal, con
         d.resize(dn);
         {
           StageTimer st(ck, detail::kEntropy);
-          ecsq_decode_chunk(pl.data(), pl.size(), n, ru, d.data(), where, true);
+          ecsq_decode_chunk(pl.data(), pl.size(), n, ru, ecsq_layout(H.version), d.data(), where, true);
           std::fill(d.begin() + size_t(n) * ru, d.end(), 0.0f);
         }
         P.decode(d.data(), n, feat.data(), ck, true);  // X = D B[:ru] + mu, D component-major

@@ -119,10 +119,10 @@ struct EcsqPrep {
 
 // `steps` (append): per (block, kind) the container's step, 0 where none;
 // trim: shrink r_used to the last component with a nonzero code (a new
-// container; append keeps the header's).
+// container; append keeps the header's). layout: the container version's.
 EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt,
                       const std::vector<SectionPlan>& plan, const std::vector<std::array<float, 2>>& steps, bool trim, Precision prec,
-                      detail::StageClock* ck) {
+                      container::EcsqLayout layout, detail::StageClock* ck) {
   EcsqPrep E;
   E.alloc = alloc;
   E.coeffs.resize(plan.size());
@@ -138,6 +138,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
       if (is_ecsq(alloc[b][kv])) {
         any = true;
         E.param[b][kv].rounding = float(opt.ecsq_rounding);
+        E.param[b][kv].layout = layout;
       }
   if (!any) return E;
   require(opt.ecsq_rounding >= 0 && opt.ecsq_rounding <= 0.5, "compress: ecsq_rounding must be in [0, 0.5]");
@@ -216,7 +217,7 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         detail::parallel_for(mine.size(), detail::resolve_threads(opt.threads, mine.size()), [&](size_t k) {
           const SectionPlan& s = plan[mine[k]];
           const uint32_t n = s.t1 - s.t0, m = std::max(1u, n / stride);
-          const double fixed = double(container::ecsq_fixed_bytes(ru));
+          const double fixed = double(container::ecsq_fixed_bytes(ru, q.layout));
           const double est =
               container::ecsq_estimate_bytes(E.coeffs[mine[k]].data(), n, ru, q, stride, &lasts[k], quick, ids ? (*ids)[k].data() : nullptr);
           bytes[k] = fixed + (est - fixed) * double(n) / double(m);
@@ -261,7 +262,8 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         }
         std::vector<float> own(ld);
         for (uint32_t j = 0; j < ld; ++j) own[j] = float(ms[j] / double(std::max<uint64_t>(tokens, 1)));
-        const double own_bits = (target - double(mine.size()) * double(container::ecsq_fixed_bytes(ld))) * 8 / double(std::max<uint64_t>(tokens, 1));
+        const double own_bits =
+            (target - double(mine.size()) * double(container::ecsq_fixed_bytes(ld, p.layout))) * 8 / double(std::max<uint64_t>(tokens, 1));
         // Secant steps on log bytes against log2 step (nearly straight:
         // -0.8 to -1.0 per octave measured at 8-128x), first on every 4th
         // token with the quick table choice, from a guess by the cache's own
@@ -437,7 +439,8 @@ std::vector<uint8_t> compress(const KvCapture& c, const Calibration& cal, const 
   // kInt8 is a decode mode: the encoder runs as kAuto would.
   const Precision prec = detail::float_precision(detail::resolve_precision(opt.precision, "compress"));
   const std::vector<SectionPlan> plan = plan_sections(c, opt, 0, 0);
-  const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, {}, true, prec, opt.stats ? &clk : nullptr);
+  const EcsqPrep E =
+      prepare_ecsq(c, cal, alloc, opt, plan, {}, true, prec, container::ecsq_layout(container_version(alloc, opt)), opt.stats ? &clk : nullptr);
   const std::string hs = header_json(c, cal, E.alloc, opt);
   std::vector<uint8_t> out;
   out.reserve(size_t(std::min<uint64_t>(compress_bound(c, E.alloc, opt), uint64_t(1) << 32)));
@@ -505,7 +508,7 @@ AppendResult append(std::span<const uint8_t> container, const KvCapture& c, cons
   detail::StageClock clk;
   const Precision prec = detail::float_precision(detail::resolve_precision(opt.precision, "append"));
   const std::vector<SectionPlan> plan = plan_sections(c, opt, n_old, Lo.w_begin);
-  const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, steps, false, prec, opt.stats ? &clk : nullptr);
+  const EcsqPrep E = prepare_ecsq(c, cal, alloc, opt, plan, steps, false, prec, container::ecsq_layout(H.version), opt.stats ? &clk : nullptr);
   AppendResult r;
   r.kept_bytes = tail;
   r.bytes.assign(container.begin(), container.begin() + tail);

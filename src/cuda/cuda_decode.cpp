@@ -292,7 +292,8 @@ double stage_inputs(CudaCodec::Impl& I, const DecodeWork& W, const std::string& 
       const Job& j = W.jobs[x.job];
       const std::string name = W.plans.size() == 1 ? origin : origin + "[" + std::to_string(x.cap) + "]";
       const std::vector<uint8_t> pl = payload(*x.s, name);
-      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), x.row0, x.s->t1 - x.s->t0, j.ru, I.h_stage.b(j.plane_off), cuda::round_up(j.n_rows, 16), gm.et,
+      cuda::ecsq_chunk_to_plane(pl.data(), pl.size(), container::ecsq_layout(W.plans[x.cap].H.version), x.row0, x.s->t1 - x.s->t0, j.ru,
+                                I.h_stage.b(j.plane_off), cuda::round_up(j.n_rows, 16), gm.et,
                                 name + ": chunk section (block " + std::to_string(x.s->block) + (x.s->kv ? " V" : " K") + ", tokens " +
                                     std::to_string(x.s->t0) + ".." + std::to_string(x.s->t1) + ")",
                                 scratch);

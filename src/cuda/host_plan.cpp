@@ -65,10 +65,10 @@ uint16_t f32_to_bf16(float f) {
   return uint16_t(x >> 16);
 }
 
-void ecsq_chunk_to_plane(const uint8_t* payload, size_t len, uint32_t row0, uint32_t n, uint32_t ru, void* dt, size_t ld, ElemType et,
-                         const std::string& where, std::vector<float>& scratch) {
+void ecsq_chunk_to_plane(const uint8_t* payload, size_t len, container::EcsqLayout layout, uint32_t row0, uint32_t n, uint32_t ru, void* dt,
+                         size_t ld, ElemType et, const std::string& where, std::vector<float>& scratch) {
   scratch.resize(size_t(n) * ru);
-  container::ecsq_decode_chunk(payload, len, n, ru, scratch.data(), where, true);  // scratch[j * n + t]
+  container::ecsq_decode_chunk(payload, len, n, ru, layout, scratch.data(), where, true);  // scratch[j * n + t]
   for (uint32_t j = 0; j < ru; ++j) {
     const float* src = scratch.data() + size_t(j) * n;
     const size_t at = size_t(j) * ld + row0;

@@ -14,6 +14,7 @@
 
 #include "common.cuh"  // ElemType (host C++; no kernels)
 #include "format/chunk.h"
+#include "format/ecsq.h"
 #include "kvtc/calibration.h"
 #include "qseg.h"
 
@@ -37,20 +38,20 @@ size_t append_chunk_segments(const std::vector<BlockAlloc>& alloc, uint32_t row0
 void append_encode_tiles(const std::vector<QSeg>& segs, size_t first, std::vector<QTile>& tiles);
 void append_decode_tiles(const std::vector<QSeg>& segs, size_t first, std::vector<QTile>& tiles);
 
-// Entropy-coded chunks (container version 2, type 4) on the GPU decoder.
-// Their rANS streams are sequential — four interleaved states share one
-// byte stream, so one chunk is one thread's work — and the CPU decodes
-// ~250-290 M codes/s per core (bench/results/entropy.md), so they decode on
+// Entropy-coded chunks (container versions 2-4, type 4) on the GPU decoder.
+// Their rANS streams are sequential — 4 (or, version 4, 16) interleaved
+// states share one stream, so one chunk is one thread's work — and the CPU
+// decodes them fast enough (bench/results/entropy.md), so they decode on
 // the host threads with the CPU's own decoder (format/ecsq.h: the same
-// checks, the same codes) and the device does the rest (GEMM, mean,
+// checks, the same codes; `layout` the container version's) and the device does the rest (GEMM, mean,
 // re-RoPE, scatter). Writes the chunk's n x ru coefficients into the job's
 // component-major plane: dt[j * ld + row0 + t] for j < ru, t < n, in
 // element type et (f32 as decoded; bf16 / f16 rounded to nearest even, what
 // the device's own conversion of a DP plane does). `scratch` is reused
 // between calls (n * ru floats). Error names `where` on a bad payload.
 // Thread safety: distinct (dt rows, scratch) per concurrent call.
-void ecsq_chunk_to_plane(const uint8_t* payload, size_t len, uint32_t row0, uint32_t n, uint32_t ru, void* dt, size_t ld, ElemType et,
-                         const std::string& where, std::vector<float>& scratch);
+void ecsq_chunk_to_plane(const uint8_t* payload, size_t len, container::EcsqLayout layout, uint32_t row0, uint32_t n, uint32_t ru, void* dt,
+                         size_t ld, ElemType et, const std::string& where, std::vector<float>& scratch);
 // f32 -> bf16, round to nearest even (NaN kept quiet), as __float2bfloat16_rn.
 uint16_t f32_to_bf16(float f);
 

@@ -30,11 +30,12 @@ std::vector<PlaneSpan> chunk_layout(const std::vector<BlockAlloc>& alloc, uint32
 
 size_t packed_bytes(const Allocation& alloc, uint32_t n) {
   // Entropy-coded: the worst case, every code escaped with a 25-bit value
-  // and a 20-bit shift (at most 62 bits, under 8 bytes), plus rANS flush
-  // slack.
+  // and a 20-bit shift (at most 62 bits, under 8 bytes; kLanes32's symbol
+  // words take 2 bytes a code but its escapes and shifts together 31 bits
+  // at most), plus rANS flush slack; the larger of the layouts' fixed parts.
   if (is_ecsq(alloc)) {
     require(alloc.blocks.size() == 1, "an entropy-coded allocation must be one block, found " + std::to_string(alloc.blocks.size()));
-    return ecsq_fixed_bytes(alloc.blocks[0].size) + size_t(n) * alloc.blocks[0].size * 8 + 64;
+    return ecsq_fixed_bytes(alloc.blocks[0].size, EcsqLayout::kLanes32) + size_t(n) * alloc.blocks[0].size * 8 + 64;
   }
   size_t bytes = 0;
   for (const BlockAlloc& b : alloc.blocks) {

@@ -1,11 +1,18 @@
 #include "format/ecsq.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <iterator>
 #include <limits>
 
+#include "core/util.h"
 #include "kvtc/error.h"
 
 namespace kvtc::container {
@@ -15,8 +22,10 @@ namespace {
 constexpr uint32_t kScaleBits = 12, kTotal = 1u << kScaleBits, kNSym = 64, kEsc = 63;
 constexpr uint32_t kRoundTables = 74, kTables = 82;  // 74 round tables, then 8 floor tables
 constexpr uint32_t kFirstFloorId = 75, kLastId = 234, kMaxShift = 20;
-constexpr uint32_t kRansL = 1u << 23;  // states live in [2^23, 2^31)
-constexpr int32_t kMaxCode = 1 << 24;  // |q| is clamped here (an escape then needs 25 bits at most)
+constexpr uint32_t kRansL = 1u << 23;         // kLanes4: states live in [2^23, 2^31)
+constexpr uint32_t kWordL = 1u << 16;         // kLanes32: states live in [2^16, 2^32)
+constexpr uint32_t kNLanes = kEcsqWideLanes;  // token t uses state t mod kNLanes
+constexpr int32_t kMaxCode = 1 << 24;         // |q| is clamped here (an escape then needs 25 bits at most)
 
 const uint16_t kFreq[kTables][kNSym] = {
 #include "format/ecsq_tables.inc"
@@ -263,6 +272,117 @@ uint32_t decode_run(const uint32_t* dec, const T* dq, uint32_t* st, const uint8_
   return t;
 }
 
+// The events of the codes (docs/format.md "Codes"), component by component,
+// token by token: each symbol into ev, each bypass field (value, bits) to
+// put, which kLanes4 codes as events in ev and kLanes32 as plain bits.
+template <class Put>
+void code_events(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids, std::vector<Event>& ev, Put put) {
+  const Tables& T = tables();
+  ev.reserve(size_t(n) * ru);
+  for (uint32_t j = 0; j < ru; ++j) {
+    const int32_t* qc = &q[size_t(j) * n];
+    const uint32_t id = ids[j];
+    if (!id) continue;
+    const uint32_t k = id_table(id), b = id_shift(id);
+    for (uint32_t t = 0; t < n; ++t) {
+      const uint32_t u = zigzag(qc[t] >> b);
+      if (u < kEsc && kFreq[k][u]) {
+        ev.push_back({T.cum[k][u], kFreq[k][u]});
+      } else {
+        ev.push_back({T.cum[k][kEsc], kFreq[k][kEsc]});
+        const uint32_t nb = ilog2(u + 1);
+        put(nb, 5);
+        put((u + 1) & ((1u << nb) - 1), nb);
+      }
+      if (b) put(uint32_t(qc[t]) & ((1u << b) - 1), b);
+    }
+  }
+}
+
+// kLanes4 (docs/format.md "rANS"): every event, symbols and bypass pieces,
+// through 4 states in turn over one byte stream.
+void encode_lanes4(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids, std::vector<uint8_t>& out) {
+  std::vector<Event> ev;
+  code_events(q, n, ru, ids, ev, [&ev](uint32_t v, uint32_t k) { bypass(ev, v, k); });
+  // Encode backwards (rANS is last-in first-out); event i uses state i % 4.
+  uint32_t x[4] = {kRansL, kRansL, kRansL, kRansL};
+  const uint64_t* rcp = reciprocals();
+  // Renormalisation without a branch: s < 2^31 and x_max >= 2^19, so a
+  // state gives 2 bytes at most (the second only if the first).
+  std::vector<uint8_t> rev(2 * ev.size() + 2);
+  size_t pos = 0;
+  for (size_t i = ev.size(); i-- > 0;) {
+    uint32_t& s = x[i & 3];
+    const uint32_t f = ev[i].freq;
+    const uint32_t x_max = ((kRansL >> kScaleBits) << 8) * f;
+    const uint32_t nb = uint32_t(s >= x_max) + uint32_t((s >> 8) >= x_max);
+    rev[pos] = uint8_t(s);
+    rev[pos + 1] = uint8_t(s >> 8);
+    pos += nb;
+    s >>= 8 * nb;
+    // s / f by a multiply: with M = ceil(2^44 / f), (s M) >> 44 is exact for
+    // s < 2^31 and f <= 4096 (the error term s (M - 2^44 / f) / 2^44 < 2^-13
+    // stays under the 1 / f a fraction needs to reach the next integer). A
+    // division was ~1/3 of the encoder's rANS time.
+    const uint32_t qt = uint32_t((uint64_t(s) * rcp[f]) >> 44);
+    s = (qt << kScaleBits) + (s - qt * f) + ev[i].start;
+  }
+  for (uint32_t s : x) put_u32(out, s);
+  out.insert(out.end(), std::make_reverse_iterator(rev.begin() + ptrdiff_t(pos)), rev.rend());
+}
+
+// Bypass bits of kLanes32, LSB-first: a k-bit value's bit i is the stream's
+// bit (at + i), bit b of the stream in byte b / 8 at bit b % 8.
+struct BitWriter {
+  std::vector<uint8_t>& o;
+  uint64_t acc = 0;
+  uint32_t bits = 0;
+  void put(uint32_t v, uint32_t k) {  // k <= 25
+    acc |= uint64_t(v) << bits;
+    bits += k;
+    for (; bits >= 8; bits -= 8, acc >>= 8) o.push_back(uint8_t(acc));
+  }
+  void flush() {
+    if (bits) o.push_back(uint8_t(acc));  // padded with zero bits
+    acc = 0, bits = 0;
+  }
+};
+
+// kLanes32: token t of a component uses state t % 32; one symbol per token
+// through rANS over 16-bit words, the escapes' and shifts' bits in the bit
+// stream, component by component, token by token.
+void encode_lanes32(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids, std::vector<uint8_t>& out) {
+  std::vector<Event> ev;  // n per coded component, in order
+  std::vector<uint8_t> bits;
+  BitWriter bw{bits};
+  code_events(q, n, ru, ids, ev, [&bw](uint32_t v, uint32_t k) { bw.put(v, k); });
+  bw.flush();
+  uint32_t x[kNLanes];
+  std::fill(x, x + kNLanes, kWordL);
+  const uint64_t* rcp = reciprocals();
+  std::vector<uint16_t> rev(ev.size());
+  size_t pos = 0;
+  for (size_t i = ev.size(), t = 0; i-- > 0;) {
+    t = t == 0 ? n - 1 : t - 1;  // event i's token: n per coded component
+    uint32_t& s = x[t % kNLanes];
+    const uint32_t f = ev[i].freq;
+    // One word at most: s < 2^32 leaves s >> 16 < 2^16 <= 2^20 f.
+    if (s >= f << 20) {
+      rev[pos++] = uint16_t(s);
+      s >>= 16;
+    }
+    // s < 2^20 f now, so (s M) >> 44 with M = ceil(2^44 / f) is exact (the
+    // error s (M - 2^44 / f) / 2^44 < 2^-12 <= 1 / f), in 128 bits: s M
+    // reaches 2^64.
+    const uint32_t qt = uint32_t((unsigned __int128)s * rcp[f] >> 44);
+    s = (qt << kScaleBits) + (s - qt * f) + ev[i].start;
+  }
+  for (uint32_t s : x) put_u32(out, s);
+  put_u32(out, uint32_t(pos));
+  for (size_t i = pos; i-- > 0;) out.push_back(uint8_t(rev[i])), out.push_back(uint8_t(rev[i] >> 8));
+  out.insert(out.end(), bits.begin(), bits.end());
+}
+
 }  // namespace
 
 const uint16_t* ecsq_table(uint32_t index) {
@@ -289,12 +409,11 @@ double ecsq_estimate_bytes(const float* d, uint32_t n, uint32_t ru, const EcsqPa
     bits += c.bits;
     if (c.id && last_nonzero) *last_nonzero = std::max(*last_nonzero, j + 1);
   }
-  return double(ecsq_fixed_bytes(ru)) + bits / 8;
+  return double(ecsq_fixed_bytes(ru, p.layout)) + bits / 8;
 }
 
 std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, const EcsqParams& p, const uint8_t* chosen) {
   check_params(p);
-  const Tables& T = tables();
   std::vector<int32_t> q(size_t(n) * ru);
   for (uint32_t j = 0; j < ru; ++j) quantize_row(d + size_t(j) * n, n, 1, 1.0f / p.step, p.rounding, &q[size_t(j) * n]);
   // Reconstruction offset: the mean of |q| - |d| / step over nonzero codes
@@ -327,60 +446,19 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, 
   }
   const float offset = off_n ? float(std::clamp(off_sum / double(off_n), -0.5, 0.5)) : 0.0f;
   std::vector<uint8_t> out;
-  out.reserve(ecsq_fixed_bytes(ru) + size_t(n) * ru / 2);
+  out.reserve(ecsq_fixed_bytes(ru, p.layout) + size_t(n) * ru / 2);
   uint32_t bits;
   std::memcpy(&bits, &p.step, 4);
   put_u32(out, bits);
   std::memcpy(&bits, &offset, 4);
   put_u32(out, bits);
   std::vector<uint8_t> ids(ru);
-  std::vector<Event> ev;
-  ev.reserve(size_t(n) * ru);
-  for (uint32_t j = 0; j < ru; ++j) {
-    const int32_t* qc = &q[size_t(j) * n];
-    const uint32_t id = chosen ? chosen[j] : choose_table(qc, n).id;
-    ids[j] = uint8_t(id);
-    if (!id) continue;
-    const uint32_t k = id_table(id), b = id_shift(id);
-    for (uint32_t t = 0; t < n; ++t) {
-      const uint32_t u = zigzag(qc[t] >> b);
-      if (u < kEsc && kFreq[k][u]) {
-        ev.push_back({T.cum[k][u], kFreq[k][u]});
-      } else {
-        ev.push_back({T.cum[k][kEsc], kFreq[k][kEsc]});
-        const uint32_t nb = ilog2(u + 1);
-        bypass(ev, nb, 5);
-        bypass(ev, (u + 1) & ((1u << nb) - 1), nb);
-      }
-      if (b) bypass(ev, uint32_t(qc[t]) & ((1u << b) - 1), b);
-    }
-  }
+  for (uint32_t j = 0; j < ru; ++j) ids[j] = uint8_t(chosen ? chosen[j] : choose_table(&q[size_t(j) * n], n).id);
   out.insert(out.end(), ids.begin(), ids.end());
-  // Encode backwards (rANS is last-in first-out); event i uses state i % 4.
-  uint32_t x[4] = {kRansL, kRansL, kRansL, kRansL};
-  const uint64_t* rcp = reciprocals();
-  // Renormalisation without a branch: s < 2^31 and x_max >= 2^19, so a
-  // state gives 2 bytes at most (the second only if the first).
-  std::vector<uint8_t> rev(2 * ev.size() + 2);
-  size_t pos = 0;
-  for (size_t i = ev.size(); i-- > 0;) {
-    uint32_t& s = x[i & 3];
-    const uint32_t f = ev[i].freq;
-    const uint32_t x_max = ((kRansL >> kScaleBits) << 8) * f;
-    const uint32_t nb = uint32_t(s >= x_max) + uint32_t((s >> 8) >= x_max);
-    rev[pos] = uint8_t(s);
-    rev[pos + 1] = uint8_t(s >> 8);
-    pos += nb;
-    s >>= 8 * nb;
-    // s / f by a multiply: with M = ceil(2^44 / f), (s M) >> 44 is exact for
-    // s < 2^31 and f <= 4096 (the error term s (M - 2^44 / f) / 2^44 < 2^-13
-    // stays under the 1 / f a fraction needs to reach the next integer). A
-    // division was ~1/3 of the encoder's rANS time.
-    const uint32_t qt = uint32_t((uint64_t(s) * rcp[f]) >> 44);
-    s = (qt << kScaleBits) + (s - qt * f) + ev[i].start;
-  }
-  for (uint32_t s : x) put_u32(out, s);
-  out.insert(out.end(), std::make_reverse_iterator(rev.begin() + ptrdiff_t(pos)), rev.rend());
+  if (p.layout == EcsqLayout::kLanes32)
+    encode_lanes32(q.data(), n, ru, ids.data(), out);
+  else
+    encode_lanes4(q.data(), n, ru, ids.data(), out);
   return out;
 }
 
@@ -406,22 +484,17 @@ namespace {
 // Decodes a payload component by component into cm[j * n + t] (the
 // stream's order), each code c as value(c): its float reconstruction
 // sign(c) (|c| - offset) step, or c itself. Every read is bounds-checked.
+// kLanes4: every event through 4 states in turn (docs/format.md "rANS").
 template <class T, class Value>
-void decode_components(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* cm, const std::string& where, Value value) {
+void decode_lanes4(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* cm, const std::string& where, Value value) {
   const Tables& T_ = tables();
-  require(len >= ecsq_fixed_bytes(ru),
-          where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " + std::to_string(ecsq_fixed_bytes(ru)) + " expected");
   const uint8_t* ids = buf + 8;
-  for (uint32_t j = 0; j < ru; ++j)
-    if (ids[j] > kLastId)
-      throw Error(where + ": table id " + std::to_string(ids[j]) + " of component " + std::to_string(j) + " (at most " + std::to_string(kLastId) +
-                  " expected)");
   uint32_t x[4];
   for (int i = 0; i < 4; ++i) {
     x[i] = get_u32(buf + 8 + ru + 4 * i);
     require(x[i] >= kRansL && x[i] < (kRansL << 8), where + ": rANS state out of range (corrupt chunk)");
   }
-  const uint8_t* p = buf + ecsq_fixed_bytes(ru);
+  const uint8_t* p = buf + ecsq_fixed_bytes(ru, EcsqLayout::kLanes4);
   const uint8_t* const end = buf + len;
   uint64_t i = 0;  // event index
   // Decodes one table symbol (k >= 0) or a bypass piece of w bits.
@@ -509,11 +582,309 @@ void decode_components(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
   require(p == end, where + ": " + std::to_string(end - p) + " bytes after the rANS data (corrupt chunk)");
   for (uint32_t s : x) require(s == kRansL, where + ": rANS states do not return to their start (corrupt chunk)");
 }
+
+// ---- kLanes32's symbol kernels: tokens t..n of one component (dec: its
+// table's Tables::dec) from the 32 states xs, words from *pw up to wend,
+// the symbols into sym[t..n) (room for n rounded up to 32). They return
+// whether a symbol was the escape. They give the same symbols, states and
+// errors: the vector kernels decode 32 lanes (2 x 16 or 4 x 8), then read the
+// words of the lanes whose state fell under 2^16 in lane order, which is
+// the order the scalar kernel reads them in token by token (a lane's
+// decode depends on no other lane's word).
+
+[[noreturn]] void words_end_early(const std::string& where) {
+  throw Error(where + ": rANS words end early (corrupt chunk)");
+}
+
+bool rans32_scalar(const uint32_t* dec, uint32_t* xs, const uint8_t** pw, const uint8_t* wend, uint32_t t, uint32_t n, uint8_t* sym,
+                   const std::string& where) {
+  const uint8_t* p = *pw;
+  bool esc = false;
+  for (; t < n; ++t) {
+    uint32_t& x = xs[t % kNLanes];
+    const uint32_t e = dec[x & (kTotal - 1)];
+    x = (e & 0x1fff) * (x >> kScaleBits) + ((e >> 13) & 0xfff);
+    if (x < kWordL) {
+      if (wend - p < 2) words_end_early(where);
+      x = x << 16 | uint32_t(p[0]) | uint32_t(p[1]) << 8;
+      p += 2;
+    }
+    const uint32_t u = e >> 25;
+    sym[t] = uint8_t(u);
+    esc |= u == kEsc;
+  }
+  *pw = p;
+  return esc;
+}
+
+#if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics warn of their own _mm512_undefined_epi32()
+// (GCC bug 105593), once per use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// kNLanes tokens a step, as kNLanes / 16 vectors of 16 lanes (their
+// gathers in flight together: with one vector of 16 states, each step
+// waited on the last one's chain of gather, multiply and renormalisation,
+// and a chunk decoded 1.3x slower in a standalone loop), while 2 kNLanes bytes
+// remain (the most words a step takes, each vector's 16 loaded whole); the
+// scalar kernel for the rest.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) bool rans32_avx512(const uint32_t* dec, uint32_t* xs, const uint8_t** pw, const uint8_t* wend,
+                                                                        uint32_t n, uint8_t* sym, const std::string& where) {
+  constexpr uint32_t G = kNLanes / 16;
+  __m512i x[G];
+  for (uint32_t g = 0; g < G; ++g) x[g] = _mm512_loadu_si512(xs + 16 * g);
+  const __m512i m12 = _mm512_set1_epi32(kTotal - 1), m13 = _mm512_set1_epi32(0x1fff), lo = _mm512_set1_epi32(int(kWordL)),
+                esc_u = _mm512_set1_epi32(kEsc);
+  const uint8_t* p = *pw;
+  __mmask16 esc = 0;
+  uint32_t t = 0;
+  for (; t < n && wend - p >= ptrdiff_t(2 * kNLanes); t += kNLanes) {
+    __mmask16 act[G];
+    for (uint32_t g = 0; g < G; ++g) {
+      const int64_t rem = int64_t(n) - t - 16 * g;
+      act[g] = rem >= 16 ? __mmask16(0xffff) : rem <= 0 ? __mmask16(0) : __mmask16((1u << rem) - 1);
+      const __m512i e = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), act[g], _mm512_and_si512(x[g], m12), dec, 4);
+      const __m512i xn = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(e, m13), _mm512_srli_epi32(x[g], kScaleBits)),
+                                          _mm512_and_si512(_mm512_srli_epi32(e, 13), m12));
+      x[g] = _mm512_mask_mov_epi32(x[g], act[g], xn);
+      const __m512i u = _mm512_srli_epi32(e, 25);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sym + t + 16 * g), _mm512_cvtepi32_epi8(u));  // sym has room up to a whole step
+      esc |= _mm512_mask_cmpeq_epi32_mask(act[g], u, esc_u);
+    }
+    for (uint32_t g = 0; g < G; ++g) {  // lanes 16 g.. read after the lanes below
+      const __mmask16 m = _mm512_mask_cmplt_epu32_mask(act[g], x[g], lo);
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      x[g] = _mm512_mask_or_epi32(x[g], m, _mm512_slli_epi32(x[g], 16), _mm512_maskz_expand_epi32(m, w));
+      p += 2 * std::popcount(uint32_t(m));
+    }
+  }
+  for (uint32_t g = 0; g < G; ++g) _mm512_storeu_si512(xs + 16 * g, x[g]);
+  *pw = p;
+  const bool tail = rans32_scalar(dec, xs, pw, wend, t, n, sym, where);
+  return tail || esc;
+}
+
+// AVX2: the lanes as vectors of 8; a lane's word found through a table of
+// the 256 masks (for lane l, the number of lanes below it that read one).
+const uint32_t (*expand8_table())[8] {
+  static const auto* tab = [] {
+    auto* v = new uint32_t[256][8];
+    for (uint32_t m = 0; m < 256; ++m)
+      for (uint32_t l = 0; l < 8; ++l) v[m][l] = uint32_t(std::popcount(m & ((1u << l) - 1)));
+    return v;
+  }();
+  return tab;
+}
+
+__attribute__((target("avx2"))) inline __m256i rans8_step(__m256i x, __m256i act, const uint32_t* dec, __m256i* u) {
+  const __m256i m12 = _mm256_set1_epi32(kTotal - 1), m13 = _mm256_set1_epi32(0x1fff);
+  const __m256i e = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(dec), _mm256_and_si256(x, m12), act, 4);
+  const __m256i xn = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_and_si256(e, m13), _mm256_srli_epi32(x, kScaleBits)),
+                                      _mm256_and_si256(_mm256_srli_epi32(e, 13), m12));
+  *u = _mm256_srli_epi32(e, 25);
+  return _mm256_blendv_epi8(x, xn, act);
+}
+
+__attribute__((target("avx2"))) inline __m256i rans8_renorm(__m256i x, __m256i act, const uint8_t** pp, const uint32_t (*tab)[8]) {
+  const __m256i need = _mm256_and_si256(act, _mm256_cmpeq_epi32(_mm256_srli_epi32(x, 16), _mm256_setzero_si256()));
+  const uint32_t m = uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(need)));
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(*pp)));
+  const __m256i wx = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tab[m])));
+  *pp += 2 * std::popcount(m);
+  return _mm256_blendv_epi8(x, _mm256_or_si256(_mm256_slli_epi32(x, 16), wx), need);
+}
+
+__attribute__((target("avx2"))) bool rans32_avx2(const uint32_t* dec, uint32_t* xs, const uint8_t** pw, const uint8_t* wend, uint32_t n, uint8_t* sym,
+                                                 const std::string& where) {
+  constexpr uint32_t G = kNLanes / 8;
+  const uint32_t(*tab)[8] = expand8_table();
+  __m256i x[G];
+  for (uint32_t g = 0; g < G; ++g) x[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 8 * g));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i esc_u = _mm256_set1_epi32(kEsc);
+  const uint8_t* p = *pw;
+  __m256i esc = _mm256_setzero_si256();
+  uint32_t t = 0;
+  for (; t < n && wend - p >= ptrdiff_t(2 * kNLanes); t += kNLanes) {
+    __m256i act[G], u[G];
+    for (uint32_t g = 0; g < G; ++g) {
+      act[g] = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, std::max<int64_t>(0, int64_t(n) - t - 8 * g)))), lane);
+      x[g] = rans8_step(x[g], act[g], dec, &u[g]);
+      esc = _mm256_or_si256(esc, _mm256_and_si256(act[g], _mm256_cmpeq_epi32(u[g], esc_u)));
+    }
+    for (uint32_t g = 0; g < G; g += 2) {
+      // 16 symbols < 64 to bytes in lane order (sym has room up to a whole step).
+      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(u[g], u[g + 1]), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sym + t + 8 * g), _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
+    }
+    for (uint32_t g = 0; g < G; ++g) x[g] = rans8_renorm(x[g], act[g], &p, tab);  // in lane order
+  }
+  for (uint32_t g = 0; g < G; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xs + 8 * g), x[g]);
+  *pw = p;
+  const bool tail = rans32_scalar(dec, xs, pw, wend, t, n, sym, where);
+  return tail || !_mm256_testz_si256(esc, esc);
+}
+
+// col[t] = dq[sym[t]] for t < n (4-byte T): the 64 entries in 4 registers,
+// 16 tokens a step.
+__attribute__((target("avx512f"))) void symbols_to_values_avx512(const uint8_t* sym, uint32_t n, const uint32_t* dq, uint32_t* col) {
+  const __m512i d0 = _mm512_loadu_si512(dq), d1 = _mm512_loadu_si512(dq + 16), d2 = _mm512_loadu_si512(dq + 32), d3 = _mm512_loadu_si512(dq + 48);
+  const __m512i hi_bit = _mm512_set1_epi32(32);
+  uint32_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sym + t)));
+    const __m512i a = _mm512_permutex2var_epi32(d0, idx, d1), b = _mm512_permutex2var_epi32(d2, idx, d3);
+    _mm512_storeu_si512(col + t, _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, hi_bit), a, b));
+  }
+  for (; t < n; ++t) col[t] = dq[sym[t]];
+}
+
+#pragma GCC diagnostic pop
+#endif
+
+std::atomic<uint32_t> g_rans32{uint32_t(Rans32Kernel::kAuto)};
+
+Rans32Kernel best_rans32() {
+  const CpuFeatures& c = cpu_features();
+  return c.avx512f && c.avx512bw && c.avx512vl ? Rans32Kernel::kAvx512 : c.avx2 ? Rans32Kernel::kAvx2 : Rans32Kernel::kScalar;
+}
+
+template <class T>
+void symbols_to_values(const uint8_t* sym, uint32_t n, const T* dq, T* col, bool vec) {
+  static_assert(sizeof(T) == 4);
+#if defined(__x86_64__)
+  if (vec) return symbols_to_values_avx512(sym, n, reinterpret_cast<const uint32_t*>(dq), reinterpret_cast<uint32_t*>(col));
+#endif
+  for (uint32_t t = 0; t < n; ++t) col[t] = dq[sym[t]];
+}
+
+// The bypass bits of kLanes32 (BitWriter's order), every read bounds-checked.
+// acc holds `bits` unread bits (and above them, from a refill's last byte,
+// more of the stream's own bits, read again by the next refill).
+struct BitReader {
+  const uint8_t *p, *end;
+  const std::string& where;
+  uint64_t acc = 0;
+  uint32_t bits = 0;
+  uint32_t get(uint32_t k) {  // k <= 25
+    if (bits < k) refill(k);
+    const uint32_t v = uint32_t(acc & ((uint64_t(1) << k) - 1));
+    acc >>= k;
+    bits -= k;
+    return v;
+  }
+  void refill(uint32_t k) {
+    if (end - p >= 8) {  // whole bytes up to 56..63 bits, one load
+      uint64_t w;
+      std::memcpy(&w, p, 8);
+      acc |= w << bits;
+      const uint32_t take = (63 - bits) >> 3;
+      p += take;
+      bits += 8 * take;
+      return;
+    }
+    for (; bits < k; bits += 8) {
+      if (p == end) throw Error(where + ": bypass bits end early (corrupt chunk)");
+      acc |= uint64_t(*p++) << bits;
+    }
+  }
+  // Every byte read, and what is left of the last one zero.
+  bool at_end() const { return p == end && bits < 8 && acc == 0; }
+};
+
+// kLanes32 (docs/format.md "Entropy-coded chunks"): per component, its
+// symbols by the kernel ecsq_rans32_kernel() picks, then the values: dq's
+// directly when no symbol is escaped and nothing is shifted (nearly every
+// component), else token by token with the bypass bits.
+template <class T, class Value>
+void decode_lanes32(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* cm, const std::string& where, Value value) {
+  const Tables& T_ = tables();
+  const size_t fixed = ecsq_fixed_bytes(ru, EcsqLayout::kLanes32);
+  const uint8_t* ids = buf + 8;
+  uint32_t x[kNLanes];
+  for (uint32_t i = 0; i < kNLanes; ++i) {
+    x[i] = get_u32(buf + 8 + ru + 4 * i);
+    require(x[i] >= kWordL, where + ": rANS state out of range (corrupt chunk)");
+  }
+  const uint32_t nwords = get_u32(buf + 8 + ru + 4 * kNLanes);
+  require(nwords <= (len - fixed) / 2, where + ": " + std::to_string(nwords) + " rANS words declared, the payload holds " +
+                                           std::to_string((len - fixed) / 2) + " at most (corrupt chunk)");
+  const uint8_t* w = buf + fixed;
+  const uint8_t* const wend = w + 2 * size_t(nwords);
+  BitReader br{wend, buf + len, where};
+  auto checked = [&](int64_t c) -> T {
+    if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
+    return value(int32_t(c));
+  };
+  T dq[kNSym];  // the value of unshifted symbol u (the escape's: a placeholder)
+  dq[kEsc] = 0;
+  for (uint32_t u = 0; u < kEsc; ++u) dq[u] = value(unzigzag(u));
+  thread_local std::vector<uint8_t> sym;
+  sym.resize((size_t(n) + kNLanes - 1) / kNLanes * kNLanes);
+  const Rans32Kernel kern = ecsq_rans32_kernel();
+  const bool vec = vector_kernels() && cpu_features().avx512f;
+  for (uint32_t j = 0; j < ru; ++j) {
+    const uint32_t id = ids[j];
+    T* col = &cm[size_t(j) * n];
+    if (!id) {
+      std::fill(col, col + n, T(0));
+      continue;
+    }
+    const uint32_t* dec = T_.dec[id_table(id)];
+    const uint32_t b = id_shift(id);
+#if defined(__x86_64__)
+    const bool esc = kern == Rans32Kernel::kAvx512 ? rans32_avx512(dec, x, &w, wend, n, sym.data(), where)
+                     : kern == Rans32Kernel::kAvx2 ? rans32_avx2(dec, x, &w, wend, n, sym.data(), where)
+                                                   : rans32_scalar(dec, x, &w, wend, 0, n, sym.data(), where);
+#else
+    const bool esc = rans32_scalar(dec, x, &w, wend, 0, n, sym.data(), where);
+#endif
+    if (!esc && b == 0) {
+      symbols_to_values(sym.data(), n, dq, col, vec);
+      continue;
+    }
+    if (!esc) {  // shifted: b bits a token (the strong components, ~1/5 at 16x)
+      for (uint32_t t = 0; t < n; ++t) col[t] = checked(int64_t(unzigzag(sym[t])) * (int64_t(1) << b) + br.get(b));
+      continue;
+    }
+    for (uint32_t t = 0; t < n; ++t) {
+      uint32_t u = sym[t];
+      if (u == kEsc) {  // 5 bits of length L, then L bits of u + 1 below its leading one
+        const uint32_t nb = br.get(5);
+        if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
+        u = ((1u << nb) | br.get(nb)) - 1;
+      }
+      int64_t c = unzigzag(u);
+      if (b) c = c * (int64_t(1) << b) + br.get(b);
+      col[t] = checked(c);
+    }
+  }
+  require(w == wend, where + ": " + std::to_string((wend - w) / 2) + " rANS words left unread (corrupt chunk)");
+  require(br.at_end(),
+          where + ": " + std::to_string(br.end - br.p + br.bits / 8) + " bytes or nonzero padding after the bypass bits (corrupt chunk)");
+  for (uint32_t s : x) require(s == kWordL, where + ": rANS states do not return to their start (corrupt chunk)");
+}
+
+template <class T, class Value>
+void decode_components(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, EcsqLayout layout, T* cm, const std::string& where, Value value) {
+  require(len >= ecsq_fixed_bytes(ru, layout), where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " +
+                                                   std::to_string(ecsq_fixed_bytes(ru, layout)) + " expected");
+  for (uint32_t j = 0; j < ru; ++j)
+    if (buf[8 + j] > kLastId)
+      throw Error(where + ": table id " + std::to_string(buf[8 + j]) + " of component " + std::to_string(j) + " (at most " + std::to_string(kLastId) +
+                  " expected)");
+  if (layout == EcsqLayout::kLanes32)
+    decode_lanes32(buf, len, n, ru, cm, where, value);
+  else
+    decode_lanes4(buf, len, n, ru, cm, where, value);
+}
 }  // namespace
 
-void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, float* d, const std::string& where, bool component_major) {
-  require(len >= ecsq_fixed_bytes(ru),
-          where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " + std::to_string(ecsq_fixed_bytes(ru)) + " expected");
+void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, EcsqLayout layout, float* d, const std::string& where,
+                       bool component_major) {
+  require(len >= ecsq_fixed_bytes(ru, layout), where + ": entropy-coded chunk of " + std::to_string(len) + " bytes, at least " +
+                                                   std::to_string(ecsq_fixed_bytes(ru, layout)) + " expected");
   const float step = ecsq_chunk_step(buf, len, where);
   const float offset = ecsq_chunk_offset(buf, len, where);
   // Decoded component-major (the stream's order), then transposed in tiles
@@ -530,7 +901,7 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
     tmp.resize(size_t(n) * ru);
     cm = tmp.data();
   }
-  decode_components(buf, len, n, ru, cm, where, [step, offset](int32_t c) { return ecsq_value(c, step, offset); });
+  decode_components(buf, len, n, ru, layout, cm, where, [step, offset](int32_t c) { return ecsq_value(c, step, offset); });
   constexpr uint32_t kTile = 32;
   if (!component_major)
     for (uint32_t t0 = 0; t0 < n; t0 += kTile)
@@ -539,8 +910,22 @@ void ecsq_decode_chunk(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, 
           for (uint32_t j = j0; j < std::min(ru, j0 + kTile); ++j) d[size_t(t) * ru + j] = cm[size_t(j) * n + t];
 }
 
-void ecsq_decode_codes(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, int32_t* codes, const std::string& where) {
-  decode_components(buf, len, n, ru, codes, where, [](int32_t c) { return c; });
+void ecsq_decode_codes(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, EcsqLayout layout, int32_t* codes, const std::string& where) {
+  decode_components(buf, len, n, ru, layout, codes, where, [](int32_t c) { return c; });
+}
+
+void ecsq_set_rans32_kernel(Rans32Kernel k) {
+  const CpuFeatures& c = cpu_features();
+  require(k != Rans32Kernel::kAvx2 || c.avx2, "ecsq_set_rans32_kernel: this CPU has no AVX2");
+  require(k != Rans32Kernel::kAvx512 || best_rans32() == Rans32Kernel::kAvx512, "ecsq_set_rans32_kernel: this CPU has no AVX-512 F/BW/VL");
+  g_rans32 = uint32_t(k);
+}
+
+Rans32Kernel ecsq_rans32_kernel() {
+  const auto k = Rans32Kernel(g_rans32.load());
+  if (k != Rans32Kernel::kAuto) return k;
+  static const Rans32Kernel best = best_rans32();
+  return vector_kernels() ? best : Rans32Kernel::kScalar;
 }
 
 }  // namespace kvtc::container

@@ -1,6 +1,7 @@
 #include "format/plan.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -151,15 +152,18 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
     if (c.blocks[b].k.size() == c.blocks[b].numel() && c.blocks[b].v.size() == c.blocks[b].numel()) require_finite(c.blocks[b], b);
 }
 
+std::atomic<uint32_t> g_ecsq_writer_lanes{32};  // set_ecsq_writer_lanes (lab_support.h)
+
 uint32_t container_version(const AllocationSet& alloc) {
   for (const auto& bk : alloc)
     for (const Allocation& a : bk)
-      if (is_ecsq(a)) return 2;
+      if (is_ecsq(a)) return g_ecsq_writer_lanes == 4 ? 2 : 4;  // 32-lane chunks (4 lanes: a lab control)
   return 1;
 }
 
 uint32_t container_version(const AllocationSet& alloc, const CompressOptions& opt) {
-  return opt.window_bits == 8 ? 3 : container_version(alloc);
+  const uint32_t v = container_version(alloc);
+  return opt.window_bits == 8 ? std::max(v, 3u) : v;
 }
 
 std::string header_json(const KvCapture& c, const Calibration& cal, const AllocationSet& alloc, const CompressOptions& opt) {
@@ -285,7 +289,7 @@ void derive_token_counts(const Parsed& P, ContainerHeader& H, const std::string&
 ContainerHeader read_header(const Parsed& P, const std::string& origin) {
   ContainerHeader H = parse_header(P.header_json, origin);
   H.version = P.version;
-  require(container_version(H.alloc) <= H.version,
+  require(container_version(H.alloc) == 1 || H.version >= 2,
           origin + ": entropy-coded (ecsq) allocations in a version " + std::to_string(H.version) + " container (they need version 2)");
   require(H.window_bits == 16 || H.version >= 3,
           origin + ": an 8-bit window (window_bits 8) in a version " + std::to_string(H.version) + " container (it needs version 3)");
@@ -370,7 +374,7 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
       require(n <= H.chunk_tokens, where + ": more tokens than chunk_tokens");
       const Allocation& al = H.alloc[s.block][s.kv];
       if (is_ecsq(al))
-        require(s.raw_len >= ecsq_fixed_bytes(al.blocks[0].size) && s.raw_len <= packed_bytes(al, n),
+        require(s.raw_len >= ecsq_fixed_bytes(al.blocks[0].size, ecsq_layout(H.version)) && s.raw_len <= packed_bytes(al, n),
                 where + ": entropy-coded payload of " + std::to_string(s.raw_len) + " bytes, outside what " + std::to_string(n) + " tokens of " +
                     std::to_string(al.blocks[0].size) + " components can take");
       else
@@ -389,3 +393,10 @@ DecodePlan plan_decode(const Parsed& P, const Calibration& cal, const std::strin
 }
 
 }  // namespace kvtc::container
+
+namespace kvtc {
+void set_ecsq_writer_lanes(uint32_t lanes) {
+  require(lanes == 4 || lanes == 32, "set_ecsq_writer_lanes: 4 or 32 lanes, got " + std::to_string(lanes));
+  container::g_ecsq_writer_lanes = lanes;
+}
+}  // namespace kvtc

@@ -49,9 +49,11 @@ void check_compress_inputs(const KvCapture& c, const Calibration& cal, const All
 // model and geometry: fingerprint, block count, features per block, and
 // layers, heads and dims where the calibration records them.
 void check_geometry(const CacheGeometry& g, const Calibration& cal, const std::string& who);
-// The container version an allocation needs: 2 where any (block, kind) is
-// entropy-coded, else 1; with the options: 3 where the window is 8-bit
-// (opt.window_bits 8), else the allocation's.
+// The container version a writer uses for an allocation: 4 where any
+// (block, kind) is entropy-coded (its chunks in the 32-lane layout), else
+// 1; with the options: at least 3 where the window is 8-bit (opt.window_bits
+// 8). Readers accept entropy-coded chunks from version 2 on (versions 2 and
+// 3 in the 4-lane layout).
 uint32_t container_version(const AllocationSet& alloc);
 uint32_t container_version(const AllocationSet& alloc, const CompressOptions& opt);
 // The JSON header of docs/format.md.

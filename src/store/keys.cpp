@@ -61,6 +61,7 @@ nlohmann::json fingerprint(const SchemeFields& f, const std::string& salt) {
   // (store.json, entry headers) stays byte for byte what it was.
   if (!f.protection.empty()) j["protection"] = f.protection;
   if (!f.swa.empty()) j["swa"] = f.swa;  // likewise: only an iSWA store has the field
+  if (f.container_version >= 4 && f.window_bits != 16) j["window_bits"] = f.window_bits;
   return j;
 }
 
@@ -119,6 +120,8 @@ Scheme::Scheme(const SchemeFields& f, std::vector<uint8_t> chain_key) : f_(f), c
                      "\ncontainer_version=" + std::to_string(f.container_version) + "\nchunk_tokens=" + std::to_string(f.chunk_tokens) +
                      "\nratio=" + f.ratio + "\nsink=" + std::to_string(f.sink) + "\nwindow=" + std::to_string(f.window) +
                      "\nkv_settings=" + f.kv_settings + "\n";
+  // Version 4 holds both windows: an 8-bit one is another store.
+  if (f.container_version >= 4 && f.window_bits != 16) text += "window_bits=" + std::to_string(f.window_bits) + "\n";
   // A sliding-window model's pieces hold another layout (the window's state
   // in the tail); single-block stores keep version 2's text.
   if (!f.swa.empty()) text += "swa=" + f.swa + "\n";

@@ -53,6 +53,10 @@ struct Piece {
 struct SchemeFields {
   std::string model_sha256, calibration_id;
   uint32_t container_version = 1;
+  // The pieces' window bits: named apart (salt line, fingerprint key) only
+  // from container version 4 on, where 8 and 16 share the version (before,
+  // version 3 named the 8-bit window; those texts stay unchanged).
+  uint32_t window_bits = 16;
   uint32_t chunk_tokens = 256;
   std::string ratio;  // ratio_key(ratio), "-ecsq" appended when entropy-coded, or "raw"
   uint32_t sink = 4, window = 128;

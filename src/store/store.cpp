@@ -277,6 +277,7 @@ PromptStore::PromptStore(const Calibration& cal, const CacheGeometry& g, const S
   CompressOptions pieces;  // what names the pieces' container version (PieceCodec::copt)
   pieces.window_bits = opt.raw ? 16 : opt.window_bits;
   f.container_version = container::container_version(alloc, pieces);
+  f.window_bits = pieces.window_bits;
   f.chunk_tokens = opt.chunk_tokens;
   f.ratio = opt.raw ? "raw" : ratio_key(opt.ratio) + (ecsq ? "-ecsq" : "");
   f.sink = opt.sink;

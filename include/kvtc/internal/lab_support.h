@@ -49,11 +49,16 @@ double projection_gemm_gflops(Precision p, uint32_t m, uint32_t n, uint32_t k, i
 // over its zeros: the control for kvtc-lab bench and the tests.
 // Process-wide; set it between codec calls, not during one.
 void set_grouped_projection(bool on);
-// Whether the decoder's AVX-512 conversion kernels (int8 codes, re-RoPE and
-// f16 rounding) run where the CPU has them (default) or their scalar forms:
-// the same bits, the control for kvtc-lab bench --scalar-kernels.
-// Process-wide; set it between codec calls.
+// Whether the decoder's vector kernels (int8 codes, re-RoPE and f16
+// rounding, the 32-lane rANS) run where the CPU has them (default) or their
+// scalar forms: the same bits, the control for kvtc-lab bench
+// --scalar-kernels. Process-wide; set it between codec calls.
 void set_vector_kernels(bool on);
+// The layout new entropy-coded containers are written in: 32 lanes
+// (version 4, the default) or 4 (versions 2 and 3, as writers before
+// version 4): the control for kvtc-lab bench --ecsq-lanes 4. Process-wide;
+// set it between codec calls.
+void set_ecsq_writer_lanes(uint32_t lanes);
 // Multiply-adds per token of the projection over t's first ru components
 // as the codec runs it now: ru x p for a dense basis (or with grouped
 // projection off), sum over runs of (its components among the first ru) x

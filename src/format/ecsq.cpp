@@ -484,6 +484,24 @@ namespace {
 // Decodes a payload component by component into cm[j * n + t] (the
 // stream's order), each code c as value(c): its float reconstruction
 // sign(c) (|c| - offset) step, or c itself. Every read is bounds-checked.
+// The values of a payload's codes, for both layouts' decoders: dq[u] that
+// of unshifted symbol u (the escape's a placeholder), checked(c) that of any
+// code, an Error beyond 2^24 steps.
+template <class T, class Value>
+struct CodeValues {
+  Value value;
+  const std::string& where;
+  T dq[kNSym];
+  CodeValues(Value v, const std::string& w) : value(v), where(w) {
+    dq[kEsc] = 0;
+    for (uint32_t u = 0; u < kEsc; ++u) dq[u] = value(unzigzag(u));
+  }
+  T checked(int64_t c) const {
+    if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
+    return value(int32_t(c));
+  }
+};
+
 // kLanes4: every event through 4 states in turn (docs/format.md "rANS").
 template <class T, class Value>
 void decode_lanes4(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* cm, const std::string& where, Value value) {
@@ -535,13 +553,9 @@ void decode_lanes4(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* c
     if (nb > 25) throw Error(where + ": escaped code longer than 25 bits (corrupt chunk)");
     return ((1u << nb) | bits_of(nb)) - 1;
   };
-  auto checked = [&](int64_t c) -> T {
-    if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
-    return value(int32_t(c));
-  };
-  T dq[kNSym];  // the value of unshifted symbol u (the escape's: a placeholder)
-  dq[kEsc] = 0;
-  for (uint32_t u = 0; u < kEsc; ++u) dq[u] = value(unzigzag(u));
+  const CodeValues<T, Value> cv(value, where);
+  const T* dq = cv.dq;
+  auto checked = [&cv](int64_t c) { return cv.checked(c); };
   for (uint32_t j = 0; j < ru; ++j) {
     const uint32_t id = ids[j];
     T* col = &cm[size_t(j) * n];
@@ -813,13 +827,9 @@ void decode_lanes32(const uint8_t* buf, size_t len, uint32_t n, uint32_t ru, T* 
   const uint8_t* w = buf + fixed;
   const uint8_t* const wend = w + 2 * size_t(nwords);
   BitReader br{wend, buf + len, where};
-  auto checked = [&](int64_t c) -> T {
-    if (c < -kMaxCode || c > kMaxCode) throw Error(where + ": code out of range (corrupt chunk)");
-    return value(int32_t(c));
-  };
-  T dq[kNSym];  // the value of unshifted symbol u (the escape's: a placeholder)
-  dq[kEsc] = 0;
-  for (uint32_t u = 0; u < kEsc; ++u) dq[u] = value(unzigzag(u));
+  const CodeValues<T, Value> cv(value, where);
+  const T* dq = cv.dq;
+  auto checked = [&cv](int64_t c) { return cv.checked(c); };
   thread_local std::vector<uint8_t> sym;
   sym.resize((size_t(n) + kNLanes - 1) / kNLanes * kNLanes);
   const Rans32Kernel kern = ecsq_rans32_kernel();

@@ -246,18 +246,33 @@ EcsqPrep prepare_ecsq(const KvCapture& c, const Calibration& cal, const Allocati
         double target = 0, maxabs = 0;
         uint64_t tokens = 0;
         std::vector<double> ms(ld, 0.0);
-        for (size_t i : mine) {
-          const uint32_t n = plan[i].t1 - plan[i].t0;
-          target += double(n) * c.blocks[b].features() * 2 / ratio - double(kSectionHeaderBytes);
-          const std::vector<float>& d = E.coeffs[i];
+        // Each chunk's sums (a component's over its tokens in order) and
+        // largest |coefficient| in parallel, then added in chunk order (the
+        // same doubles as one loop; on one thread it took ~130 ms of the
+        // 1.2 s encode of SmolLM2's 8K cache at 16x).
+        std::vector<std::vector<double>> part(mine.size());
+        std::vector<float> part_max(mine.size(), 0.0f);
+        detail::parallel_for(mine.size(), detail::resolve_threads(opt.threads, mine.size()), [&](size_t k) {
+          const uint32_t n = plan[mine[k]].t1 - plan[mine[k]].t0;
+          const float* d = E.coeffs[mine[k]].data();
+          part[k].assign(ld, 0.0);
+          float mx = 0;
           for (uint32_t j = 0; j < ld; ++j) {
             double a = 0;
             for (uint32_t t = 0; t < n; ++t) {
-              a += double(d[size_t(j) * n + t]) * d[size_t(j) * n + t];
-              maxabs = std::max(maxabs, double(std::fabs(d[size_t(j) * n + t])));
+              const float v = d[size_t(j) * n + t];
+              a += double(v) * v;
+              mx = std::max(mx, std::fabs(v));
             }
-            ms[j] += a;
+            part[k][j] = a;
           }
+          part_max[k] = mx;
+        });
+        for (size_t k = 0; k < mine.size(); ++k) {
+          const uint32_t n = plan[mine[k]].t1 - plan[mine[k]].t0;
+          target += double(n) * c.blocks[b].features() * 2 / ratio - double(kSectionHeaderBytes);
+          for (uint32_t j = 0; j < ld; ++j) ms[j] += part[k][j];
+          maxabs = std::max(maxabs, double(part_max[k]));
           tokens += n;
         }
         std::vector<float> own(ld);

@@ -26,6 +26,7 @@ constexpr uint32_t kRansL = 1u << 23;         // kLanes4: states live in [2^23, 
 constexpr uint32_t kWordL = 1u << 16;         // kLanes32: states live in [2^16, 2^32)
 constexpr uint32_t kNLanes = kEcsqWideLanes;  // token t uses state t mod kNLanes
 constexpr int32_t kMaxCode = 1 << 24;         // |q| is clamped here (an escape then needs 25 bits at most)
+constexpr uint32_t kCostLanes = 16;           // tables choose_table sums at once (the most it tries of one shape: 9)
 
 const uint16_t kFreq[kTables][kNSym] = {
 #include "format/ecsq_tables.inc"
@@ -47,15 +48,23 @@ struct Tables {
   float cost[kTables][kNSym];    // bits of symbol u coded directly; +inf where it must be escaped
   float esc[kTables];            // bits of the escape symbol alone
   double costx[kTables][kNSym];  // bits of symbol u < 63 either way: coded, or escaped (escape, length, value)
+  // costx transposed, [u][table], zero past the last table: choose_table
+  // sums the candidate tables side by side (each still bin by bin, in the
+  // same order as one table alone).
+  double costxt[kNSym][kTables + kCostLanes];
   // The decoder's one load per symbol: slot -> freq | (slot - cum) << 13 |
   // symbol << 25 (12 + 12 + 6 bits; a frequency is at most 4095 as the
   // escape's is never 0). 82 x 16 KB; a chunk's components use a handful.
   uint32_t dec[kTables][kTotal];
+  // The encoder's one load per symbol: u -> cum | freq << 16 of the symbol
+  // it codes (u itself, or the escape where u has no frequency; [kEsc] is
+  // the escape's, for every u >= 63).
+  uint32_t enc[kTables][kNSym];
 };
 
 const Tables& tables() {
   static const Tables* t = [] {
-    auto* T = new Tables;
+    auto* T = new Tables{};
     for (uint32_t k = 0; k < kTables; ++k) {
       T->cum[k][0] = 0;
       for (uint32_t u = 0; u < kNSym; ++u) {
@@ -66,6 +75,11 @@ const Tables& tables() {
       T->esc[k] = float(kScaleBits - std::log2(double(kFreq[k][kEsc])));
       for (uint32_t u = 0; u < kNSym; ++u)
         T->costx[k][u] = std::isinf(T->cost[k][u]) ? double(T->esc[k]) + double(escaped_extra_bits(u)) : double(T->cost[k][u]);
+      for (uint32_t u = 0; u < kNSym; ++u) T->costxt[u][k] = T->costx[k][u];
+      for (uint32_t u = 0; u < kNSym; ++u) {
+        const uint32_t v = u != kEsc && kFreq[k][u] ? u : kEsc;
+        T->enc[k][u] = uint32_t(T->cum[k][v]) | uint32_t(kFreq[k][v]) << 16;
+      }
       for (uint32_t slot = 0; slot < kTotal; ++slot) {
         const uint32_t u = T->lut[k][slot];
         T->dec[k][slot] = uint32_t(kFreq[k][u]) | (slot - T->cum[k][u]) << 13 | u << 25;
@@ -85,8 +99,11 @@ inline uint32_t id_shift(uint32_t id) {
   return id < kFirstFloorId ? 0 : 1 + (id - kFirstFloorId) / 8;
 }
 
+// Without a branch: the codes' signs are a coin toss, and the compare
+// compiled to a jump cost a misprediction on ~half the tokens of every
+// histogram and event pass (~1/3 of choose_table's time at 16x).
 inline uint32_t zigzag(int32_t h) {
-  return h >= 0 ? uint32_t(h) * 2 : uint32_t(-(h + 1)) * 2 + 1;
+  return uint32_t(h) << 1 ^ uint32_t(h >> 31);
 }
 inline int32_t unzigzag(uint32_t u) {
   return (u & 1) ? -int32_t(u >> 1) - 1 : int32_t(u >> 1);
@@ -108,13 +125,20 @@ struct Choice {
 // search, which the exact estimates after it correct.
 Choice choose_table(const int32_t* q, uint32_t n, bool quick = false) {
   const Tables& T = tables();
+  // The sum of squares in integers (vectorised; a double sum waited 4
+  // cycles a token on the last add): exact, so the same double as the sum
+  // token by token gave wherever that one was exact (under 2^53). Blocks
+  // of 2^15 tokens keep a u64 from overflowing (|q| <= 2^24).
   double sq = 0;
-  bool any = false;
-  for (uint32_t t = 0; t < n; ++t) {
-    any |= q[t] != 0;
-    sq += double(q[t]) * q[t];
+  for (uint32_t t0 = 0; t0 < n; t0 += 1u << 15) {
+    uint64_t s2 = 0;
+    for (uint32_t t = t0, t1 = std::min(n, t0 + (1u << 15)); t < t1; ++t) {
+      const uint32_t a = q[t] < 0 ? uint32_t(-q[t]) : uint32_t(q[t]);
+      s2 += uint64_t(a) * a;
+    }
+    sq += double(s2);
   }
-  if (!any) return {};
+  if (sq == 0) return {};
   const double rms = std::sqrt(sq / n);
   // Candidate shifts: 0 while the codes are small, else the ones that bring
   // the high part's spread near the floor tables' 4..8.
@@ -165,24 +189,32 @@ Choice choose_table(const int32_t* q, uint32_t n, bool quick = false) {
     for (uint32_t u : big) big_extra += escaped_extra_bits(u);
     double hf[kNSym];
     for (uint32_t u = 0; u <= umax; ++u) hf[u] = double(hist[u]);
-    auto try_table = [&](uint32_t k, uint32_t id) {
-      // No branch per bin: an empty bin adds an exact 0 (the sum, in the
-      // same order, is the one the choice always compared).
-      const double* cx = T.costx[k];
-      double c = big_extra + double(T.esc[k]) * big.size();
-      for (uint32_t u = 0; u <= umax; ++u) c += hf[u] * cx[u];
-      if (c < best.bits) best = {id, c};
+    // The costs of tables k0 .. k0 + w - 1 (ids id0 + i), tried in that
+    // order. No branch per bin: an empty bin adds an exact 0; each table's
+    // sum runs bin by bin in the same order as it always did (the lanes only
+    // put kCostLanes tables side by side), so the choice is the same.
+    auto try_tables = [&](uint32_t k0, uint32_t w, uint32_t id0) {
+      double c[kCostLanes];
+      for (uint32_t i = 0; i < kCostLanes; ++i) c[i] = big_extra + double(k0 + i < kTables ? T.esc[k0 + i] : 0.0f) * double(big.size());
+      for (uint32_t u = 0; u <= umax; ++u) {
+        const double h = hf[u];
+        const double* cx = &T.costxt[u][k0];
+        for (uint32_t i = 0; i < kCostLanes; ++i) c[i] += h * cx[i];  // vectorised
+      }
+      for (uint32_t i = 0; i < w; ++i)
+        if (c[i] < best.bits) best = {id0 + i, c[i]};
     };
     if (b == 0) {
       // Round tables near the codes' spread (s = 2^(i/4), i = -24..12).
       const int i0 = int(std::lround(4 * std::log2(std::max(rms, 1e-3)))), w = quick ? 1 : 4;
-      for (int shape = 0; shape < 2; ++shape)
-        for (int i = std::max(-24, i0 - w); i <= std::min(12, i0 + w); ++i) {
-          const uint32_t k = uint32_t(shape * 37 + (i + 24));
-          try_table(k, k + 1);
+      const int lo = std::max(-24, i0 - w), hi = std::min(12, i0 + w);
+      if (lo <= hi)
+        for (int shape = 0; shape < 2; ++shape) {
+          const uint32_t k0 = uint32_t(shape * 37 + (lo + 24));
+          try_tables(k0, uint32_t(hi - lo + 1), k0 + 1);
         }
     } else {
-      for (uint32_t f = 0; f < 8; ++f) try_table(kRoundTables + f, kFirstFloorId + (b - 1) * 8 + f);
+      try_tables(kRoundTables, 8, kFirstFloorId + (b - 1) * 8);
     }
   }
   return best;
@@ -332,55 +364,101 @@ void encode_lanes4(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids
 }
 
 // Bypass bits of kLanes32, LSB-first: a k-bit value's bit i is the stream's
-// bit (at + i), bit b of the stream in byte b / 8 at bit b % 8.
+// bit (at + i), bit b of the stream in byte b / 8 at bit b % 8. No branch
+// per field: between fields the accumulator holds < 8 bits, a field adds
+// <= 25, and its 8 bytes are stored whole at the write position (the buffer
+// keeps 8 spare); a loop of byte pushes mispredicted on most shifted
+// tokens (1-3 bits each).
 struct BitWriter {
-  std::vector<uint8_t>& o;
+  std::vector<uint8_t> buf;
+  size_t pos = 0;  // whole bytes written
   uint64_t acc = 0;
   uint32_t bits = 0;
-  void put(uint32_t v, uint32_t k) {  // k <= 25
+  // Room for `fields` more fields of <= 25 bits (more bytes are never needed).
+  void reserve(size_t fields) {
+    const size_t need = pos + fields * 4 + 8;
+    if (buf.size() < need) buf.resize(std::max(need, 2 * buf.size()));
+  }
+  void put(uint32_t v, uint32_t k) {  // k <= 25, v < 2^k
     acc |= uint64_t(v) << bits;
     bits += k;
-    for (; bits >= 8; bits -= 8, acc >>= 8) o.push_back(uint8_t(acc));
+    static_assert(std::endian::native == std::endian::little, "BitWriter stores its accumulator's bytes LSB first");
+    std::memcpy(&buf[pos], &acc, 8);
+    pos += bits >> 3;
+    acc >>= bits & ~7u;
+    bits &= 7;
   }
-  void flush() {
-    if (bits) o.push_back(uint8_t(acc));  // padded with zero bits
-    acc = 0, bits = 0;
+  size_t finish() {  // the stream's bytes, the last padded with zero bits
+    return pos + (bits ? 1 : 0);
   }
 };
 
 // kLanes32: token t of a component uses state t % 32; one symbol per token
 // through rANS over 16-bit words, the escapes' and shifts' bits in the bit
-// stream, component by component, token by token.
+// stream, component by component, token by token. The symbols go straight
+// from the codes into the states, backwards (rANS is last-in first-out),
+// one table load each (Tables::enc) and no branch; the bits in a forward
+// pass of their own. (Through a vector of events, with a branch per
+// renormalisation, this took ~45 ns a code.)
 void encode_lanes32(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids, std::vector<uint8_t>& out) {
-  std::vector<Event> ev;  // n per coded component, in order
-  std::vector<uint8_t> bits;
-  BitWriter bw{bits};
-  code_events(q, n, ru, ids, ev, [&bw](uint32_t v, uint32_t k) { bw.put(v, k); });
-  bw.flush();
+  const Tables& T = tables();
+  BitWriter bw;
+  size_t coded = 0;
+  for (uint32_t j = 0; j < ru; ++j) {
+    if (!ids[j]) continue;
+    ++coded;
+    const int32_t* qc = &q[size_t(j) * n];
+    const uint32_t k = id_table(ids[j]), b = id_shift(ids[j]);
+    const uint32_t* enc = T.enc[k];
+    const uint32_t esc = enc[kEsc];
+    if (b) bw.reserve(n);
+    for (uint32_t t = 0; t < n; ++t) {
+      const uint32_t u = zigzag(qc[t] >> b);
+      if (enc[std::min(u, kEsc)] == esc) [[unlikely]] {
+        const uint32_t nb = ilog2(u + 1);
+        bw.reserve(2 + (b ? n - t : 0));
+        bw.put(nb, 5);
+        bw.put((u + 1) & ((1u << nb) - 1), nb);
+      }
+      if (b) bw.put(uint32_t(qc[t]) & ((1u << b) - 1), b);
+    }
+  }
   uint32_t x[kNLanes];
   std::fill(x, x + kNLanes, kWordL);
   const uint64_t* rcp = reciprocals();
-  std::vector<uint16_t> rev(ev.size());
+  std::vector<uint16_t> rev(coded * n + 1);
   size_t pos = 0;
-  for (size_t i = ev.size(), t = 0; i-- > 0;) {
-    t = t == 0 ? n - 1 : t - 1;  // event i's token: n per coded component
-    uint32_t& s = x[t % kNLanes];
-    const uint32_t f = ev[i].freq;
-    // One word at most: s < 2^32 leaves s >> 16 < 2^16 <= 2^20 f.
-    if (s >= f << 20) {
-      rev[pos++] = uint16_t(s);
-      s >>= 16;
+  static_assert((kNLanes & (kNLanes - 1)) == 0, "the lane is t mod a power of two");
+  for (uint32_t j = ru; j-- > 0;) {
+    if (!ids[j]) continue;
+    const int32_t* qc = &q[size_t(j) * n];
+    const uint32_t b = id_shift(ids[j]);
+    const uint32_t* enc = T.enc[id_table(ids[j])];
+    for (uint32_t t = n; t-- > 0;) {
+      uint32_t& s = x[t & (kNLanes - 1)];
+      const uint32_t e = enc[std::min(zigzag(qc[t] >> b), kEsc)];
+      const uint32_t f = e >> 16;
+      // One word at most: s < 2^32 leaves s >> 16 < 2^16 <= 2^20 f.
+      const uint32_t c = s >= f << 20;
+      rev[pos] = uint16_t(s);
+      pos += c;
+      s = c ? s >> 16 : s;
+      // s < 2^20 f now, so (s M) >> 44 with M = ceil(2^44 / f) is exact (the
+      // error s (M - 2^44 / f) / 2^44 < 2^-12 <= 1 / f), in 128 bits: s M
+      // reaches 2^64.
+      const uint32_t qt = uint32_t((unsigned __int128)s * rcp[f] >> 44);
+      s = (qt << kScaleBits) + (s - qt * f) + (e & 0xffff);
     }
-    // s < 2^20 f now, so (s M) >> 44 with M = ceil(2^44 / f) is exact (the
-    // error s (M - 2^44 / f) / 2^44 < 2^-12 <= 1 / f), in 128 bits: s M
-    // reaches 2^64.
-    const uint32_t qt = uint32_t((unsigned __int128)s * rcp[f] >> 44);
-    s = (qt << kScaleBits) + (s - qt * f) + ev[i].start;
   }
-  for (uint32_t s : x) put_u32(out, s);
-  put_u32(out, uint32_t(pos));
-  for (size_t i = pos; i-- > 0;) out.push_back(uint8_t(rev[i])), out.push_back(uint8_t(rev[i] >> 8));
-  out.insert(out.end(), bits.begin(), bits.end());
+  const size_t nbits = bw.finish(), at = out.size();
+  out.resize(at + 4 * kNLanes + 4 + 2 * pos + nbits);
+  uint8_t* o = out.data() + at;
+  for (uint32_t l = 0; l < kNLanes; ++l, o += 4) std::memcpy(o, &x[l], 4);
+  const uint32_t words = uint32_t(pos);
+  std::memcpy(o, &words, 4);
+  o += 4;
+  for (size_t i = pos; i-- > 0; o += 2) o[0] = uint8_t(rev[i]), o[1] = uint8_t(rev[i] >> 8);
+  if (nbits) std::memcpy(o, bw.buf.data(), nbits);
 }
 
 }  // namespace
@@ -429,6 +507,33 @@ std::vector<uint8_t> ecsq_encode_chunk(const float* d, uint32_t n, uint32_t ru, 
     float acc[8] = {};
     uint32_t cnt[8] = {};
     uint32_t t = 0;
+#if defined(__x86_64__)
+    // The same 8 lanes in SSE2 (the compiler left this loop scalar: ~1/4
+    // of the chunk encoder's time): each lane's sum in the same order.
+    {
+      __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps();
+      __m128i c0 = _mm_setzero_si128(), c1 = _mm_setzero_si128();
+      const __m128 vinv = _mm_set1_ps(inv), magnitude = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+      const __m128i vmax = _mm_set1_epi32(kMaxCode), zero = _mm_setzero_si128();
+      auto lane4 = [&](const int32_t* qp, const float* dp, __m128& acc4, __m128i& cnt4) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp));
+        const __m128i sign = _mm_srai_epi32(v, 31);
+        const __m128i a = _mm_sub_epi32(_mm_xor_si128(v, sign), sign);
+        const __m128i ok = _mm_andnot_si128(_mm_cmpeq_epi32(a, zero), _mm_cmplt_epi32(a, vmax));
+        const __m128 term = _mm_sub_ps(_mm_cvtepi32_ps(a), _mm_mul_ps(_mm_and_ps(_mm_loadu_ps(dp), magnitude), vinv));
+        acc4 = _mm_add_ps(acc4, _mm_and_ps(term, _mm_castsi128_ps(ok)));
+        cnt4 = _mm_sub_epi32(cnt4, ok);  // ok is -1 per lane
+      };
+      for (; t + 8 <= n; t += 8) {
+        lane4(qc + t, dc + t, a0, c0);
+        lane4(qc + t + 4, dc + t + 4, a1, c1);
+      }
+      _mm_storeu_ps(acc, a0);
+      _mm_storeu_ps(acc + 4, a1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cnt), c0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cnt + 4), c1);
+    }
+#endif
     for (; t + 8 <= n; t += 8)
       for (uint32_t l = 0; l < 8; ++l) {
         const int32_t a = qc[t + l] < 0 ? -qc[t + l] : qc[t + l];

@@ -331,6 +331,47 @@ TEST(Ecsq, Lanes32KernelsAgree) {
 // one component coding codes 0 and 1 (symbols 0 and 2): the states, a word
 // count of 0, no words, no bits. The encoder writes exactly this and the
 // decoder reads it back.
+// The encoder's vector paths (choose_table's sums in AVX-512 where the CPU
+// has it, the offset in SSE2) make the encoder's choices and bytes of the
+// scalar loops: the same estimates, table ids and chunk bytes with vector
+// kernels on and off, over spreads that take every kind of table (round
+// ones near zero, shifted ones, escapes) and lengths off the vectors' steps.
+TEST(Ecsq, EncoderVectorPathsMakeTheScalarBytes) {
+  struct VectorGuard {
+    ~VectorGuard() { set_vector_kernels(true); }
+  } guard;
+  for (uint32_t n : {1u, 7u, 16u, 17u, 100u, 256u, 301u}) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const uint32_t ru = 48;
+    std::vector<float> d = coeffs(n, ru, 4e3, 0.8, n + 11);               // sd 4000 down to ~0.1: shifts, then round tables, then zeros
+    for (uint32_t t = 0; t < n; t += 5) d[size_t(t) * ru + 30] = 900.0f;  // escapes in a component of small codes
+    const std::vector<float> c = cm(d, n, ru);
+    for (float step : {0.05f, 1.0f, 40.0f}) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      EcsqParams p;
+      p.step = step;
+      std::vector<uint8_t> ids[2], bytes[2];
+      double est[2], quick[2];
+      uint32_t last[2] = {0, 0};
+      for (int v = 0; v < 2; ++v) {
+        set_vector_kernels(v == 1);
+        ids[v].assign(ru, 0xff);
+        est[v] = ecsq_estimate_bytes(c.data(), n, ru, p, 1, &last[v], false, ids[v].data());
+        quick[v] = ecsq_estimate_bytes(c.data(), n, ru, p, 4, nullptr, true, nullptr);
+        bytes[v] = ecsq_encode_chunk(c.data(), n, ru, p, nullptr);
+      }
+      EXPECT_EQ(est[0], est[1]);
+      EXPECT_EQ(quick[0], quick[1]);
+      EXPECT_EQ(last[0], last[1]);
+      EXPECT_EQ(ids[0], ids[1]);
+      EXPECT_EQ(bytes[0], bytes[1]);
+      // The chunk carries the ids the estimate chose (bytes 8 .. 8 + ru).
+      ASSERT_GE(bytes[1].size(), 8u + ru);
+      EXPECT_TRUE(std::equal(ids[1].begin(), ids[1].end(), bytes[1].begin() + 8));
+    }
+  }
+}
+
 TEST(Ecsq, Lanes32FollowsTheSpec) {
   EcsqParams p;
   p.step = 1.0f;

@@ -120,6 +120,49 @@ struct Choice {
   double bits = 0;
 };
 
+#if defined(__x86_64__)
+#pragma GCC diagnostic push
+// GCC 12's AVX-512 integer intrinsics pass an _mm512_undefined_epi32() it
+// then warns about (as for the decoder's kernels below).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// choose_table's two sums in AVX-512, the same numbers as its loops: the
+// squares as exact integers (|q| <= 2^24, n <= 2^15 a call), and the
+// candidate tables' costs, each table's lane bin by bin (mul then add: the
+// build never fuses them, -ffp-contract=off).
+__attribute__((target("avx512f"))) uint64_t sum_squares_avx512(const int32_t* q, uint32_t n) {
+  __m512i acc = _mm512_setzero_si512();
+  uint32_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512i v = _mm512_loadu_si512(q + t);
+    const __m512i a = _mm512_max_epi32(v, _mm512_sub_epi32(_mm512_setzero_si512(), v));  // (GCC 12's abs warns)
+    const __m512i hi = _mm512_srli_epi64(a, 32);
+    acc = _mm512_add_epi64(acc, _mm512_add_epi64(_mm512_mul_epu32(a, a), _mm512_mul_epu32(hi, hi)));
+  }
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, acc);
+  uint64_t s = 0;
+  for (uint64_t l : lanes) s += l;
+  for (; t < n; ++t) {
+    const uint32_t a = q[t] < 0 ? uint32_t(-q[t]) : uint32_t(q[t]);
+    s += uint64_t(a) * a;
+  }
+  return s;
+}
+__attribute__((target("avx512f"))) void table_costs_avx512(const double* hf, uint32_t umax, const double (*cxt)[kTables + kCostLanes], uint32_t k0,
+                                                           double* c) {
+  static_assert(kCostLanes == 16, "two vectors of 8 doubles");
+  __m512d c0 = _mm512_loadu_pd(c), c1 = _mm512_loadu_pd(c + 8);
+  for (uint32_t u = 0; u <= umax; ++u) {
+    const __m512d h = _mm512_set1_pd(hf[u]);
+    c0 = _mm512_add_pd(c0, _mm512_mul_pd(h, _mm512_loadu_pd(&cxt[u][k0])));
+    c1 = _mm512_add_pd(c1, _mm512_mul_pd(h, _mm512_loadu_pd(&cxt[u][k0 + 8])));
+  }
+  _mm512_storeu_pd(c, c0);
+  _mm512_storeu_pd(c + 8, c1);
+}
+#pragma GCC diagnostic pop
+#endif
+
 // quick: round tables within one quarter-octave of the codes' spread (3 per
 // shape, the shifted ones all 8) instead of two: rate control's coarse
 // search, which the exact estimates after it correct.
@@ -129,10 +172,20 @@ Choice choose_table(const int32_t* q, uint32_t n, bool quick = false) {
   // cycles a token on the last add): exact, so the same double as the sum
   // token by token gave wherever that one was exact (under 2^53). Blocks
   // of 2^15 tokens keep a u64 from overflowing (|q| <= 2^24).
+#if defined(__x86_64__)
+  const bool avx512 = vector_kernels() && cpu_features().avx512f;
+#endif
   double sq = 0;
   for (uint32_t t0 = 0; t0 < n; t0 += 1u << 15) {
     uint64_t s2 = 0;
-    for (uint32_t t = t0, t1 = std::min(n, t0 + (1u << 15)); t < t1; ++t) {
+    const uint32_t t1 = std::min(n, t0 + (1u << 15));
+#if defined(__x86_64__)
+    if (avx512) {
+      sq += double(sum_squares_avx512(q + t0, t1 - t0));
+      continue;
+    }
+#endif
+    for (uint32_t t = t0; t < t1; ++t) {
       const uint32_t a = q[t] < 0 ? uint32_t(-q[t]) : uint32_t(q[t]);
       s2 += uint64_t(a) * a;
     }
@@ -196,11 +249,16 @@ Choice choose_table(const int32_t* q, uint32_t n, bool quick = false) {
     auto try_tables = [&](uint32_t k0, uint32_t w, uint32_t id0) {
       double c[kCostLanes];
       for (uint32_t i = 0; i < kCostLanes; ++i) c[i] = big_extra + double(k0 + i < kTables ? T.esc[k0 + i] : 0.0f) * double(big.size());
-      for (uint32_t u = 0; u <= umax; ++u) {
-        const double h = hf[u];
-        const double* cx = &T.costxt[u][k0];
-        for (uint32_t i = 0; i < kCostLanes; ++i) c[i] += h * cx[i];  // vectorised
-      }
+#if defined(__x86_64__)
+      if (avx512) {
+        table_costs_avx512(hf, umax, T.costxt, k0, c);
+      } else
+#endif
+        for (uint32_t u = 0; u <= umax; ++u) {
+          const double h = hf[u];
+          const double* cx = &T.costxt[u][k0];
+          for (uint32_t i = 0; i < kCostLanes; ++i) c[i] += h * cx[i];  // vectorised
+        }
       for (uint32_t i = 0; i < w; ++i)
         if (c[i] < best.bits) best = {id0 + i, c[i]};
     };

@@ -32,6 +32,33 @@ def rows_of(rows, coding):
     return sorted(out, key=lambda r: r["nominal_ratio"])
 
 
+def merged(paths, what):
+    """One bench file's worth from several runs of the same options: per row
+    the fastest compress (with its stages) and the fastest decompress; the
+    runs must agree on the bytes and errors."""
+    base, ctx, rows = load(paths[0], what)
+    best = {(r["coding"], r["precision"], r["nominal_ratio"]): dict(r) for r in rows}
+    gemm = [base["baselines"]]
+    for p in paths[1:]:
+        d, _, more = load(p, what)
+        if d["calibration_id"] != base["calibration_id"]:
+            fail(f"{p}: another calibration than {paths[0]}")
+        gemm.append(d["baselines"])
+        for r in more:
+            k = (r["coding"], r["precision"], r["nominal_ratio"])
+            b = best.get(k)
+            if b is None:
+                fail(f"{p}: a row ({k}) that {paths[0]} lacks")
+            if (b["compressed_mb"], b["rel_error_k"], b["rel_error_v"]) != (r["compressed_mb"], r["rel_error_k"], r["rel_error_v"]):
+                fail(f"{p}: {k} made other bytes than in {paths[0]}")
+            if r["compress_ms"] < b["compress_ms"]:
+                b["compress_ms"], b["encode_stages"] = r["compress_ms"], r["encode_stages"]
+            if r["decompress_ms"] < b["decompress_ms"]:
+                b["decompress_ms"], b["decode_stages"] = r["decompress_ms"], r["decode_stages"]
+    base["gemm_runs"] = gemm
+    return base, ctx, list(best.values())
+
+
 def stages(r):
     s = r["encode_stages"]
     return " / ".join(f"{s[k]:.0f}" for k in ("gather_rope_ms", "center_ms", "project_ms", "quant_pack_ms", "entropy_ms"))
@@ -39,8 +66,8 @@ def stages(r):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--now", required=True)
-    ap.add_argument("--control")
+    ap.add_argument("--now", required=True, nargs="+", help="runs of the current binary")
+    ap.add_argument("--control", nargs="+", help="runs of the control binary")
     ap.add_argument("--control-name", default="control")
     ap.add_argument("--command", required=True)
     ap.add_argument("--commit", required=True)
@@ -48,23 +75,23 @@ def main():
     ap.add_argument("--out-md", required=True)
     ap.add_argument("--out-json", required=True)
     a = ap.parse_args()
-    d, ctx, rows = load(a.now, "--now")
+    d, ctx, rows = merged(a.now, "--now")
     dp, ec = rows_of(rows, "dp"), rows_of(rows, "ecsq")
     if len(dp) < 1 or len(ec) < 2:
-        fail(f"{a.now}: needs dp rows and at least two ecsq rows")
+        fail(f"{a.now[0]}: needs dp rows and at least two ecsq rows")
     ctl = None
     if a.control:
-        dc, _, crows = load(a.control, "--control")
+        dc, _, crows = merged(a.control, "--control")
         ctl = rows_of(crows, "ecsq")
         if dc["calibration_id"] != d["calibration_id"]:
-            fail(f"{a.control}: calibration {dc['calibration_id'][:16]}… is not --now's {d['calibration_id'][:16]}…")
+            fail(f"{a.control[0]}: calibration {dc['calibration_id'][:16]}… is not --now's {d['calibration_id'][:16]}…")
         by = {r["nominal_ratio"]: r for r in ctl}
         for r in ec:
             c = by.get(r["nominal_ratio"])
             if c is None:
-                fail(f"{a.control}: no entropy-coded row at {r['nominal_ratio']}x")
+                fail(f"{a.control[0]}: no entropy-coded row at {r['nominal_ratio']}x")
             if c["compressed_mb"] != r["compressed_mb"] or c["rel_error_k"] != r["rel_error_k"] or c["rel_error_v"] != r["rel_error_v"]:
-                fail(f"{a.control}: {r['nominal_ratio']}x made {c['compressed_mb']} MB (err {c['rel_error_k']}/{c['rel_error_v']}), "
+                fail(f"{a.control[0]}: {r['nominal_ratio']}x made {c['compressed_mb']} MB (err {c['rel_error_k']}/{c['rel_error_v']}), "
                      f"--now {r['compressed_mb']} MB ({r['rel_error_k']}/{r['rel_error_v']}): not the same bytes")
     matched = []
     for r in dp:
@@ -80,8 +107,13 @@ def main():
     L.append(f"- machine: {a.machine}")
     L.append(f"- calibration: `{d['calibration']}` (id {d['calibration_id'][:16]}…), {d['threads']} threads, repeat {d['repeat']}, "
              f"projection {d.get('bf16_projection', '?')}")
+    runs = f"{len(a.now)} run(s)" + (f" alternating with {len(a.control)} of the control" if ctl else "")
+    L.append(f"- {runs}; per row the fastest compress and decompress over all runs and repeats")
     if ctl:
-        L.append(f"- control: the entropy-coded rows by {a.control_name}'s kvtc-lab, run right after (the same bytes and errors, checked)")
+        L.append(f"- control: the entropy-coded rows by {a.control_name}'s kvtc-lab (the same bytes and errors, checked)")
+    gl = lambda g: f"bf16 {g['gemm_codec_shape_gflops_bf16']:.0f} GFLOP/s, int8 {g['gemm_codec_shape_gops_int8']:.0f} GOP/s"
+    L.append("- GEMM at the codec's shape per run (the machine's state): now " + "; ".join(gl(g) for g in d["gemm_runs"]) +
+             ("; control " + "; ".join(gl(g) for g in dc["gemm_runs"]) if ctl else ""))
     L.append(f"- cache: {ctx['tokens']} tokens of real text, {ctx['raw_mb']:.1f} MB of f16 K+V; window 128 tokens at 8 bits, sink 4 at f16; "
              "int8 decode (the encoder projects in bf16)")
     L.append("- columns: wall ms, fastest of the repeats; error = geometric mean of the K and V relative squared errors; the "

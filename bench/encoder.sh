@@ -8,14 +8,15 @@
 # keeps the bytes (the report checks they are the same) — then
 # bench/encoder_report.py matches each DP row to the entropy-coded ratio
 # of its error.
-# Usage: bench/encoder.sh [CALIB [CONTROL_LAB CONTROL_NAME]]
-# Writes bench/results/encoder.md, .json; the bench JSONs stay in .deps/encoder-bench/.
+# Usage: [KVTC_ENCODER_OUT=NAME] bench/encoder.sh [CALIB [CONTROL_LAB CONTROL_NAME]]
+# Writes bench/results/NAME.md, .json (NAME: encoder); the bench JSONs stay in .deps/encoder-bench/NAME/.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=bench/lib.sh
 . "$top/bench/lib.sh"
 calib=${1:-$top/.deps/calib/smollm2-160k-g3.safetensors}
-out="$top/.deps/encoder-bench"
+name=${KVTC_ENCODER_OUT:-encoder}
+out="$top/.deps/encoder-bench/$name"
 mkdir -p "$out"
 common=(--calib "$calib" --context 8192 --window-bits 8 --repeat 3 --precision int8)
 ratios=(12 14 16 18 20 22.8 32 40 45.3 52)  # DP-12x's error falls near entropy-coded 17x with this calibration, DP-32x's near 48x
@@ -36,8 +37,8 @@ args=(--now "${now[@]}")
 [ ${#ctl[@]} -eq 0 ] || args+=(--control "${ctl[@]}" --control-name "$3")
 python3 "$top/bench/encoder_report.py" "${args[@]}" \
   --command "bench/encoder.sh $*" --commit "$(result_commit)" --machine "$(result_cpu features), $(nproc) threads, $(uname -sr)" \
-  --out-md "$res/encoder.md.part" --out-json "$res/encoder.json.part"
-[ ! -f "$res/encoder-reading.md" ] || cat "$res/encoder-reading.md" >>"$res/encoder.md.part"
-mv "$res/encoder.json.part" "$res/encoder.json"
-mv "$res/encoder.md.part" "$res/encoder.md"
-echo "wrote $res/encoder.md"
+  --out-md "$res/$name.md.part" --out-json "$res/$name.json.part"
+[ ! -f "$res/$name-reading.md" ] || cat "$res/$name-reading.md" >>"$res/$name.md.part"
+mv "$res/$name.json.part" "$res/$name.json"
+mv "$res/$name.md.part" "$res/$name.md"
+echo "wrote $res/$name.md"

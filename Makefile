@@ -34,6 +34,7 @@
 #   make bench-speed    codec speed, restore vs recompute     -> bench/results/speed.md
 #   make bench-grouped  the layer-grouped PCA in the codec against one PCA, 8K, equal error -> bench/results/grouped.md
 #   make bench-grouped-quality  the grouped calibrations' ppl / KL at equal error (SmolLM2, 2K) -> bench/results/grouped-quality.md
+#   make bench-encoder  the entropy-coded encoder against the DP's at equal error, 8K (3-run and one PCA) -> bench/results/encoder*.md
 #   make bench-grouped-pca  layer-grouped PCA: bits vs decode multiply-adds (estimate, held-out check) -> bench/results/grouped-pca*.md
 #   make analyze  the paper's evidence (head similarity, error vs calibration
 #                 size, position, domain): JSON + matplotlib PNGs -> bench/results/analyze/
@@ -43,7 +44,7 @@ CORPUS := .deps/corpus/manifest.json
 
 PREFIX ?= /usr/local
 
-.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-grouped calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped bench-grouped-quality bench-grouped-pca analyze clean distclean
+.PHONY: all bench-window8 bootstrap build python bench-python corpus test install demo serve bench-serve bench-serve-smollm2 bench-serve-redis bench-serve-redis-smollm2 models-large check-long fuzz tsan calibrate calibrate-grouped calibrate-qwen calibrate-gemma3 bench-swa bench-quality-qwen bench-ratio-qwen bench-calib-curve-qwen bench-calib-curve bench-ratio bench-quality bench-speed bench-grouped bench-grouped-quality bench-grouped-pca bench-encoder analyze clean distclean
 
 all: build
 
@@ -270,6 +271,13 @@ bench-grouped: $(CALIB) $(CALIB_G2) $(CALIB_G3)
 
 bench-grouped-quality: $(CALIB) $(CALIB_G2) $(CALIB_G3)
 	bench/grouped_quality.sh $(CALIB) $(CALIB_G2) $(CALIB_G3)
+
+# The entropy-coded encoder against the DP's at equal error on SmolLM2's 8K
+# cache, 3-run and one PCA (~7 min each; bench/encoder.sh takes an earlier
+# kvtc-lab as a control) -> bench/results/encoder.md, encoder-onepca.md
+bench-encoder: $(CALIB) $(CALIB_G3) build
+	bench/encoder.sh $(CALIB_G3)
+	KVTC_ENCODER_OUT=encoder-onepca bench/encoder.sh $(CALIB)
 
 bench-grouped-pca: $(CALIB) $(CORPUS)
 	/usr/bin/python3 bench/grouped_pca_estimate.py $(CALIB) --out bench/results/grouped-pca.md

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grouped_report import at_error, err, fail, load  # noqa: E402
+from grouped_report import at_error, err, fail, load, provenance_args  # noqa: E402
 
 
 def rows_of(rows, coding):
@@ -59,6 +59,13 @@ def merged(paths, what):
     return base, ctx, list(best.values())
 
 
+def header(L, cols, extra):
+    """A markdown table's header and rule for columns cols + extra."""
+    cols = cols + extra
+    L.append("| " + " | ".join(cols) + " |")
+    L.append("|" + "---|" * len(cols))
+
+
 def stages(r):
     s = r["encode_stages"]
     return " / ".join(f"{s[k]:.0f}" for k in ("gather_rope_ms", "center_ms", "project_ms", "quant_pack_ms", "entropy_ms"))
@@ -69,11 +76,7 @@ def main():
     ap.add_argument("--now", required=True, nargs="+", help="runs of the current binary")
     ap.add_argument("--control", nargs="+", help="runs of the control binary")
     ap.add_argument("--control-name", default="control")
-    ap.add_argument("--command", required=True)
-    ap.add_argument("--commit", required=True)
-    ap.add_argument("--machine", required=True)
-    ap.add_argument("--out-md", required=True)
-    ap.add_argument("--out-json", required=True)
+    provenance_args(ap)
     a = ap.parse_args()
     d, ctx, rows = merged(a.now, "--now")
     dp, ec = rows_of(rows, "dp"), rows_of(rows, "ecsq")
@@ -122,13 +125,8 @@ def main():
     L.append("")
     L.append("## At the DP's error")
     L.append("")
-    hdr = "| DP | error | DP MB | DP compress | DP decompress | ecsq between | ecsq MB | ecsq compress | x DP | ecsq decompress | x DP |"
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|"
-    if ctl:
-        hdr += f" {a.control_name} compress | x DP |"
-        sep += "---|---|"
-    L.append(hdr)
-    L.append(sep)
+    header(L, ["DP", "error", "DP MB", "DP compress", "DP decompress", "ecsq between", "ecsq MB", "ecsq compress", "x DP",
+               "ecsq decompress", "x DP"], [f"{a.control_name} compress", "x DP"] if ctl else [])
     for m in matched:
         e = m["ecsq"]
         if e is None:
@@ -148,13 +146,8 @@ def main():
     L.append("Encoder stages: thread-ms summed over the workers, gather + RoPE / center / project / quant (the DP's quantizers; "
              "the entropy-coded rate control, its wall time) / entropy (DEFLATE; the entropy-coded chunks: quantize, tables, rANS).")
     L.append("")
-    hdr = "| coding | nominal | MB | error | compress ms | decompress ms | encoder stages |"
-    sep = "|---|---|---|---|---|---|---|"
-    if ctl:
-        hdr += f" {a.control_name} compress ms | {a.control_name} stages |"
-        sep += "---|---|"
-    L.append(hdr)
-    L.append(sep)
+    header(L, ["coding", "nominal", "MB", "error", "compress ms", "decompress ms", "encoder stages"],
+           [f"{a.control_name} compress ms", f"{a.control_name} stages"] if ctl else [])
     cby = {r["nominal_ratio"]: r for r in ctl} if ctl else {}
     for r in dp + ec:
         line = (f"| {r['coding']} | {r['nominal_ratio']:g}x | {r['compressed_mb']:.2f} | {err(r):.5f} | {r['compress_ms']:.0f} | "

@@ -78,17 +78,19 @@ def at_error(rows, target):
     return None
 
 
+def provenance_args(ap):
+    """What every committed report names (the bench/*.sh wrapper passes them) and where it goes."""
+    for name in ("--command", "--commit", "--machine", "--out-md", "--out-json"):
+        ap.add_argument(name, required=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--one", required=True)
     ap.add_argument("--grouped", required=True, action="append", help="a grouped calibration's bench JSON (repeat for each)")
     ap.add_argument("--dense", required=True)
     ap.add_argument("--scalar", help="the last grouped calibration with --scalar-kernels")
-    ap.add_argument("--command", required=True)
-    ap.add_argument("--commit", required=True)
-    ap.add_argument("--machine", required=True)
-    ap.add_argument("--out-md", required=True)
-    ap.add_argument("--out-json", required=True)
+    provenance_args(ap)
     a = ap.parse_args()
     files = {"one PCA": load(a.one, "one PCA")}
     grouped_labels = []

@@ -120,6 +120,16 @@ struct Choice {
   double bits = 0;
 };
 
+// The sum of q[t]^2, exact (|q| <= 2^24, n <= 2^15 a call: under 2^64).
+uint64_t sum_squares(const int32_t* q, uint32_t n) {
+  uint64_t s = 0;
+  for (uint32_t t = 0; t < n; ++t) {
+    const uint32_t a = q[t] < 0 ? uint32_t(-q[t]) : uint32_t(q[t]);
+    s += uint64_t(a) * a;
+  }
+  return s;
+}
+
 #if defined(__x86_64__)
 #pragma GCC diagnostic push
 // GCC 12's AVX-512 integer intrinsics pass an _mm512_undefined_epi32() it
@@ -140,12 +150,8 @@ __attribute__((target("avx512f"))) uint64_t sum_squares_avx512(const int32_t* q,
   }
   alignas(64) uint64_t lanes[8];
   _mm512_store_si512(lanes, acc);
-  uint64_t s = 0;
+  uint64_t s = sum_squares(q + t, n - t);
   for (uint64_t l : lanes) s += l;
-  for (; t < n; ++t) {
-    const uint32_t a = q[t] < 0 ? uint32_t(-q[t]) : uint32_t(q[t]);
-    s += uint64_t(a) * a;
-  }
   return s;
 }
 __attribute__((target("avx512f"))) void table_costs_avx512(const double* hf, uint32_t umax, const double (*cxt)[kTables + kCostLanes], uint32_t k0,
@@ -177,19 +183,12 @@ Choice choose_table(const int32_t* q, uint32_t n, bool quick = false) {
 #endif
   double sq = 0;
   for (uint32_t t0 = 0; t0 < n; t0 += 1u << 15) {
-    uint64_t s2 = 0;
-    const uint32_t t1 = std::min(n, t0 + (1u << 15));
+    const uint32_t m = std::min(n - t0, 1u << 15);
 #if defined(__x86_64__)
-    if (avx512) {
-      sq += double(sum_squares_avx512(q + t0, t1 - t0));
-      continue;
-    }
+    sq += double(avx512 ? sum_squares_avx512(q + t0, m) : sum_squares(q + t0, m));
+#else
+    sq += double(sum_squares(q + t0, m));
 #endif
-    for (uint32_t t = t0; t < t1; ++t) {
-      const uint32_t a = q[t] < 0 ? uint32_t(-q[t]) : uint32_t(q[t]);
-      s2 += uint64_t(a) * a;
-    }
-    sq += double(s2);
   }
   if (sq == 0) return {};
   const double rms = std::sqrt(sq / n);
@@ -362,9 +361,19 @@ uint32_t decode_run(const uint32_t* dec, const T* dq, uint32_t* st, const uint8_
   return t;
 }
 
+// An escaped value u's bypass fields (docs/format.md "Codes") to put(value,
+// bits): its length in 5 bits, then u + 1 below its leading one.
+template <class Put>
+inline void put_escape(uint32_t u, Put&& put) {
+  const uint32_t nb = ilog2(u + 1);
+  put(nb, 5);
+  put((u + 1) & ((1u << nb) - 1), nb);
+}
+
 // The events of the codes (docs/format.md "Codes"), component by component,
 // token by token: each symbol into ev, each bypass field (value, bits) to
-// put, which kLanes4 codes as events in ev and kLanes32 as plain bits.
+// put (kLanes4 codes them as events in ev too; kLanes32, encode_lanes32,
+// takes the same fields as plain bits).
 template <class Put>
 void code_events(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids, std::vector<Event>& ev, Put put) {
   const Tables& T = tables();
@@ -380,9 +389,7 @@ void code_events(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* ids, 
         ev.push_back({T.cum[k][u], kFreq[k][u]});
       } else {
         ev.push_back({T.cum[k][kEsc], kFreq[k][kEsc]});
-        const uint32_t nb = ilog2(u + 1);
-        put(nb, 5);
-        put((u + 1) & ((1u << nb) - 1), nb);
+        put_escape(u, put);
       }
       if (b) put(uint32_t(qc[t]) & ((1u << b) - 1), b);
     }
@@ -473,10 +480,8 @@ void encode_lanes32(const int32_t* q, uint32_t n, uint32_t ru, const uint8_t* id
     for (uint32_t t = 0; t < n; ++t) {
       const uint32_t u = zigzag(qc[t] >> b);
       if (enc[std::min(u, kEsc)] == esc) [[unlikely]] {
-        const uint32_t nb = ilog2(u + 1);
         bw.reserve(2 + (b ? n - t : 0));
-        bw.put(nb, 5);
-        bw.put((u + 1) & ((1u << nb) - 1), nb);
+        put_escape(u, [&bw](uint32_t v, uint32_t k) { bw.put(v, k); });
       }
       if (b) bw.put(uint32_t(qc[t]) & ((1u << b) - 1), b);
     }
